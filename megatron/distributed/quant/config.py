@@ -1,0 +1,133 @@
+"""One config object for every quantized-communication option.
+
+Built from the command-line flags in exactly one place (:func:`QuantizationConfig.from_args`),
+then handed to the DDP bucket groups, the distributed optimizer and the collectives. Mirrors
+megatron-core's habit of dataclass configs (``DistributedDataParallelConfig``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+SUPPORTED_BITS = (2, 4, 8)
+
+
+@dataclass
+class QuantizationConfig:
+    """All quantization options of the communication layer.
+
+    Defaults follow the SDP4Bit reference flags (see ../shared/research/sdp4bit.md §1.1).
+    """
+
+    # --- qWD / qW: weight all-gather ---------------------------------------------------------
+    quantized_weights: bool = False
+    """Quantize the distributed optimizer's parameter all-gather (qWD by default)."""
+    weight_quantization_bits: int = 4
+    wq_group_size: int = 2048
+    weight_quantization_mode: str = "diff"
+    """'diff' = qWD (quantize new - reconstructed weights); 'direct' = qW / ZeRO++ qwZ
+    (quantize the weights themselves)."""
+
+    # --- TLq / TLq-HS: gradient reduce-scatter ------------------------------------------------
+    quantized_gradients: bool = False
+    gradient_quantization_bits_intra: int = 8
+    gq_group_size_intra: int = 512
+    gradient_quantization_bits_inter: int = 4
+    gq_group_size_inter: int = 128
+    """Unlike the reference (which silently used the intra group size on both hops) the inter hop
+    really uses this group size."""
+    hadamard_transform: bool = False
+    hadamard_block_size: int = 32
+    gradients_quantization_start_iteration: int = 0
+    data_parallel_intra_node_size: Optional[int] = None
+    """Data-parallel ranks per node for two-level grouping; None = LOCAL_WORLD_SIZE // TP."""
+
+    # --- stochastic rounding ---------------------------------------------------------------------
+    stochastic_rounding: bool = True
+    seed: int = 1234
+    """Seed of the stochastic-rounding generators (reference used the clock; we are reproducible)."""
+
+    # --- LoCo error feedback ---------------------------------------------------------------------
+    loco: bool = False
+    loco_error_beta: float = 0.8
+    loco_reset_interval: int = 1024
+    loco_error_bits: int = 8
+
+    # --- gradient accumulation dtype -------------------------------------------------------------
+    grad_accum_dtype: Optional[str] = None
+    """'fp32' | 'bf16' | None (None keeps megatron-core's default)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.quantized_weights or self.quantized_gradients
+
+    def validate(self) -> None:
+        """Raise ValueError with a reason for any unsupported combination."""
+        for name in ("weight_quantization_bits", "gradient_quantization_bits_intra",
+                     "gradient_quantization_bits_inter"):
+            bits = getattr(self, name)
+            if bits not in SUPPORTED_BITS:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {SUPPORTED_BITS}, got {bits}")
+        if self.loco_error_bits not in (8, 16, 32):
+            raise ValueError(f"--loco-error-bits must be 8, 16 or 32, got {self.loco_error_bits}")
+        for name in ("wq_group_size", "gq_group_size_intra", "gq_group_size_inter"):
+            gs = getattr(self, name)
+            if gs <= 0 or gs % 8 != 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive multiple of 8, got {gs}")
+        hb = self.hadamard_block_size
+        if hb <= 0 or hb & (hb - 1):
+            raise ValueError(f"Hadamard block size must be a power of two, got {hb}")
+        if self.hadamard_transform:
+            for name in ("gq_group_size_intra", "gq_group_size_inter"):
+                if getattr(self, name) % hb:
+                    raise ValueError(
+                        f"--hadamard-transform needs --{name.replace('_', '-')} to be a multiple of "
+                        f"the Hadamard block size {hb}, got {getattr(self, name)}")
+        if self.weight_quantization_mode not in ("diff", "direct"):
+            raise ValueError(f"weight quantization mode must be 'diff' or 'direct', got "
+                             f"{self.weight_quantization_mode!r}")
+        if not 0.0 <= self.loco_error_beta < 1.0:
+            raise ValueError(f"--loco-error-beta must be in [0, 1), got {self.loco_error_beta}")
+        if self.loco_reset_interval <= 0:
+            raise ValueError("--loco-reset-interval must be positive")
+        if self.loco and not self.quantized_gradients:
+            raise ValueError("--loco compensates quantized gradients: add --quantized-gradients "
+                             "(or --quantized-grad-bits N)")
+        if self.grad_accum_dtype not in (None, "fp32", "bf16"):
+            raise ValueError(f"--grad-accum-dtype must be fp32 or bf16, got {self.grad_accum_dtype}")
+        if self.data_parallel_intra_node_size is not None and self.data_parallel_intra_node_size <= 0:
+            raise ValueError("--data-parallel-intra-node-size must be positive")
+        if self.gradients_quantization_start_iteration < 0:
+            raise ValueError("--gradients-quantization-start-iteration must be >= 0")
+
+    def intra_node_size(self, data_parallel_size: int, tensor_model_parallel_size: int = 1) -> int:
+        """DP ranks that share a node: the explicit setting, else LOCAL_WORLD_SIZE // TP."""
+        if self.data_parallel_intra_node_size is not None:
+            d = self.data_parallel_intra_node_size
+        else:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", data_parallel_size * tensor_model_parallel_size))
+            d = max(1, local // tensor_model_parallel_size)
+        d = min(d, data_parallel_size)
+        if data_parallel_size % d:
+            raise ValueError(f"data-parallel size {data_parallel_size} is not divisible by the "
+                             f"intra-node data-parallel size {d}")
+        return d
+
+    @classmethod
+    def from_args(cls, args: Any) -> "QuantizationConfig":
+        """The one place flags become a QuantizationConfig."""
+        kwargs = {}
+        for name in cls.__dataclass_fields__:
+            if hasattr(args, name):
+                kwargs[name] = getattr(args, name)
+        cfg = cls(**kwargs)
+        if getattr(args, "quantized_grad_bits", None) is not None:
+            cfg.quantized_gradients = True
+            cfg.gradient_quantization_bits_inter = args.quantized_grad_bits
+        cfg.validate()
+        return cfg
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,52 @@
+"""tools/plot_logs.py: JSONL and tensorboard logs become a PNG and a summary table."""
+
+import json
+import os
+
+import pytest
+
+from tools import plot_logs
+
+
+def _write_jsonl(path, losses, key="lm loss"):
+    with open(path, "w") as f:
+        for i, loss in enumerate(losses, 1):
+            f.write(json.dumps({"iteration": i * 10, key: loss}) + "\n")
+        f.write(json.dumps({"event": "summary"}) + "\n")  # lines without iteration are ignored
+
+
+def test_jsonl_runs_plot_and_table(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    _write_jsonl(a, [5.0, 4.0, 3.0])
+    _write_jsonl(b, [5.0, 4.5, 3.3], key="lm_loss")
+    out = tmp_path / "plot" / "loss.png"
+    assert plot_logs.main([f"base={a}", f"quant={b}", "--output", str(out)]) == 0
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    runs = {"base": plot_logs.read_run(str(a), "lm loss"), "quant": plot_logs.read_run(str(b), "lm loss")}
+    assert runs["base"] == [(10, 5.0), (20, 4.0), (30, 3.0)]
+    table = plot_logs.summary_table(runs, "lm loss")
+    assert "| quant | 30 | 3.3000 | +10.00% |" in table
+
+
+def test_tensorboard_run(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for step, value in [(1, 3.0), (2, 2.5)]:
+        writer.add_scalar("lm loss", value, step)
+    writer.close()
+    assert plot_logs.read_run(str(tmp_path / "tb"), "lm loss") == [(1, 3.0), (2, 2.5)]
+
+
+def test_bad_inputs_are_reported(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    assert plot_logs.main([f"x={missing}", "--output", str(tmp_path / "o.png")]) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"iteration": 1, "lm loss": 2.0}\n{not json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        plot_logs.read_jsonl(str(bad), "lm loss")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"iteration": 1, "other": 1.0}\n')
+    with pytest.raises(ValueError, match="no values"):
+        plot_logs.read_run(str(empty), "lm loss")

@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Turn training logs into a loss-curve comparison PNG.
+
+Each run is given as ``LABEL=PATH``, where PATH is either a JSON-lines metrics file written by
+``pretrain_gpt.py --jsonl-log`` (one object per log interval, with an ``iteration`` key) or a
+tensorboard log directory written via ``--tensorboard-dir``. Usage::
+
+    python tools/plot_logs.py baseline=runs/base/metrics.jsonl sdp4bit=runs/sdp/tb \
+        --metric "lm loss" --output loss.png
+
+Besides the picture it prints a small markdown table (final value per run and its difference to
+the first run) so the numbers behind the plot are in the log too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Dict, List, Sequence, Tuple
+
+Series = List[Tuple[int, float]]
+
+# Names the same quantity goes by in our JSONL logs and tensorboard tags.
+METRIC_ALIASES = {
+    "lm loss": ("lm loss", "lm_loss", "loss", "train/lm loss", "lm-loss"),
+    "validation loss": ("validation loss", "val_loss", "lm loss validation", "lm-loss-validation"),
+    "grad norm": ("grad norm", "grad_norm", "grad-norm"),
+}
+
+
+def _candidates(metric: str) -> Sequence[str]:
+    return METRIC_ALIASES.get(metric, (metric,))
+
+
+def read_jsonl(path: str, metric: str) -> Series:
+    """(iteration, value) pairs of `metric` from a JSON-lines file; lines without it are skipped."""
+    names = _candidates(metric)
+    series: Series = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+            if "iteration" not in record:
+                continue
+            for name in names:
+                if name in record and record[name] is not None:
+                    series.append((int(record["iteration"]), float(record[name])))
+                    break
+    return series
+
+
+def read_tensorboard(logdir: str, metric: str) -> Series:
+    """(step, value) pairs of the first tag matching `metric` in a tensorboard log directory."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(logdir, size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = acc.Tags().get("scalars", [])
+    for name in _candidates(metric):
+        if name in tags:
+            return [(e.step, e.value) for e in acc.Scalars(name)]
+    raise ValueError(f"{logdir}: no scalar tag for {metric!r}; tags present: {sorted(tags)}")
+
+
+def read_run(path: str, metric: str) -> Series:
+    if os.path.isdir(path):
+        series = read_tensorboard(path, metric)
+    elif os.path.isfile(path):
+        series = read_jsonl(path, metric)
+    else:
+        raise FileNotFoundError(f"no such log file or directory: {path}")
+    if not series:
+        raise ValueError(f"{path}: no values for metric {metric!r}")
+    return sorted(series)
+
+
+def parse_run_spec(spec: str) -> Tuple[str, str]:
+    if "=" not in spec:
+        return os.path.basename(os.path.normpath(spec)), spec
+    label, path = spec.split("=", 1)
+    return label, path
+
+
+def summary_table(runs: Dict[str, Series], metric: str) -> str:
+    """Markdown table of each run's final value and its relative difference to the first run."""
+    labels = list(runs)
+    ref = runs[labels[0]][-1][1]
+    lines = [f"| run | final iteration | final {metric} | vs {labels[0]} |", "|---|---|---|---|"]
+    for label in labels:
+        it, value = runs[label][-1]
+        rel = (value - ref) / abs(ref) * 100 if ref else math.nan
+        lines.append(f"| {label} | {it} | {value:.4f} | {rel:+.2f}% |")
+    return "\n".join(lines)
+
+
+def plot(runs: Dict[str, Series], metric: str, output: str, title: str | None = None,
+         logy: bool = False) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, series in runs.items():
+        xs, ys = zip(*series)
+        ax.plot(xs, ys, label=label, linewidth=1.4)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(metric)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_title(title or f"{metric} by iteration")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    fig.savefig(output, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="LABEL=PATH (JSONL metrics file or tensorboard dir)")
+    parser.add_argument("--metric", default="lm loss")
+    parser.add_argument("--output", default="loss_curves.png")
+    parser.add_argument("--title", default=None)
+    parser.add_argument("--logy", action="store_true")
+    args = parser.parse_args(argv)
+
+    runs: Dict[str, Series] = {}
+    for spec in args.runs:
+        label, path = parse_run_spec(spec)
+        try:
+            runs[label] = read_run(path, args.metric)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    plot(runs, args.metric, args.output, args.title, args.logy)
+    print(summary_table(runs, args.metric))
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

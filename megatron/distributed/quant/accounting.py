@@ -1,0 +1,230 @@
+"""Communication-volume accounting for the quantized collectives.
+
+Convention ("logical bytes delivered to each other peer"): for every collective we count the
+payload bytes that this rank's data logically delivers to each *other* rank of the group, summed
+over peers; the piece a rank keeps for itself is excluded. This is independent of the algorithm
+the backend uses underneath (ring, tree, NVLS, ...), so the numbers of the quantized path and
+of megatron-core's baseline are directly comparable. Codes AND scales are counted.
+
+* all-to-all with equal splits in a group of g ranks sending B bytes: each of the g-1 peers gets
+  B/g bytes.
+* all-gather of a shard of S bytes: each of the P-1 peers gets S bytes.
+* baseline reduce-scatter / all-gather of N elements of ``elem_size`` bytes over P ranks: each of
+  the P-1 peers gets (or receives from us) N/P elements, i.e. (P-1)/P*N*elem_size in total.
+
+Peers are classified by link: 'intra' (same node) or 'inter' (another node). "Bits per element"
+of a link is ``8 * bytes / elements`` where elements counts the values those bytes carry (the
+wire format's cost per value: 4.25 for 4-bit codes with one fp32 scale per 128 values, 32 for the
+fp32 baseline). ``ratio`` compares our bytes on a link with the baseline's bytes on the same link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, Optional
+
+__all__ = ["CommAccounting", "LinkCounter"]
+
+_LINKS = ("intra", "inter")
+_KINDS = ("grad", "weight")
+
+
+@dataclass
+class LinkCounter:
+    """Bytes and carried elements on one link, plus what the baseline would have sent there."""
+
+    bytes: int = 0
+    elements: int = 0
+    baseline_bytes: int = 0
+    baseline_elements: int = 0
+
+    def add(self, other: "LinkCounter") -> None:
+        self.bytes += other.bytes
+        self.elements += other.elements
+        self.baseline_bytes += other.baseline_bytes
+        self.baseline_elements += other.baseline_elements
+
+    def summary(self) -> Dict[str, Optional[float]]:
+        return {
+            "bytes": self.bytes,
+            "elements": self.elements,
+            "bits_per_element": 8.0 * self.bytes / self.elements if self.elements else None,
+            "baseline_bytes": self.baseline_bytes,
+            "baseline_bits_per_element": (8.0 * self.baseline_bytes / self.baseline_elements
+                                          if self.baseline_elements else None),
+            "ratio_vs_baseline": self.bytes / self.baseline_bytes if self.baseline_bytes else None,
+        }
+
+
+@dataclass
+class _CollectiveStats:
+    kind: str
+    links: Dict[str, LinkCounter] = field(default_factory=lambda: {k: LinkCounter() for k in _LINKS})
+    model_elements: int = 0
+    """Gradient (fp32) / weight (bf16) elements the collective represents, i.e. the bucket size N."""
+    calls: int = 0
+
+    def add(self, other: "_CollectiveStats") -> None:
+        for k in _LINKS:
+            self.links[k].add(other.links[k])
+        self.model_elements += other.model_elements
+        self.calls += other.calls
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
+
+
+class CommAccounting:
+    """Per-rank counters of bytes sent by the quantized collectives, by link and by collective.
+
+    Two horizons: the *interval* (since the last :meth:`reset_interval`, e.g. a log interval) and
+    the *totals* (the whole run). The collectives call :meth:`record_all_to_all`,
+    :meth:`record_all_gather` and :meth:`record_baseline`; the trainer calls
+    :meth:`interval_report` / :meth:`format_report` and :meth:`reset_interval`.
+    """
+
+    def __init__(self) -> None:
+        self._interval: Dict[str, _CollectiveStats] = {}
+        self._total: Dict[str, _CollectiveStats] = {}
+
+    # -- recording ----------------------------------------------------------------------------
+    def _stats(self, name: str, kind: str) -> tuple:
+        _check_kind(kind)
+        pair = []
+        for table in (self._interval, self._total):
+            st = table.get(name)
+            if st is None:
+                st = table[name] = _CollectiveStats(kind=kind)
+            elif st.kind != kind:
+                raise ValueError(f"collective {name!r} was recorded as {st.kind!r}, now as {kind!r}")
+            pair.append(st)
+        return tuple(pair)
+
+    def _add_link(self, name: str, kind: str, link: str, nbytes: int, elements: int,
+                  baseline_bytes: int = 0, baseline_elements: int = 0) -> None:
+        if link not in _LINKS:
+            raise ValueError(f"link must be one of {_LINKS}, got {link!r}")
+        if min(nbytes, elements, baseline_bytes, baseline_elements) < 0:
+            raise ValueError("byte and element counts must be non-negative")
+        for st in self._stats(name, kind):
+            c = st.links[link]
+            c.bytes += nbytes
+            c.elements += elements
+            c.baseline_bytes += baseline_bytes
+            c.baseline_elements += baseline_elements
+
+    def record_all_to_all(self, name: str, *, kind: str, total_bytes: int, total_elements: int,
+                          group_size: int, peers_intra: int, peers_inter: int) -> None:
+        """Record an equal-split all-to-all: ``total_bytes`` (codes+scales) carrying
+        ``total_elements`` values, split into ``group_size`` pieces, one per group member.
+        ``peers_intra + peers_inter`` must be ``group_size - 1`` (the self piece is not sent)."""
+        if group_size <= 0 or peers_intra + peers_inter != group_size - 1:
+            raise ValueError(f"peers_intra ({peers_intra}) + peers_inter ({peers_inter}) must equal "
+                             f"group_size - 1 ({group_size - 1})")
+        if total_bytes % group_size or total_elements % group_size:
+            raise ValueError(f"all-to-all of {total_bytes} bytes / {total_elements} elements does not "
+                             f"split evenly over {group_size} ranks")
+        pb, pe = total_bytes // group_size, total_elements // group_size
+        self._add_link(name, kind, "intra", pb * peers_intra, pe * peers_intra)
+        self._add_link(name, kind, "inter", pb * peers_inter, pe * peers_inter)
+
+    def record_all_gather(self, name: str, *, kind: str, shard_bytes: int, shard_elements: int,
+                          peers_intra: int, peers_inter: int) -> None:
+        """Record an all-gather: this rank's shard (``shard_bytes`` of codes+scales carrying
+        ``shard_elements`` values) is delivered to every other member."""
+        self._add_link(name, kind, "intra", shard_bytes * peers_intra, shard_elements * peers_intra)
+        self._add_link(name, kind, "inter", shard_bytes * peers_inter, shard_elements * peers_inter)
+
+    def record_baseline(self, name: str, *, kind: str, numel: int, elem_size: int, dp_size: int,
+                        peers_intra: int, peers_inter: int) -> None:
+        """Record what megatron-core's unquantized reduce-scatter / all-gather of ``numel``
+        elements of ``elem_size`` bytes over ``dp_size`` ranks would have sent (N/P elements to
+        each other peer), and count ``numel`` as the elements this collective represents."""
+        if dp_size <= 0 or numel % dp_size:
+            raise ValueError(f"numel {numel} is not divisible by the DP size {dp_size}")
+        if peers_intra + peers_inter != dp_size - 1:
+            raise ValueError(f"peers_intra ({peers_intra}) + peers_inter ({peers_inter}) must equal "
+                             f"dp_size - 1 ({dp_size - 1})")
+        shard = numel // dp_size
+        self._add_link(name, kind, "intra", 0, 0, shard * elem_size * peers_intra, shard * peers_intra)
+        self._add_link(name, kind, "inter", 0, 0, shard * elem_size * peers_inter, shard * peers_inter)
+        for st in self._stats(name, kind):
+            st.model_elements += numel
+            st.calls += 1
+
+    # -- reporting ----------------------------------------------------------------------------
+    @staticmethod
+    def _report(table: Dict[str, _CollectiveStats]) -> Dict[str, dict]:
+        out: Dict[str, dict] = {}
+        for kind in _KINDS:
+            agg = _CollectiveStats(kind=kind)
+            for st in table.values():
+                if st.kind == kind:
+                    agg.add(st)
+            total = LinkCounter()
+            for k in _LINKS:
+                total.add(agg.links[k])
+            entry = {k: agg.links[k].summary() for k in _LINKS}
+            entry["total"] = total.summary()
+            entry["model_elements"] = agg.model_elements
+            entry["bits_per_model_element"] = (8.0 * total.bytes / agg.model_elements
+                                               if agg.model_elements else None)
+            entry["calls"] = agg.calls
+            out[kind] = entry
+        out["per_collective"] = {
+            name: {"kind": st.kind, "calls": st.calls, "model_elements": st.model_elements,
+                   **{k: st.links[k].summary() for k in _LINKS}}
+            for name, st in sorted(table.items())
+        }
+        return out
+
+    def interval_report(self) -> Dict[str, dict]:
+        """Counters since the last :meth:`reset_interval`, aggregated per kind ('grad', 'weight')
+        and per link ('intra', 'inter', 'total'), plus a per-collective breakdown."""
+        return self._report(self._interval)
+
+    def totals(self) -> Dict[str, dict]:
+        """Same structure as :meth:`interval_report`, over the whole run (for the final summary)."""
+        return self._report(self._total)
+
+    def reset_interval(self) -> None:
+        self._interval.clear()
+
+    def format_report(self, report: Optional[Dict[str, dict]] = None) -> str:
+        """One log line, e.g. ``comm grad: intra 8.06 b/el (x0.25) inter 4.25 b/el (x0.07) | ...``."""
+        report = self.interval_report() if report is None else report
+        parts = []
+        for kind in _KINDS:
+            entry = report[kind]
+            if not entry["calls"] and not entry["total"]["bytes"]:
+                continue
+            links = []
+            for k in _LINKS:
+                s = entry[k]
+                if not s["bytes"] and not s["baseline_bytes"]:
+                    continue
+                bpe = f"{s['bits_per_element']:.2f}" if s["bits_per_element"] is not None else "-"
+                ratio = f"{s['ratio_vs_baseline']:.3f}" if s["ratio_vs_baseline"] is not None else "-"
+                links.append(f"{k} {_fmt_bytes(s['bytes'])} {bpe} b/el (x{ratio} vs baseline)")
+            parts.append(f"{kind}: " + ", ".join(links))
+        return "comm " + (" | ".join(parts) if parts else "(nothing recorded)")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.2f}{unit}"
+        n /= 1024.0
+    return f"{n:.2f}GiB"
+
+
+def links_of_peers(peers: Iterable[str]) -> Dict[str, int]:
+    """Count 'intra'/'inter' labels (helper for callers that classify peers one by one)."""
+    counts = {k: 0 for k in _LINKS}
+    for p in peers:
+        if p not in counts:
+            raise ValueError(f"link label must be one of {_LINKS}, got {p!r}")
+        counts[p] += 1
+    return counts

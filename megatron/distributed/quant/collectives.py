@@ -1,0 +1,366 @@
+"""Quantized data-parallel collectives: two-level gradient reduce-scatter and weight all-gather.
+
+Both are independent of megatron-core: they take flat buffers and process groups
+(:class:`~megatron.distributed.quant.topology.TwoLevelGroups`) and can be wired into any bucketed
+DDP. See ../shared/research/sdp4bit.md §3/§4 and zeropp.md (qgZ) for the algorithms.
+
+Gradient reduce-scatter (TLq / TLq-HS, qgZ), for a bucket of N elements over P = M*D ranks
+(DP rank r = node*D + local):
+
+1. [Hadamard ->] quantize to ``bits_intra`` with ``group_size_intra`` and write destination
+   partitions in the order [dest local l][dest node n] (slot l*M + n holds partition n*D + l);
+2. all-to-all (codes, then scales) inside the node: local peer l receives slots l*M .. l*M+M-1;
+3. dequantize, fp32-sum the D sources, requantize to ``bits_inter`` with ``group_size_inter``
+   (the reference silently kept the intra group size here; we use the configured one);
+4. all-to-all across nodes: inter peer n receives the piece for node n;
+5. dequantize, fp32-sum the M sources [-> inverse Hadamard] into the output shard.
+
+The result is the exact SUM over ranks (the layout of ``dist.reduce_scatter_tensor``), not the
+sum divided by the node count as in DeepSpeed's qgZ/LoCo path. Hadamard is applied once before
+the first quantization and inverted once at the very end; the middle hop works in the
+transformed domain.
+
+Non-finite inputs: with ``check_finite=True`` (default) every rank tests its own input, the
+verdict is agreed with a one-element all-reduce over the DP group, and then *all* ranks raise
+:class:`NonFiniteError` before any payload moves. Raising on one rank only would leave the others
+blocked inside the all-to-all.
+
+Stochastic rounding uses the ``generator`` passed in (reproducible). Give each rank a different
+seed (e.g. ``seed + global_rank``): identical draws on all ranks correlate the rounding errors
+and stop them from averaging out.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .accounting import CommAccounting
+from .kernels import (NonFiniteError, QuantizedTensor, dequantize, dequantize_add, dequantize_sum,
+                      dequantize_sum_requantize, quantize, quantize_difference, quantize_partitions)
+from .topology import TwoLevelGroups
+
+__all__ = [
+    "two_level_reduce_scatter", "quantized_all_gather", "required_padding_multiple",
+    "required_padding_multiple_from_config", "swizzle_order", "PendingReduceScatter",
+    "NonFiniteError",
+]
+
+GRAD_COLLECTIVE = "grad_reduce_scatter"
+WEIGHT_COLLECTIVE = "weight_all_gather"
+
+
+# ------------------------------------------------------------------------------------------------
+# layout helpers
+# ------------------------------------------------------------------------------------------------
+
+def swizzle_order(intra_size: int, inter_size: int) -> List[int]:
+    """Partition held by each output slot: slot j = l*M + n holds DP rank n*D + l's partition.
+
+    Grouping the slots by destination local index makes the intra all-to-all's piece l exactly
+    what local peer l forwards to its M inter-node peers. D == 1 or M == 1 gives the identity.
+    """
+    d, m = intra_size, inter_size
+    return [(j % m) * d + j // m for j in range(d * m)]
+
+
+def required_padding_multiple(dp_size: int, intra_size: int, group_size_intra: int,
+                              group_size_inter: int, *, quantized_gradients: bool = True,
+                              weight_group_size: Optional[int] = None) -> int:
+    """Smallest multiple every bucket size N must have for the quantized collectives.
+
+    Gradients: each of the P destination shards must hold whole groups of every hop that runs:
+    P*lcm(gs_intra, gs_inter) for two levels, P*gs_intra for intra-only (M == 1), P*gs_inter for
+    inter-only (D == 1), 1 for P == 1. Weights (``weight_group_size``): P*wq_group_size so every
+    shard holds whole weight groups. The result is the lcm of the active requirements.
+    """
+    if dp_size <= 0 or intra_size <= 0 or dp_size % intra_size:
+        raise ValueError(f"DP size {dp_size} must be a positive multiple of the intra-node size {intra_size}")
+    for name, gs in (("group_size_intra", group_size_intra), ("group_size_inter", group_size_inter)):
+        if gs <= 0:
+            raise ValueError(f"{name} must be positive, got {gs}")
+    d, m = intra_size, dp_size // intra_size
+    mult = 1
+    if quantized_gradients and dp_size > 1:
+        if d > 1 and m > 1:
+            mult = dp_size * math.lcm(group_size_intra, group_size_inter)
+        elif d > 1:
+            mult = dp_size * group_size_intra
+        else:
+            mult = dp_size * group_size_inter
+    if weight_group_size is not None:
+        if weight_group_size <= 0:
+            raise ValueError(f"weight_group_size must be positive, got {weight_group_size}")
+        mult = math.lcm(mult, dp_size * weight_group_size)
+    return mult
+
+
+def required_padding_multiple_from_config(cfg, dp_size: int, intra_size: int) -> int:
+    """:func:`required_padding_multiple` for a :class:`QuantizationConfig` (both paths it enables)."""
+    return required_padding_multiple(
+        dp_size, intra_size, cfg.gq_group_size_intra, cfg.gq_group_size_inter,
+        quantized_gradients=cfg.quantized_gradients,
+        weight_group_size=cfg.wq_group_size if cfg.quantized_weights else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# small internals
+# ------------------------------------------------------------------------------------------------
+
+def _agree_finite(x: torch.Tensor, group, what: str) -> None:
+    """Raise NonFiniteError on every rank of ``group`` if any rank's ``x`` is non-finite."""
+    bad = torch.zeros(1, dtype=torch.float32, device=x.device)
+    if not bool(torch.isfinite(x).all()):
+        bad.fill_(1.0)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    if bad.item() > 0:
+        raise NonFiniteError(f"{what}: a rank's input holds NaN/Inf; no data was exchanged (skip this step)")
+
+
+def _all_to_all(q: QuantizedTensor, group, async_op: bool = False):
+    """Equal-split all-to-all of codes then scales; returns (received QuantizedTensor, works)."""
+    codes = torch.empty_like(q.codes)
+    scales = torch.empty_like(q.scales)
+    w1 = dist.all_to_all_single(codes, q.codes, group=group, async_op=async_op)
+    w2 = dist.all_to_all_single(scales, q.scales, group=group, async_op=async_op)
+    works = [w for w in (w1, w2) if w is not None]
+    return QuantizedTensor(codes, scales, q.bits, q.group_size, q.numel), works
+
+
+def _write_result(src_fp32: torch.Tensor, output: torch.Tensor) -> None:
+    output.copy_(src_fp32.view(output.shape))
+
+
+def _unswizzle(slots: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
+    """Inverse of the slot permutation: input-layout tensor from a slot-ordered one."""
+    p = len(order)
+    inv = [0] * p
+    for j, part in enumerate(order):
+        inv[part] = j
+    idx = torch.tensor(inv, dtype=torch.long, device=slots.device)
+    return slots.view(p, -1).index_select(0, idx).reshape(-1)
+
+
+class PendingReduceScatter:
+    """Handle returned by :func:`two_level_reduce_scatter` with ``async_op=True``.
+
+    Design choice (simple and correct, no background thread): the input is quantized and the
+    first hop's all-to-alls are issued asynchronously at call time; :meth:`wait` waits for them
+    and runs the rest (middle requantize, second hop, final reduction into ``output``)
+    synchronously. So only the first hop overlaps with the caller's compute. The input has been
+    fully read when the call returns (it may be reused, and ``output`` may alias its own shard);
+    ``output`` is valid only after :meth:`wait`.
+    """
+
+    def __init__(self, works: list, finish: Callable[[], None]) -> None:
+        self._works = works
+        self._finish: Optional[Callable[[], None]] = finish
+
+    def wait(self) -> None:
+        """Finish the collective; idempotent."""
+        if self._finish is None:
+            return
+        for w in self._works:
+            w.wait()
+        finish, self._finish = self._finish, None
+        finish()
+
+    def is_completed(self) -> bool:
+        return self._finish is None
+
+
+# ------------------------------------------------------------------------------------------------
+# gradient reduce-scatter
+# ------------------------------------------------------------------------------------------------
+
+def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: TwoLevelGroups, *,  # noqa: A002
+                             bits_intra: int, group_size_intra: int, bits_inter: int,
+                             group_size_inter: int, hadamard: bool = False, hadamard_block: int = 32,
+                             generator: Optional[torch.Generator] = None, stochastic: bool = True,
+                             accounting: Optional[CommAccounting] = None, error_feedback=None,
+                             async_op: bool = False, check_finite: bool = True,
+                             name: str = GRAD_COLLECTIVE) -> Optional[PendingReduceScatter]:
+    """Quantized reduce-scatter: ``output`` (N/P elements) = sum over DP ranks of ``input``'s
+    shard ``dp_rank`` — the layout of ``dist.reduce_scatter_tensor(output, input, dp_group)``.
+
+    Paths: D>1, M>1 two hops (intra bits, then inter bits); D>1, M==1 one intra hop with intra
+    bits; D==1, M>1 one inter hop with inter bits; P==1 copy. ``error_feedback`` is a
+    :class:`~megatron.distributed.quant.loco.LoCoBucketErrors` (E1 before the first quantization,
+    E2 before the inter requantization; single-hop paths use E1 only). ``output`` may alias the
+    caller's own shard of ``input`` (SDP4Bit writes in place into the grad bucket): the input is
+    fully consumed by the first quantization before anything is written.
+
+    ``generator`` must live on ``input``'s device (torch.rand draws the stochastic rounding).
+    ``check_finite`` costs a one-element all-reduce over the DP group (and a host sync) per call;
+    it is what lets every rank raise :class:`NonFiniteError` together instead of deadlocking.
+
+    Returns None, or with ``async_op=True`` a :class:`PendingReduceScatter` whose ``wait()``
+    completes the collective.
+    """
+    if not input.is_contiguous():
+        raise ValueError("input must be a contiguous buffer (a flat gradient bucket)")
+    x = input.reshape(-1)
+    n = x.numel()
+    p, d, m = groups.dp_size, groups.intra_size, groups.inter_size
+    if output.numel() * p != n:
+        raise ValueError(f"output has {output.numel()} elements; expected N/P = {n}/{p}")
+    if hadamard:
+        for label, gs in (("group_size_intra", group_size_intra), ("group_size_inter", group_size_inter)):
+            if gs % hadamard_block:
+                raise ValueError(f"with Hadamard, {label} ({gs}) must be a multiple of the Hadamard "
+                                 f"block ({hadamard_block}) so blocks never straddle groups")
+    mult = required_padding_multiple(p, d, group_size_intra, group_size_inter)
+    if n % mult:
+        raise ValueError(
+            f"bucket of {n} elements is not divisible by {mult} (P={p} x group sizes "
+            f"{group_size_intra}/{group_size_inter} for D={d}, M={m}); pad the bucket with "
+            f"required_padding_multiple()")
+
+    if p == 1:
+        output.copy_(x.view(output.shape))
+        return None
+
+    if check_finite:
+        _agree_finite(x, groups.dp_group, "two_level_reduce_scatter")
+
+    two_level = d > 1 and m > 1
+    if d > 1:  # two-level or intra-only: the first (or only) hop is inside the node
+        bits1, gs1, group1, size1 = bits_intra, group_size_intra, groups.intra_group, d
+    else:
+        bits1, gs1, group1, size1 = bits_inter, group_size_inter, groups.inter_group, m
+    order = swizzle_order(d, m)
+
+    # ---- hop 1: [E1] -> [Hadamard] -> quantize into destination-major slots ------------------
+    h = x
+    if error_feedback is not None:
+        h = error_feedback.compensate("e1", x, group_size=gs1)
+    q1 = quantize_partitions(h, p, order, bits1, gs1, stochastic=stochastic, generator=generator,
+                             hadamard=hadamard, hadamard_block=hadamard_block, check_finite=False)
+    if error_feedback is not None:
+        sent = dequantize(q1, hadamard=hadamard, hadamard_block=hadamard_block)
+        error_feedback.update("e1", h, _unswizzle(sent, order) if two_level else sent)
+    if accounting is not None:
+        accounting.record_baseline(name, kind="grad", numel=n, elem_size=x.element_size(), dp_size=p,
+                                   peers_intra=d - 1, peers_inter=p - d)
+        accounting.record_all_to_all(name, kind="grad", total_bytes=q1.nbytes, total_elements=n,
+                                     group_size=size1, peers_intra=size1 - 1 if d > 1 else 0,
+                                     peers_inter=0 if d > 1 else size1 - 1)
+    recv1, works = _all_to_all(q1, group1, async_op=async_op)
+
+    def finish() -> None:
+        if not two_level:
+            _final(recv1, size1)
+            return
+        # ---- middle: dequantize + sum D sources [+E2] -> requantize to inter bits/group ----
+        if error_feedback is None:
+            q2 = dequantize_sum_requantize(recv1, d, bits_inter, group_size_out=group_size_inter,
+                                           stochastic=stochastic, generator=generator)
+        else:
+            s = dequantize_sum(recv1, d)  # transformed domain when Hadamard is on
+            h2 = error_feedback.compensate("e2", s, group_size=group_size_inter)
+            q2 = quantize(h2, bits_inter, group_size_inter, stochastic=stochastic,
+                          generator=generator, check_finite=False)
+            error_feedback.update("e2", h2, dequantize(q2))
+        if accounting is not None:
+            accounting.record_all_to_all(name, kind="grad", total_bytes=q2.nbytes,
+                                         total_elements=n // d, group_size=m, peers_intra=0,
+                                         peers_inter=m - 1)
+        recv2, _ = _all_to_all(q2, groups.inter_group)
+        _final(recv2, m)
+
+    def _final(recv: QuantizedTensor, sources: int) -> None:
+        if output.dtype == torch.float32 and output.is_contiguous():
+            dequantize_sum(recv, sources, hadamard=hadamard, hadamard_block=hadamard_block,
+                           out=output.view(-1))
+        else:
+            _write_result(dequantize_sum(recv, sources, hadamard=hadamard,
+                                         hadamard_block=hadamard_block), output)
+
+    if async_op:
+        return PendingReduceScatter(works, finish)
+    finish()
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# weight all-gather (qWD / qW)
+# ------------------------------------------------------------------------------------------------
+
+def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Tensor],
+                         output: torch.Tensor, group, *, mode: str = "diff", bits: int,
+                         group_size: int, generator: Optional[torch.Generator] = None,
+                         stochastic: bool = True, accounting: Optional[CommAccounting] = None,
+                         link_of_peer: Optional[Callable[[int], str]] = None,
+                         check_finite: bool = True, name: str = WEIGHT_COLLECTIVE) -> torch.Tensor:
+    """Quantized all-gather of parameter shards into ``output`` (P * shard elements).
+
+    ``mode='diff'`` (qWD, SDP4Bit): send Q(reference.dtype(shard) - full_reference[my shard]) and
+    rebuild ``output = full_reference + deQ(all differences)`` on every rank, the owner included,
+    so all replicas stay bit-identical and quantization error never accumulates (the next
+    difference is taken against the reconstructed weights). ``full_reference`` must be identical
+    on all ranks (the previous reconstructed weights); ``output`` may alias it.
+
+    ``mode='direct'`` (qW / ZeRO++ qwZ): send Q(shard) and dequantize; ``full_reference`` unused.
+
+    ``link_of_peer(group_rank) -> 'intra' | 'inter'`` classifies peers for the accounting
+    (e.g. ``TwoLevelGroups.link_of_peer`` when ``group`` is the DP group); without it every peer
+    is counted as inter-node (conservative).
+    """
+    if mode not in ("diff", "direct"):
+        raise ValueError(f"mode must be 'diff' or 'direct', got {mode!r}")
+    world = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    s = shard.numel()
+    if output.numel() != s * world:
+        raise ValueError(f"output has {output.numel()} elements; expected {world} x shard {s}")
+    if s % group_size:
+        raise ValueError(f"shard of {s} elements is not divisible by the weight group size {group_size}; "
+                         f"pad buckets to a multiple of P*group_size ({world * group_size})")
+    if mode == "diff":
+        if full_reference is None or full_reference.numel() != output.numel():
+            raise ValueError("mode='diff' needs full_reference with as many elements as output")
+    if check_finite:
+        _agree_finite(shard, group, "quantized_all_gather")
+
+    if mode == "diff":
+        ref_flat = full_reference.reshape(-1)
+        q = quantize_difference(shard.reshape(-1), ref_flat[me * s:(me + 1) * s], bits, group_size,
+                                stochastic=stochastic, generator=generator, check_finite=False)
+    else:
+        q = quantize(shard.reshape(-1), bits, group_size, stochastic=stochastic, generator=generator,
+                     check_finite=False)
+
+    codes = torch.empty(q.codes.numel() * world, dtype=q.codes.dtype, device=q.codes.device)
+    scales = torch.empty(q.scales.numel() * world, dtype=q.scales.dtype, device=q.scales.device)
+    dist.all_gather_into_tensor(codes, q.codes, group=group)
+    dist.all_gather_into_tensor(scales, q.scales, group=group)
+    full = QuantizedTensor(codes, scales, bits, group_size, s * world)
+
+    if accounting is not None:
+        links = [(link_of_peer(r) if link_of_peer is not None else "inter")
+                 for r in range(world) if r != me]
+        n_intra = sum(1 for link in links if link == "intra")
+        n_inter = len(links) - n_intra
+        accounting.record_baseline(name, kind="weight", numel=s * world, elem_size=output.element_size(),
+                                   dp_size=world, peers_intra=n_intra, peers_inter=n_inter)
+        accounting.record_all_gather(name, kind="weight", shard_bytes=q.nbytes, shard_elements=s,
+                                     peers_intra=n_intra, peers_inter=n_inter)
+
+    if mode == "diff":
+        if output.dtype != full_reference.dtype:
+            raise ValueError(f"output dtype {output.dtype} must match full_reference dtype "
+                             f"{full_reference.dtype} (the reconstruction is done in that dtype)")
+        if output.is_contiguous():
+            dequantize_add(full, full_reference.reshape(-1), out=output.view(-1))
+        else:
+            output.copy_(dequantize_add(full, full_reference.reshape(-1)).view(output.shape))
+    else:
+        if output.is_contiguous():
+            dequantize(full, out=output.reshape(-1))
+        else:
+            output.copy_(dequantize(full, out_dtype=output.dtype).view(output.shape))
+    return output

@@ -1,0 +1,186 @@
+"""Two-level (intra-node / inter-node) process groups for the quantized gradient collectives.
+
+SDP4Bit/ZeRO++ reduce gradients in two hops: an all-to-all among the D data-parallel (DP) ranks of
+one node (fast links, 8-bit), then an all-to-all among the M ranks that share a local index on
+every node (slow links, 4-bit). This module builds those groups.
+
+Rank layout: DP rank ``r = node * D + local`` (``D = intra_size``, ``M = P // D``). This is
+Megatron's default order (TP fastest, then DP) when TP divides the GPUs per node and every
+pipeline stage fills whole nodes.
+
+``torch.distributed.new_group`` is collective over the *whole world*: every process must call it
+for every group, in the same order, even for groups it does not belong to. Megatron has many DP
+groups (one per TP/PP/CP coordinate), so :func:`build_two_level_groups_for_all` creates the
+sub-groups of every DP group on every rank and returns the one that contains the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence
+
+import torch.distributed as dist
+
+__all__ = ["TwoLevelGroups", "build_two_level_groups", "build_two_level_groups_for_all"]
+
+
+@dataclass
+class TwoLevelGroups:
+    """The process groups and coordinates one rank needs for the two-level collectives.
+
+    ``intra_group`` is None when ``intra_size == 1`` (one DP rank per node: no intra hop) and
+    ``inter_group`` is None when ``inter_size == 1`` (the DP group lives on one node: no inter
+    hop). Group ranks equal ``local`` inside ``intra_group`` and ``node`` inside ``inter_group``
+    (new_group orders members by global rank and ``dp_ranks`` is ascending).
+    """
+
+    dp_group: Any
+    intra_group: Optional[Any]
+    inter_group: Optional[Any]
+    dp_size: int
+    dp_rank: int
+    intra_size: int
+    inter_size: int
+    node: int
+    local: int
+    dp_ranks: List[int] = field(default_factory=list)
+    """Global ranks of the DP group, indexed by DP rank."""
+
+    @property
+    def D(self) -> int:  # noqa: N802 - the papers' symbol
+        """DP ranks per node."""
+        return self.intra_size
+
+    @property
+    def M(self) -> int:  # noqa: N802 - the papers' symbol
+        """Nodes the DP group spans."""
+        return self.inter_size
+
+    @property
+    def P(self) -> int:  # noqa: N802 - the papers' symbol
+        """DP group size."""
+        return self.dp_size
+
+    def same_node(self, peer_dp_rank: int) -> bool:
+        """True if DP rank ``peer_dp_rank`` sits on this rank's node (uses the r = node*D + local layout)."""
+        if not 0 <= peer_dp_rank < self.dp_size:
+            raise ValueError(f"peer DP rank {peer_dp_rank} outside [0, {self.dp_size})")
+        return peer_dp_rank // self.intra_size == self.node
+
+    def link_of_peer(self, peer_dp_rank: int) -> str:
+        """'intra' or 'inter': which kind of link traffic to ``peer_dp_rank`` crosses (for accounting)."""
+        return "intra" if self.same_node(peer_dp_rank) else "inter"
+
+
+def _validate(dp_ranks: Sequence[int], intra_size: int) -> List[int]:
+    ranks = [int(r) for r in dp_ranks]
+    if not ranks:
+        raise ValueError("dp_ranks is empty")
+    if any(b <= a for a, b in zip(ranks, ranks[1:])):
+        raise ValueError(f"dp_ranks must be strictly ascending (group rank = DP rank), got {ranks}")
+    if intra_size <= 0:
+        raise ValueError(f"intra_size must be positive, got {intra_size}")
+    if len(ranks) % intra_size:
+        raise ValueError(f"DP size {len(ranks)} is not divisible by the intra-node size {intra_size}: "
+                         "every node must hold the same number of DP ranks")
+    return ranks
+
+
+def _new_group(ranks: List[int], backend: Optional[str]) -> Any:
+    if backend is None:
+        return dist.new_group(ranks=ranks)
+    return dist.new_group(ranks=ranks, backend=backend)
+
+
+def _build(dp_ranks: Sequence[int], intra_size: int, dp_group: Optional[Any],
+           backend: Optional[str]) -> Optional[TwoLevelGroups]:
+    """Create (collectively, on every rank) the groups of one DP group; return mine or None.
+
+    ``dp_group`` None means "create it" (every rank then calls new_group for it; WORLD is reused
+    when the DP group is the whole world). Whether a sub-group is created depends only on D and M,
+    never on the caller, so all ranks issue the same sequence of new_group calls.
+    """
+    ranks = _validate(dp_ranks, intra_size)
+    p = len(ranks)
+    d = intra_size
+    m = p // d
+    me = dist.get_rank()
+    if dp_group is None:
+        if ranks == list(range(dist.get_world_size())):
+            dp_group = dist.group.WORLD
+        else:
+            dp_group = _new_group(ranks, backend)
+    # Intra groups (one per node), then inter groups (one per local index), in a fixed order.
+    # A degenerate dimension reuses the DP group instead of creating a duplicate communicator.
+    intra_groups: List[Optional[Any]] = []
+    if d > 1:
+        for node in range(m):
+            members = ranks[node * d:(node + 1) * d]
+            intra_groups.append(dp_group if m == 1 else _new_group(members, backend))
+    inter_groups: List[Optional[Any]] = []
+    if m > 1:
+        for local in range(d):
+            members = ranks[local::d]
+            inter_groups.append(dp_group if d == 1 else _new_group(members, backend))
+    if me not in ranks:
+        return None
+    dp_rank = ranks.index(me)
+    node, local = divmod(dp_rank, d)
+    return TwoLevelGroups(
+        dp_group=dp_group,
+        intra_group=intra_groups[node] if d > 1 else None,
+        inter_group=inter_groups[local] if m > 1 else None,
+        dp_size=p, dp_rank=dp_rank, intra_size=d, inter_size=m, node=node, local=local,
+        dp_ranks=ranks,
+    )
+
+
+_NOT_A_MEMBER = object()
+"""Placeholder DP group for DP groups the caller is not in (never used for communication)."""
+
+
+def build_two_level_groups(dp_ranks: Sequence[int], intra_size: int, *, dp_group: Optional[Any] = None,
+                           backend: Optional[str] = None) -> Optional[TwoLevelGroups]:
+    """Build the intra/inter groups of ONE DP group.
+
+    Must be called by every process of the world (``new_group`` is world-collective). Returns the
+    groups if the caller belongs to ``dp_ranks``, else None. Pass ``dp_group`` to reuse an
+    existing DP communicator (e.g. megatron-core's); otherwise one is created (or WORLD reused).
+    Use :func:`build_two_level_groups_for_all` when the world holds several DP groups.
+    """
+    return _build(dp_ranks, intra_size, dp_group, backend)
+
+
+def build_two_level_groups_for_all(all_dp_ranks: Sequence[Sequence[int]], intra_size: int, *,
+                                   dp_groups: Optional[Sequence[Any]] = None,
+                                   backend: Optional[str] = None) -> TwoLevelGroups:
+    """Create the two-level groups of every DP group (same order on all ranks); return mine.
+
+    ``all_dp_ranks`` lists every DP group's global ranks (each ascending; together a partition of
+    the participating ranks). ``dp_groups`` optionally gives the existing communicator of each DP
+    group (same order); entries for groups the caller is not in are ignored and may be None.
+    """
+    if dp_groups is not None and len(dp_groups) != len(all_dp_ranks):
+        raise ValueError(f"dp_groups has {len(dp_groups)} entries but all_dp_ranks has {len(all_dp_ranks)}")
+    seen: set = set()
+    for ranks in all_dp_ranks:
+        overlap = seen.intersection(ranks)
+        if overlap:
+            raise ValueError(f"ranks {sorted(overlap)} appear in more than one DP group")
+        seen.update(ranks)
+    mine: Optional[TwoLevelGroups] = None
+    me = dist.get_rank()
+    for i, ranks in enumerate(all_dp_ranks):
+        existing = None
+        if dp_groups is not None:
+            existing = dp_groups[i]
+            if existing is None:
+                if me in ranks:
+                    raise ValueError(f"dp_groups[{i}] is None but rank {me} belongs to it")
+                existing = _NOT_A_MEMBER
+        got = _build(ranks, intra_size, existing, backend)
+        if got is not None:
+            mine = got
+    if mine is None:
+        raise ValueError(f"rank {me} is in none of the DP groups {[list(r) for r in all_dp_ranks]}")
+    return mine

@@ -1,0 +1,498 @@
+#!/usr/bin/env python3
+"""Tokenize a text corpus into megatron-core's indexed dataset format (.bin/.idx).
+
+Command-line interface follows Megatron-LM's ``tools/preprocess_data.py``::
+
+    python tools/preprocess_data.py \
+        --input data/corpus.jsonl --json-keys text \
+        --output-prefix data/my-gpt2 \
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \
+        --append-eod --workers 2
+
+For every key ``K`` in ``--json-keys`` this writes ``{output_prefix}_{K}_document.bin`` and
+``.idx``, readable with ``megatron.core.datasets.indexed_dataset.IndexedDataset`` and usable as
+``--data-path {output_prefix}_{K}_document`` for training.
+
+Inputs: a JSON-lines file (``.jsonl``/``.json``, optionally ``.gz``), a ``.parquet`` file, or a
+directory written by HF ``datasets``' ``save_to_disk`` (a ``DatasetDict`` uses its ``train``
+split unless ``--split`` names another).
+
+Tokenizers (all loaded from local files, no network access needed):
+
+* ``GPT2BPETokenizer``: GPT-2 byte-level BPE from ``--vocab-file`` (vocab.json) and
+  ``--merge-file`` (merges.txt); end-of-document token ``<|endoftext|>``.
+* ``HuggingFaceTokenizer``: ``--tokenizer-model`` = a local directory saved with
+  ``save_pretrained`` (or a hub name already in the local cache); EOD = ``eos_token``.
+* ``SentencePieceTokenizer``: ``--tokenizer-model`` = a ``.model`` file; EOD = ``eos`` id.
+
+megatron-core 0.16.1's own tokenizer wrappers are not used here: its ``GPT2BPETokenizer`` path
+always resolves the hub model ``gpt2`` (fails offline) and its SentencePiece wrapper has no
+``eod`` and rewrites runs of whitespace, which would corrupt source-code corpora.
+
+``build_tokenizer`` is importable without side effects::
+
+    from tools.preprocess_data import build_tokenizer
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=..., merge_file=...)
+    tok.tokenize("hello"), tok.eod, tok.vocab_size
+"""
+
+import argparse
+import gzip
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
+GPT2_EOD_TOKEN = "<|endoftext|>"
+
+
+class PreprocessError(Exception):
+    """A user-facing error (bad input, bad arguments); printed without a traceback."""
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizers
+# --------------------------------------------------------------------------------------------
+
+
+class _TokenizerBase:
+    """Minimal interface shared by all adapters: tokenize, detokenize, eod, vocab_size."""
+
+    name = "base"
+
+    def tokenize(self, text):
+        raise NotImplementedError
+
+    def detokenize(self, ids):
+        raise NotImplementedError
+
+    @property
+    def eod(self):
+        return self._eod
+
+    @property
+    def vocab_size(self):
+        return self._vocab_size
+
+    def __repr__(self):
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
+
+
+class GPT2BPETokenizer(_TokenizerBase):
+    """GPT-2 byte-level BPE from local vocab.json + merges.txt (HF ``tokenizers``)."""
+
+    def __init__(self, vocab_file, merge_file):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        with open(vocab_file, "r", encoding="utf-8") as f:
+            try:
+                vocab = json.load(f)
+            except json.JSONDecodeError as e:
+                raise PreprocessError(f"vocab file {vocab_file!r} is not valid JSON: {e}") from None
+        if GPT2_EOD_TOKEN not in vocab:
+            raise PreprocessError(f"vocab file {vocab_file!r} has no {GPT2_EOD_TOKEN!r} token")
+        try:
+            bpe = models.BPE.from_file(vocab_file, merge_file)
+        except Exception as e:  # tokenizers raises plain Exception subclasses
+            raise PreprocessError(f"cannot load BPE from {vocab_file!r} / {merge_file!r}: {e}") from None
+        tok = Tokenizer(bpe)
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        # Like Megatron-LM's GPT-2 tokenizer, a literal "<|endoftext|>" inside a document is
+        # ordinary text; document boundaries come only from --append-eod.
+        self._tok = tok
+        self._eod = vocab[GPT2_EOD_TOKEN]
+        self._vocab_size = tok.get_vocab_size()
+
+    def tokenize(self, text):
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids):
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+class HuggingFaceTokenizer(_TokenizerBase):
+    """``transformers.AutoTokenizer`` from a local directory (or cached hub name)."""
+
+    def __init__(self, tokenizer_model):
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(tokenizer_model)
+        except Exception as e:
+            raise PreprocessError(f"cannot load HuggingFace tokenizer {tokenizer_model!r}: {e}") from None
+        eod = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
+        if eod is None:
+            raise PreprocessError(f"HuggingFace tokenizer {tokenizer_model!r} defines neither eos nor sep token")
+        self._tok = tok
+        self._eod = int(eod)
+        self._vocab_size = len(tok)
+
+    def tokenize(self, text):
+        return self._tok(text, add_special_tokens=False)["input_ids"]
+
+    def detokenize(self, ids):
+        return self._tok.decode(list(ids))
+
+
+class SentencePieceTokenizer(_TokenizerBase):
+    """SentencePiece ``.model`` file; EOD is the model's eos id."""
+
+    def __init__(self, tokenizer_model):
+        import sentencepiece
+
+        try:
+            sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
+        except Exception as e:
+            raise PreprocessError(f"cannot load SentencePiece model {tokenizer_model!r}: {e}") from None
+        if sp.eos_id() < 0:
+            raise PreprocessError(f"SentencePiece model {tokenizer_model!r} has no eos piece")
+        self._sp = sp
+        self._eod = sp.eos_id()
+        self._vocab_size = sp.get_piece_size()
+
+    def tokenize(self, text):
+        return self._sp.encode(text)
+
+    def detokenize(self, ids):
+        return self._sp.decode(list(ids))
+
+
+def _require_file(path, what, flag):
+    if not path:
+        raise PreprocessError(f"{what} is required: pass {flag}")
+    if not os.path.isfile(path):
+        raise PreprocessError(f"{what} {path!r} ({flag}) does not exist or is not a file")
+
+
+def build_tokenizer(tokenizer_type, vocab_file=None, merge_file=None, tokenizer_model=None):
+    """Build a tokenizer with ``.tokenize(text) -> list[int]``, ``.detokenize``, ``.eod``,
+    ``.vocab_size`` (the unpadded vocabulary size, special tokens included)."""
+    if tokenizer_type == "GPT2BPETokenizer":
+        _require_file(vocab_file, "GPT2BPETokenizer vocab file", "--vocab-file")
+        _require_file(merge_file, "GPT2BPETokenizer merges file", "--merge-file")
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if not tokenizer_model:
+            raise PreprocessError("HuggingFaceTokenizer requires --tokenizer-model (directory or name)")
+        return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "SentencePieceTokenizer":
+        _require_file(tokenizer_model, "SentencePiece model", "--tokenizer-model")
+        return SentencePieceTokenizer(tokenizer_model)
+    raise PreprocessError(f"unsupported --tokenizer-type {tokenizer_type!r}; choose from {', '.join(TOKENIZER_TYPES)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Input readers: each yields (record_number, payload) where payload is a raw JSON line (str)
+# or an already-decoded dict.  Record numbers are 1-based (= line numbers for JSON lines).
+# --------------------------------------------------------------------------------------------
+
+
+def detect_input_format(path):
+    if not os.path.exists(path):
+        raise PreprocessError(f"input {path!r} does not exist")
+    if os.path.isdir(path):
+        markers = ("dataset_info.json", "dataset_dict.json", "state.json")
+        if any(os.path.exists(os.path.join(path, m)) for m in markers):
+            return "hf"
+        raise PreprocessError(
+            f"input directory {path!r} is not a HF datasets save_to_disk directory (no {' / '.join(markers)})"
+        )
+    if not os.access(path, os.R_OK):
+        raise PreprocessError(f"input {path!r} is not readable")
+    if path.endswith(".parquet"):
+        return "parquet"
+    return "jsonl"
+
+
+def _iter_jsonl(path):
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield lineno, line
+    except (UnicodeDecodeError, OSError) as e:
+        raise PreprocessError(f"cannot read input {path!r}: {e}") from None
+
+
+def _iter_parquet(path, keys):
+    try:
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise PreprocessError(f"cannot read parquet input {path!r}: {e}") from None
+    names = set(pf.schema_arrow.names)
+    missing = [k for k in keys if k not in names]
+    if missing:
+        raise PreprocessError(f"parquet input {path!r} has no column {missing[0]!r} (columns: {sorted(names)})")
+    n = 0
+    for batch in pf.iter_batches(columns=list(keys), batch_size=1024):
+        for row in batch.to_pylist():
+            n += 1
+            yield n, row
+
+
+def _iter_hf(path, keys, split):
+    try:
+        import datasets
+
+        ds = datasets.load_from_disk(path)
+    except Exception as e:
+        raise PreprocessError(f"cannot load HF datasets directory {path!r}: {e}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None:
+            split = "train" if "train" in ds else sorted(ds)[0]
+        if split not in ds:
+            raise PreprocessError(f"HF dataset {path!r} has no split {split!r} (splits: {sorted(ds)})")
+        ds = ds[split]
+    missing = [k for k in keys if k not in ds.column_names]
+    if missing:
+        raise PreprocessError(f"HF dataset {path!r} has no column {missing[0]!r} (columns: {ds.column_names})")
+    ds = ds.select_columns(list(keys))
+    n = 0
+    for batch in ds.iter(batch_size=1024):
+        for i in range(len(batch[keys[0]])):
+            n += 1
+            yield n, {k: batch[k][i] for k in keys}
+
+
+def iter_records(path, keys, split=None):
+    fmt = detect_input_format(path)
+    if fmt == "jsonl":
+        return fmt, _iter_jsonl(path)
+    if fmt == "parquet":
+        return fmt, _iter_parquet(path, keys)
+    return fmt, _iter_hf(path, keys, split)
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding (runs in worker processes when --workers > 1)
+# --------------------------------------------------------------------------------------------
+
+
+class Encoder:
+    """Turns one record into {key: token ids or None (empty)}; errors are returned, not raised,
+    so that the parent process can report them with the record number."""
+
+    def __init__(self, tokenizer_kwargs, keys, append_eod, unit):
+        self.tokenizer_kwargs = tokenizer_kwargs
+        self.keys = keys
+        self.append_eod = append_eod
+        self.unit = unit
+        self.tokenizer = None
+
+    def initializer(self):
+        self.tokenizer = build_tokenizer(**self.tokenizer_kwargs)
+
+    def encode(self, item):
+        recno, payload = item
+        if self.tokenizer is None:
+            self.initializer()
+        if isinstance(payload, str):
+            nbytes = len(payload.encode("utf-8"))
+            try:
+                rec = json.loads(payload)
+            except json.JSONDecodeError as e:
+                return recno, None, nbytes, f"{self.unit} {recno}: invalid JSON ({e.msg} at column {e.colno})"
+        else:
+            rec = payload
+            nbytes = 0
+        if not isinstance(rec, dict):
+            return recno, None, nbytes, f"{self.unit} {recno}: expected a JSON object, got {type(rec).__name__}"
+        out = {}
+        for key in self.keys:
+            if key not in rec:
+                return recno, None, nbytes, (
+                    f"{self.unit} {recno}: record has no key {key!r} (keys present: {sorted(rec)}); "
+                    f"choose the text field with --json-keys"
+                )
+            text = rec[key]
+            if text is None:
+                text = ""
+            if not isinstance(text, str):
+                return recno, None, nbytes, f"{self.unit} {recno}: value of {key!r} is {type(text).__name__}, not a string"
+            if not isinstance(payload, str):
+                nbytes += len(text.encode("utf-8"))
+            if not text.strip():
+                out[key] = None
+                continue
+            ids = self.tokenizer.tokenize(text)
+            if not ids:
+                out[key] = None
+                continue
+            if self.append_eod:
+                ids = list(ids)
+                ids.append(self.tokenizer.eod)
+            out[key] = ids
+        return recno, out, nbytes, None
+
+
+# --------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------
+
+
+def output_prefix_for(output_prefix, key, level="document"):
+    return f"{output_prefix}_{key}_{level}"
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Tokenize a corpus into megatron-core .bin/.idx files",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = p.add_argument_group("input data")
+    g.add_argument("--input", required=True, help="JSON-lines file, .parquet file, or HF save_to_disk directory")
+    g.add_argument("--json-keys", "--columns", dest="json_keys", nargs="+", default=["text"],
+                   help="fields/columns to tokenize (default: text); one output dataset per key")
+    g.add_argument("--split", default=None, help="split of a HF DatasetDict (default: train)")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
+    g.add_argument("--tokenizer-model", default=None, help="HF tokenizer dir/name or SentencePiece .model")
+    g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes (output is identical for any value)")
+    g.add_argument("--chunk-size", type=int, default=32, help="records per task sent to a worker")
+    g.add_argument("--log-interval", type=int, default=1000, help="report progress every N documents (stderr)")
+    args = p.parse_args(argv)
+    if args.workers < 1:
+        p.error("--workers must be >= 1")
+    if args.log_interval < 1:
+        p.error("--log-interval must be >= 1")
+    if len(set(args.json_keys)) != len(args.json_keys):
+        p.error("--json-keys contains duplicates")
+    return args
+
+
+def _log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def preprocess(args):
+    """Run the conversion; returns a summary dict. Raises PreprocessError on bad input."""
+    import warnings
+
+    import numpy
+
+    with warnings.catch_warnings():  # megatron-core's import-time "Transformer Engine/Apex" notices
+        warnings.simplefilter("ignore", UserWarning)
+        from megatron.core.datasets.indexed_dataset import (
+            DType,
+            IndexedDatasetBuilder,
+            get_bin_path,
+            get_idx_path,
+        )
+
+    keys = list(args.json_keys)
+    tok_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                      merge_file=args.merge_file, tokenizer_model=args.tokenizer_model)
+    tokenizer = build_tokenizer(**tok_kwargs)  # fail fast in the parent on bad tokenizer args
+    fmt, records = iter_records(args.input, keys, args.split)
+    unit = "line" if fmt == "jsonl" else "record"
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    prefixes = {k: output_prefix_for(args.output_prefix, k) for k in keys}
+    builders = {k: IndexedDatasetBuilder(get_bin_path(prefixes[k]), dtype=dtype) for k in keys}
+
+    encoder = Encoder(tok_kwargs, keys, args.append_eod, unit)
+    pool = None
+    if args.workers > 1:
+        pool = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn").Pool(
+            args.workers, initializer=encoder.initializer)
+        encoded = pool.imap(encoder.encode, records, args.chunk_size)  # imap keeps input order
+    else:
+        encoder.tokenizer = tokenizer
+        encoded = map(encoder.encode, records)
+
+    _log(f"preprocess: input={args.input} ({fmt}) keys={keys} tokenizer={tokenizer!r} "
+         f"dtype={numpy.dtype(dtype).name} workers={args.workers}")
+    stats = {k: {"documents": 0, "tokens": 0, "empty": 0} for k in keys}
+    empty_examples = {k: [] for k in keys}
+    n_records = total_bytes = 0
+    start = time.time()
+    ok = False
+    try:
+        for recno, out, nbytes, err in encoded:
+            if err is not None:
+                raise PreprocessError(f"{args.input}: {err}")
+            n_records += 1
+            total_bytes += nbytes
+            for key, ids in out.items():
+                if ids is None:
+                    stats[key]["empty"] += 1
+                    if len(empty_examples[key]) < 5:
+                        empty_examples[key].append(recno)
+                    continue
+                builders[key].add_document(numpy.asarray(ids, dtype=numpy.int64), [len(ids)])
+                stats[key]["documents"] += 1
+                stats[key]["tokens"] += len(ids)
+            if n_records % args.log_interval == 0:
+                el = max(time.time() - start, 1e-9)
+                _log(f"processed {n_records} documents ({n_records / el:.1f} docs/s, "
+                     f"{total_bytes / el / 1e6:.2f} MB/s)")
+        ok = True
+    finally:
+        if pool is not None:
+            pool.terminate() if not ok else pool.close()
+            pool.join()
+        for key, b in builders.items():
+            if ok:
+                b.finalize(get_idx_path(prefixes[key]))
+            else:
+                b.data_file.close()
+                for path in (get_bin_path(prefixes[key]), get_idx_path(prefixes[key])):
+                    if os.path.exists(path):
+                        os.remove(path)
+
+    elapsed = max(time.time() - start, 1e-9)
+    if n_records == 0:
+        _log(f"warning: input {args.input!r} contained no records")
+    for key in keys:
+        if stats[key]["empty"]:
+            _log(f"warning: skipped {stats[key]['empty']} empty document(s) for key {key!r} "
+                 f"(e.g. {unit}s {', '.join(map(str, empty_examples[key]))})")
+        if stats[key]["documents"] == 0:
+            _log(f"warning: no documents written for key {key!r}; {prefixes[key]} is empty")
+    summary = {
+        "input": args.input,
+        "format": fmt,
+        "records": n_records,
+        "bytes": total_bytes,
+        "seconds": round(elapsed, 3),
+        "docs_per_s": round(n_records / elapsed, 1),
+        "mb_per_s": round(total_bytes / elapsed / 1e6, 3),
+        "vocab_size": tokenizer.vocab_size,
+        "eod": tokenizer.eod,
+        "outputs": {k: dict(prefix=prefixes[k], **stats[k]) for k in keys},
+    }
+    for key in keys:
+        s = stats[key]
+        _log(f"done: {prefixes[key]}.bin/.idx: {s['documents']} documents, {s['tokens']} tokens, "
+             f"{s['empty']} empty skipped")
+    _log(f"done: {n_records} records, {total_bytes / 1e6:.2f} MB in {elapsed:.2f}s "
+         f"({n_records / elapsed:.1f} docs/s, {total_bytes / elapsed / 1e6:.2f} MB/s)")
+    return summary
+
+
+def main(argv=None):
+    args = get_args(argv)
+    try:
+        preprocess(args)
+    except PreprocessError as e:
+        _log(f"error: {e}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

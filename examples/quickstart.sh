@@ -20,7 +20,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 # On a fresh machine, install what is missing first (torch==2.13.0, then requirements.txt).
-bash scripts/ensure_deps.sh
+PYTHON="${PYTHON:-python3}" bash scripts/ensure_deps.sh
 
 PYTHON=${PYTHON:-python}
 TORCHRUN=${TORCHRUN:-"$PYTHON -m torch.distributed.run"}

@@ -1,0 +1,400 @@
+"""Command-line arguments of the trainer (Megatron-LM names and meanings).
+
+Why our own parser: Megatron-LM's ``megatron/training/arguments.py`` is not part of the
+megatron-core wheel, and we must not copy it.  The flags below keep Megatron-LM's spelling and
+semantics so existing launch scripts work; flags that only tune GPU kernels parse and are
+documented as no-ops.  The quantization flags come from
+:func:`megatron.distributed.quant.arguments.add_quantization_args` and become a
+:class:`~megatron.distributed.quant.config.QuantizationConfig` only via ``from_args`` (in
+:func:`validate_args`, stored as ``args.quant_config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import warnings
+from typing import Callable, List, Optional
+
+from megatron.distributed.quant.arguments import add_quantization_args
+from megatron.distributed.quant.config import QuantizationConfig
+
+NOOP = "(no-op in this trainer; accepted for Megatron-LM script compatibility)"
+
+
+class ArgumentError(ValueError):
+    """A bad flag combination; the message says what to change."""
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
+    g.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="MLP hidden size (default 4*hidden, or 8/3*hidden rounded to 64 with --swiglu).")
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=None, help="Sequence length of a sample.")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="Size of the learned position table (default: --seq-length).")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated linear unit with SiLU).")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+                   default="learned_absolute")
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="Separate output projection instead of reusing the word embeddings.")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="No biases in linear layers.")
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="Pad the vocabulary to a multiple of this times the TP size.")
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Selective activation recomputation (same as --recompute-granularity selective).")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="For --recompute-granularity full (default uniform).")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="For --recompute-granularity full (default 1).")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="Initialize weights on the CPU (always on in CPU mode).")
+
+
+def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("optimizer and learning rate")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine",
+                                                "inverse-square-root"), default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="Iterations to decay over (default: --train-iters).")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="Warmup as a fraction of --lr-decay-iters (exclusive with --lr-warmup-iters).")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="Global grad-norm clip (0 = off).")
+
+
+def _add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("mixed precision")
+    g.add_argument("--bf16", action="store_true", help="bf16 params/compute, fp32 main params.")
+    g.add_argument("--fp16", action="store_true", help="fp16 params/compute with loss scaling.")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="Static loss scale (fp16); default: dynamic scaling.")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="Accumulate and reduce gradients in fp32 (implied by --bf16 unless "
+                        "--grad-accum-dtype bf16).")
+
+
+def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Shard the optimizer state over data-parallel ranks (ZeRO-1).")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="Overlap the gradient reduce(-scatter) with the backward pass.")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="Overlap the distributed optimizer's param all-gather with the forward pass.")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="Elements per DDP bucket (default megatron-core's).")
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                   help="Default: nccl on GPU, gloo on CPU.")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_true",
+                   help=NOOP)
+    g.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="Default: cuda when available, else cpu (CPU mode, gloo).")
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Samples per optimizer step (default micro-batch-size * DP).")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="Save (if --save) and exit when iteration %% N == 0.")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="Save (if --save) and exit after this many minutes.")
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--skip-train", action="store_true", help="Only evaluate.")
+    g.add_argument("--dry-run", action="store_true",
+                   help="Parse, validate and build every config on the CPU, print them as JSON "
+                        "(DRY_RUN_ARGS / DRY_RUN_QUANT / DRY_RUN_CONFIGS lines) and exit 0.")
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="Prefixes of .bin/.idx files, optionally weighted: 'w1 p1 w2 p2'.")
+    g.add_argument("--mock-data", action="store_true",
+                   help="megatron-core MockGPTDataset (synthetic, learnable) instead of files.")
+    g.add_argument("--split", type=str, default="969,30,1", help="train,valid,test weights.")
+    g.add_argument("--data-cache-path", type=str, default=None)
+    g.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank.")
+    g.add_argument("--tokenizer-type", default=None,
+                   choices=("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
+                            "NullTokenizer"),
+                   help="Default: GPT2BPETokenizer with --vocab-file, else NullTokenizer.")
+    g.add_argument("--vocab-file", type=str, default=None)
+    g.add_argument("--merge-file", type=str, default=None)
+    g.add_argument("--tokenizer-model", type=str, default=None,
+                   help="SentencePiece model file or local HuggingFace tokenizer directory.")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer / mock-data vocabulary size (incl. the EOD token); "
+                        "default 1024.")
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+
+def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", type=str, default=None, help="Checkpoint directory to write.")
+    g.add_argument("--load", type=str, default=None, help="Checkpoint directory to resume from.")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="Do not restore optimizer/scheduler state on --load.")
+    g.add_argument("--no-load-rng", action="store_true", help="Do not restore RNG state on --load.")
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="Load model weights only; restart iteration count and data at 0.")
+
+
+def _add_logging_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0,
+                   help="0: iteration time only; 1: + forward-backward/optimizer; 2: + finer timers.")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-throughput", action="store_true", help="tokens/s in the log line.")
+    g.add_argument("--log-loss-scale", action="store_true",
+                   help="Also write the loss scale to tensorboard (always in the log line).")
+    g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--wandb-project", type=str, default="")
+    g.add_argument("--wandb-exp-name", type=str, default="")
+    g.add_argument("--wandb-save-dir", type=str, default="")
+    g.add_argument("--jsonl-log", type=str, default=None,
+                   help="Append one JSON object per log interval / evaluation (rank 0).")
+
+
+def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
+    """All trainer flags plus the quantization flags (plus the caller's extra ones)."""
+    parser = argparse.ArgumentParser(description="Megatron-compatible GPT trainer (megatron-core "
+                                                 "0.16.1) with quantized communication",
+                                     allow_abbrev=False)
+    _add_model_args(parser)
+    _add_optimizer_args(parser)
+    _add_mixed_precision_args(parser)
+    _add_distributed_args(parser)
+    _add_training_args(parser)
+    _add_data_args(parser)
+    _add_checkpoint_args(parser)
+    _add_logging_args(parser)
+    add_quantization_args(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser) or parser
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None,
+               extra_args_provider: Optional[Callable] = None,
+               validate: bool = True) -> argparse.Namespace:
+    """Parse (``sys.argv[1:]`` by default) and validate; bad combinations exit with a message."""
+    parser = build_parser(extra_args_provider)
+    args = parser.parse_args(argv)
+    if validate:
+        try:
+            validate_args(args)
+        except ArgumentError as e:
+            parser.error(str(e))
+    return args
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ArgumentError(msg)
+
+
+def validate_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill derived values (world/DP size, defaults) and reject bad combinations.
+
+    Raises :class:`ArgumentError` with the fix in the message.  Sets ``args.quant_config``
+    (the one :class:`QuantizationConfig`), ``args.params_dtype`` and ``args.data_parallel_size``.
+    """
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "micro_batch_size", "train_iters", "lr"):
+        _require(getattr(args, name) is not None, f"--{name.replace('_', '-')} is required")
+    _require(args.hidden_size % args.num_attention_heads == 0,
+             "--hidden-size must be divisible by --num-attention-heads")
+
+    # Device.
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.distributed_backend is None:
+        args.distributed_backend = "gloo" if args.device == "cpu" else "nccl"
+    _require(not (args.device == "cpu" and args.distributed_backend == "nccl"),
+             "--distributed-backend nccl needs --device cuda")
+
+    # Parallel sizes.
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.rank = int(os.environ.get("RANK", "0"))
+    mp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    _require(args.world_size % mp == 0,
+             f"world size {args.world_size} is not divisible by tensor-model-parallel-size "
+             f"({args.tensor_model_parallel_size}) x pipeline-model-parallel-size "
+             f"({args.pipeline_model_parallel_size})")
+    args.data_parallel_size = args.world_size // mp
+    if args.pipeline_model_parallel_size > 1:
+        _require(args.num_layers % args.pipeline_model_parallel_size == 0,
+                 "--num-layers must be divisible by --pipeline-model-parallel-size")
+
+    # Batch sizes.
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    _require(args.global_batch_size % (args.micro_batch_size * args.data_parallel_size) == 0,
+             f"--global-batch-size ({args.global_batch_size}) must be divisible by "
+             f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
+             f"({args.data_parallel_size})")
+
+    # Precision.
+    _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
+    import torch
+
+    args.params_dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
+    if args.grad_accum_dtype == "bf16":
+        _require(args.bf16, "--grad-accum-dtype bf16 needs --bf16")
+        _require(not args.accumulate_allreduce_grads_in_fp32,
+                 "--grad-accum-dtype bf16 contradicts --accumulate-allreduce-grads-in-fp32")
+        args.accumulate_allreduce_grads_in_fp32 = False
+    elif args.bf16 or args.grad_accum_dtype == "fp32":
+        # Megatron-LM accumulates bf16 gradients in fp32 (numerically necessary).
+        args.accumulate_allreduce_grads_in_fp32 = True
+
+    # Distributed optimizer and overlap.
+    if args.overlap_param_gather:
+        _require(args.use_distributed_optimizer,
+                 "--overlap-param-gather needs --use-distributed-optimizer")
+        _require(args.overlap_grad_reduce,
+                 "--overlap-param-gather needs --overlap-grad-reduce (as in megatron-core)")
+
+    # Quantization (the one place flags become a QuantizationConfig).
+    try:
+        args.quant_config = QuantizationConfig.from_args(args)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    if args.quant_config.enabled:
+        _require(args.use_distributed_optimizer,
+                 "quantized communication (--quantized-weights / --quantized-gradients / "
+                 "--quantized-grad-bits) needs --use-distributed-optimizer")
+
+    # Model shape defaults.
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute":
+        _require(args.max_position_embeddings >= args.seq_length,
+                 "--max-position-embeddings must be >= --seq-length")
+    if args.ffn_hidden_size is None:
+        if args.swiglu:
+            args.ffn_hidden_size = max(64, int((4 * args.hidden_size * 2 / 3) / 64) * 64)
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "full":
+        args.recompute_method = args.recompute_method or "uniform"
+        args.recompute_num_layers = args.recompute_num_layers or 1
+
+    # LR schedule.
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    _require(not (args.lr_warmup_fraction is not None and args.lr_warmup_iters),
+             "use only one of --lr-warmup-fraction and --lr-warmup-iters")
+    if args.lr_warmup_fraction is not None:
+        _require(0.0 <= args.lr_warmup_fraction <= 1.0, "--lr-warmup-fraction must be in [0, 1]")
+    _require(args.min_lr <= args.lr, "--min-lr must be <= --lr")
+
+    # Data and tokenizer.
+    _require(bool(args.data_path) or args.mock_data,
+             "give --data-path PREFIX (preprocessed .bin/.idx) or --mock-data")
+    _require(not (args.data_path and args.mock_data), "--data-path and --mock-data are exclusive")
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "GPT2BPETokenizer" if args.vocab_file else "NullTokenizer"
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+            _require(path is not None, f"GPT2BPETokenizer needs {flag}")
+            _require(os.path.isfile(path), f"{flag} {path!r} does not exist")
+    elif args.tokenizer_type in ("SentencePieceTokenizer", "HuggingFaceTokenizer"):
+        _require(args.tokenizer_model is not None, f"{args.tokenizer_type} needs --tokenizer-model")
+        _require(os.path.exists(args.tokenizer_model),
+                 f"--tokenizer-model {args.tokenizer_model!r} does not exist")
+    elif args.tokenizer_type == "NullTokenizer":
+        if args.vocab_size is None:
+            args.vocab_size = 1024
+        _require(args.vocab_size >= 2, "--vocab-size must be >= 2")
+    if args.data_path:
+        paths = args.data_path
+        prefixes = paths[1::2] if len(paths) > 1 and _is_number(paths[0]) else paths
+        for prefix in prefixes:
+            for ext in (".bin", ".idx"):
+                _require(os.path.isfile(prefix + ext), f"data file {prefix + ext!r} does not exist")
+    split = [s for s in args.split.replace("/", ",").split(",") if s.strip()]
+    _require(len(split) <= 3 and all(_is_number(s) and float(s) >= 0 for s in split)
+             and sum(float(s) for s in split) > 0, f"bad --split {args.split!r}")
+
+    # Logging / checkpointing.
+    for name in ("log_interval", "eval_iters", "tensorboard_log_interval"):
+        _require(getattr(args, name) > 0 or name == "eval_iters",
+                 f"--{name.replace('_', '-')} must be positive")
+    _require(args.eval_interval is None or args.eval_interval > 0, "--eval-interval must be positive")
+    if args.save_interval is not None:
+        _require(args.save_interval > 0, "--save-interval must be positive")
+        _require(args.save is not None, "--save-interval needs --save DIR")
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        warnings.warn("--wandb-project given but wandb is not installed: W&B logging is off")
+        args.wandb_project = ""
+    return args
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def padded_vocab_size(orig_vocab_size: int, args: argparse.Namespace) -> int:
+    """Pad the vocabulary so the embedding splits evenly over TP ranks (Megatron semantics)."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    if multiple <= 0:
+        return orig_vocab_size
+    return ((orig_vocab_size + multiple - 1) // multiple) * multiple
+
+
+if __name__ == "__main__":  # pragma: no cover - handy for eyeballing the flag list
+    build_parser().print_help(sys.stdout)

@@ -1,0 +1,267 @@
+"""Checkpoint save/load: per-rank ``torch.save`` files, written atomically.
+
+Layout::
+
+    {save}/latest_checkpointed_iteration.txt      # "N", replaced atomically
+    {save}/iter_{N:07d}/mp_rank_{tp:02d}_{pp:03d}_dp_{dp:03d}.pt
+
+Every rank writes its own file: optimizer state (for the distributed optimizer its local shard
+via megatron-core's ``dp_reshardable`` parameter state -- no communication, works on gloo CPU),
+scheduler, RNG (python/numpy/torch/cuda + the TP RNG tracker), quantization state (error
+buffers are per rank), iteration and consumed samples.  The model weights are identical over
+data-parallel ranks, so only DP rank 0 of each (TP, PP) stores them.
+
+Why atomic: a job killed while saving must never leave a directory that ``--load`` would pick
+up.  Ranks write into ``{save}/.tmp_iter_{N:07d}``; after a barrier rank 0 renames it to
+``iter_{N:07d}`` and then replaces the tracker file (temp file + ``os.replace``).  A crash
+before the rename leaves only a hidden temp dir, which the next save of that iteration removes.
+
+Limitation: resuming needs the same TP/PP/DP layout (the optimizer shards are per DP rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from megatron.distributed.quant import integration
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _rank_filename() -> str:
+    from megatron.core import parallel_state as ps
+
+    return (f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_"
+            f"{ps.get_pipeline_model_parallel_rank():03d}_dp_{ps.get_data_parallel_rank():03d}.pt")
+
+
+def _model_filename() -> str:
+    """The DP-rank-0 file of this (TP, PP) rank: the one that holds the weights."""
+    from megatron.core import parallel_state as ps
+
+    return (f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_"
+            f"{ps.get_pipeline_model_parallel_rank():03d}_dp_000.pt")
+
+
+def read_tracker(root: str) -> Optional[int]:
+    """Iteration named by the tracker file, or None when there is no checkpoint."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path, encoding="utf-8").read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise RuntimeError(f"corrupt checkpoint tracker {path}: {text!r}") from None
+
+
+def _write_tracker(root: str, iteration: int) -> None:
+    tmp = os.path.join(root, f".{TRACKER}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, TRACKER))
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def get_rng_state() -> Dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sub_optimizers(optimizer: Any) -> List[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _optimizer_state(optimizer: Any) -> List[Dict[str, Any]]:
+    """Per sub-optimizer: common state + (distributed optimizer) this rank's shard."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    out = []
+    for opt in _sub_optimizers(optimizer):
+        sd = opt.state_dict()
+        if isinstance(opt, DistributedOptimizer):
+            param_state = opt.get_parameter_state_dp_reshardable()
+            # megatron-core's loader skips padding entries; ours has none but needs the key.
+            for gbuf_idx, per_dtype in param_state.items():
+                if not isinstance(gbuf_idx, int):
+                    continue
+                for buckets in per_dtype.values():
+                    for bucket in buckets:
+                        for entry in bucket:
+                            entry["padding"] = False
+            sd["param_state"] = param_state
+            sd["param_state_sharding_type"] = "dp_reshardable"
+        out.append(sd)
+    return out
+
+
+def _load_optimizer_state(optimizer: Any, states: List[Dict[str, Any]]) -> None:
+    subs = _sub_optimizers(optimizer)
+    if len(subs) != len(states):
+        raise RuntimeError(f"checkpoint has {len(states)} optimizer(s), model has {len(subs)}")
+    for opt, sd in zip(subs, states):
+        opt.load_state_dict(sd)
+        _unalias_step_tensors(opt)
+
+
+def _unalias_step_tensors(opt: Any) -> None:
+    """Give every parameter its own Adam ``step`` tensor again.
+
+    Why: without Apex/TE, megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict`` puts
+    one shared ``step`` tensor into every parameter's state; torch's Adam then increments it once
+    per parameter per step, corrupting the bias correction after a resume (losses drift from the
+    uninterrupted run from the second resumed step on).
+    """
+    inner = getattr(opt, "optimizer", None)
+    state = getattr(inner, "state", None)
+    if not state:
+        return
+    for param_state in state.values():
+        step = param_state.get("step") if isinstance(param_state, dict) else None
+        if torch.is_tensor(step):
+            param_state["step"] = step.detach().clone()
+
+
+def _sync_params_for_save(model: List[torch.nn.Module]) -> None:
+    """With --overlap-param-gather the model weights lag the optimizer until the next forward;
+    finish the all-gather (Megatron-LM's disable/enable forward pre-hook dance)."""
+    for chunk in model:
+        if getattr(chunk, "use_forward_hook", False):
+            chunk.disable_forward_pre_hook(param_sync=True)
+            chunk.enable_forward_pre_hook()
+
+
+def save_checkpoint(args: argparse.Namespace, iteration: int, model: List[torch.nn.Module],
+                    optimizer: Any, scheduler: Any, train_state: Dict[str, Any]) -> str:
+    """Collective: every rank calls it.  Returns the final directory."""
+    from megatron.core import parallel_state as ps
+
+    root = args.save
+    final = checkpoint_dir(root, iteration)
+    tmp = os.path.join(root, f".tmp_iter_{iteration:07d}")
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)  # left over from a crashed save
+        os.makedirs(tmp)
+    torch.distributed.barrier()
+
+    _sync_params_for_save(model)
+    state: Dict[str, Any] = {
+        "iteration": iteration,
+        "train_state": dict(train_state),
+        "args": argparse.Namespace(**{k: v for k, v in vars(args).items()}),
+        "checkpoint_version": 1,
+        "quantization": integration.quantization_state_dict(model),
+    }
+    if ps.get_data_parallel_rank() == 0:
+        state["model"] = [chunk.module.state_dict() for chunk in model]
+    if not args.no_save_optim:
+        state["optimizer"] = _optimizer_state(optimizer)
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if not args.no_save_rng:
+        state["rng_state"] = get_rng_state()
+    path = os.path.join(tmp, _rank_filename())
+    torch.save(state, path + ".part")
+    os.replace(path + ".part", path)
+    torch.distributed.barrier()
+
+    if rank == 0:
+        if os.path.exists(final):  # re-saving the same iteration: replace it
+            old = os.path.join(root, f".old_iter_{iteration:07d}")
+            if os.path.exists(old):
+                shutil.rmtree(old)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(root)
+        _write_tracker(root, iteration)
+        _fsync_dir(root)
+    torch.distributed.barrier()
+    return final
+
+
+def load_checkpoint(args: argparse.Namespace, model: List[torch.nn.Module], optimizer: Any,
+                    scheduler: Any) -> Tuple[int, Dict[str, Any]]:
+    """Restore from ``args.load``; returns (iteration, train_state).  (0, {}) if nothing there."""
+    root = args.load
+    iteration = read_tracker(root) if root else None
+    if iteration is None:
+        return 0, {}
+    ckpt = checkpoint_dir(root, iteration)
+    own_path = os.path.join(ckpt, _rank_filename())
+    if not os.path.isfile(own_path):
+        raise RuntimeError(f"{own_path} is missing: the checkpoint was written with a different "
+                           f"parallel layout (TP/PP/DP must match) or is incomplete")
+    state = torch.load(own_path, map_location="cpu", weights_only=False)
+    model_state = state if "model" in state else torch.load(
+        os.path.join(ckpt, _model_filename()), map_location="cpu", weights_only=False)
+    for chunk, sd in zip(model, model_state["model"]):
+        chunk.module.load_state_dict(sd, strict=True)
+    del model_state
+
+    finetune = getattr(args, "finetune", False)
+    if not finetune and not args.no_load_optim and "optimizer" in state:
+        _load_optimizer_state(optimizer, state["optimizer"])
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    elif args.use_distributed_optimizer or args.bf16 or args.fp16:
+        # Main (fp32) params must follow the freshly loaded model weights.
+        for opt in _sub_optimizers(optimizer):
+            if hasattr(opt, "reload_model_params"):
+                opt.reload_model_params()
+    if not finetune and not args.no_load_rng and "rng_state" in state:
+        set_rng_state(state["rng_state"])
+    if state.get("quantization"):
+        integration.load_quantization_state_dict(model, state["quantization"])
+    torch.distributed.barrier()
+    if finetune:
+        return 0, {}
+    return iteration, state.get("train_state", {})

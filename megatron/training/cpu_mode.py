@@ -1,0 +1,386 @@
+"""Run megatron-core 0.16.1 on CPU ranks (gloo) without touching megatron-core's source.
+
+Why this exists: megatron-core assumes CUDA everywhere -- buffers are allocated on
+``torch.cuda.current_device()``, small helper tensors are created with ``device='cuda'``
+(optimizer overflow buffers, grad scaler, causal masks, token counters in the pipeline
+schedule), DDP creates ``torch.cuda.Stream`` objects, the distributed optimizer compares
+``Tensor.type()`` strings against ``'torch.cuda.*Tensor'`` and the tensor-parallel RNG tracker
+saves/restores CUDA generator states. None of that is needed for correctness on CPU, so we
+redirect those touch points to the CPU **inside megatron-core only**.
+
+How (each item is one patch, applied only by :func:`enable_cpu_mode`):
+
+1. ``torch`` proxy per megatron-core module.  Every loaded ``megatron.core.*`` module whose
+   global ``torch`` is the real torch module gets a :class:`_TorchProxy` instead. The proxy
+   forwards everything to torch except:
+
+   * factory functions (``tensor``, ``zeros``, ``empty``, ``ones``, ``full``, ``arange``, ...) and
+     ``torch.device``: a ``'cuda'`` / ``cuda:N`` / integer device becomes ``'cpu'``
+     (optimizer ``_dummy_overflow_buf``/``found_inf``, grad scaler, ``clip_grads``, causal
+     masks in ``transformer.utils``, ``total_num_tokens`` in the pipeline schedules);
+   * ``torch.cuda`` is :data:`_CUDA_SHIM`: ``current_device()`` returns ``torch.device('cpu')``
+     (param/grad buffers, ``GlobalMemoryBuffer``, TP layers, p2p shapes), ``Stream``/``Event``/
+     ``stream()``/``current_stream()`` are no-op objects (DDP communication stream -- with gloo
+     every collective is already ordered on the host), ``synchronize``/``empty_cache``/``nvtx``
+     are no-ops, and ``get_rng_state``/``set_rng_state``/``manual_seed`` act on the CPU
+     generator (the RNG tracker's ``add``).
+
+   Global ``torch`` is untouched: our own code and torch itself still see the real module, so
+   a stray ``device='cuda'`` outside megatron-core still fails loudly.  Modules whose
+   functions are compiled lazily (``torch.jit.script``/``torch.compile`` resolve globals at
+   first call) are skipped, see :data:`_SKIP_MODULE_PREFIXES`.
+
+2. ``megatron.core.tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``:
+   replaced by CPU-generator versions, so ``get_cuda_rng_tracker().fork()`` (dropout in TP
+   regions) forks the CPU generator exactly as it would fork the CUDA one, and
+   ``model_parallel_cuda_manual_seed`` works.
+
+3. ``torch.Tensor.type()`` (no-argument form) and ``torch.Tensor.cuda()``: when -- and only
+   when -- the caller is a megatron-core module, ``type()`` of a CPU tensor reports the CUDA
+   type string (``'torch.BFloat16Tensor'`` -> ``'torch.cuda.BFloat16Tensor'``) so
+   ``DistributedOptimizer``/``Float16OptimizerWithFloat16Params`` classify params correctly,
+   and ``cuda()`` returns the tensor itself (checkpoint load paths, ``check_param_hashes``).
+   Any other caller gets the original behaviour.
+
+5. A logging filter on ``megatron.core.tensor_parallel.random`` drops the per-forward warning
+   "CPU RNG state changed within GPU RNG context": on CPU the forked generator *is* the CPU
+   generator, so the warning is expected and would flood the logs.
+
+4. Megatron-core's JIT fuser (``megatron.core.jit.jit_fuser``) is switched to a no-op
+   decorator: the bias-GELU/SwiGLU fusions otherwise go through ``torch.compile``, which
+   needs a C++ toolchain on CPU and buys nothing for tiny CPU runs.  (Only affects modules
+   imported after :func:`enable_cpu_mode`; the trainer also disables the fusion flags.)
+
+The call is idempotent and may be repeated: a repeated call only proxies megatron-core
+modules imported since the previous call.  Call it before building models/optimizers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import sys
+import types
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+__all__ = ["enable_cpu_mode", "is_cpu_mode", "cpu_mode_requested"]
+
+_REAL_TORCH = torch
+_ENABLED = False
+_ORIG_TENSOR_TYPE = torch.Tensor.type
+_ORIG_TENSOR_CUDA = torch.Tensor.cuda
+
+# Modules imported eagerly by enable_cpu_mode so that their ``torch`` global is proxied before
+# anyone calls into them (every megatron-core module on the GPTModel/DDP/optimizer/schedule path).
+_PRELOAD_MODULES = (
+    "megatron.core.utils",
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.tensor_parallel.cross_entropy",
+    "megatron.core.tensor_parallel.utils",
+    "megatron.core.transformer.utils",
+    "megatron.core.transformer.module",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.transformer.transformer_layer",
+    "megatron.core.transformer.transformer_block",
+    "megatron.core.transformer.mlp",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.models.common.language_module.language_module",
+    "megatron.core.models.common.embeddings.language_model_embedding",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.distributed",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer_param_scheduler",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.timers",
+    "megatron.core.rerun_state_machine",
+)
+
+# Lazily compiled code resolves its globals at first call; a proxy object there would confuse
+# TorchScript / dynamo, and these modules hold no CUDA touch points on the CPU path.
+_SKIP_MODULE_PREFIXES = (
+    "megatron.core.fusions",
+    "megatron.core.jit",
+    "megatron.core.extensions",
+    "megatron.core.distributed.fsdp",
+)
+
+
+def _is_cuda_device(device: Any) -> bool:
+    """True for every spelling of a CUDA device: 'cuda', 'cuda:0', torch.device('cuda'), 0."""
+    if device is None:
+        return False
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True  # torch treats a bare int as a CUDA ordinal
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, _REAL_TORCH.device):
+        return device.type == "cuda"
+    return False
+
+
+def _map_device(device: Any) -> Any:
+    return _REAL_TORCH.device("cpu") if _is_cuda_device(device) else device
+
+
+def _wrap_factory(fn: Callable) -> Callable:
+    """Wrap a torch factory so a CUDA ``device=`` becomes CPU; ``pin_memory`` is dropped too
+    (pinning needs a CUDA runtime)."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _map_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return fn(*args, **kwargs)
+
+    wrapper.__name__ = getattr(fn, "__name__", "factory")
+    wrapper.__doc__ = getattr(fn, "__doc__", None)
+    return wrapper
+
+
+_FACTORY_NAMES = (
+    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
+    "randperm", "zeros_like", "ones_like", "empty_like", "full_like", "linspace", "eye",
+    "empty_strided", "tril_indices", "triu_indices",
+)
+
+
+class _DeviceMeta(type):
+    """``torch.device`` replacement: constructing maps CUDA to CPU, ``isinstance`` still works."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> torch.device:  # type: ignore[override]
+        if args and isinstance(args[0], str) and args[0].startswith("cuda"):
+            return _REAL_TORCH.device("cpu")
+        if args and isinstance(args[0], _REAL_TORCH.device) and args[0].type == "cuda":
+            return _REAL_TORCH.device("cpu")
+        return _REAL_TORCH.device(*args, **kwargs)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _REAL_TORCH.device)
+
+
+class _CpuDevice(metaclass=_DeviceMeta):
+    """Stand-in for ``torch.device`` inside megatron-core modules (see :class:`_DeviceMeta`)."""
+
+
+class _NullStream:
+    """No-op ``torch.cuda.Stream``: CPU ops and gloo collectives are host-ordered already."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.device = _REAL_TORCH.device("cpu")
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> "_NullEvent":
+        return event if event is not None else _NullEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _NullEvent:
+    """No-op ``torch.cuda.Event`` (timing falls back to host clocks in our trainer)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _zero(*args: Any, **kwargs: Any) -> int:
+    return 0
+
+
+class _CudaShim(types.ModuleType):
+    """What megatron-core sees as ``torch.cuda`` in CPU mode."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda")
+        self.current_device = lambda: _REAL_TORCH.device("cpu")
+        self.is_available = lambda: False
+        self.device_count = lambda: 0
+        self.Stream = _NullStream
+        self.Event = _NullEvent
+        self.stream = lambda stream=None: contextlib.nullcontext()
+        self.current_stream = lambda device=None: _NullStream()
+        self.default_stream = lambda device=None: _NullStream()
+        self.synchronize = _noop
+        self.empty_cache = _noop
+        self.set_device = _noop
+        self.device = lambda device=None: contextlib.nullcontext()
+        self.memory_allocated = _zero
+        self.max_memory_allocated = _zero
+        self.memory_reserved = _zero
+        self.max_memory_reserved = _zero
+        self.reset_peak_memory_stats = _noop
+        self.get_rng_state = lambda device="cuda": _REAL_TORCH.get_rng_state()
+        self.set_rng_state = lambda new_state, device="cuda": _REAL_TORCH.set_rng_state(new_state)
+        self.manual_seed = lambda seed: _REAL_TORCH.manual_seed(seed)
+        self.manual_seed_all = lambda seed: _REAL_TORCH.manual_seed(seed)
+        self.is_current_stream_capturing = lambda: False
+        self.nvtx = types.SimpleNamespace(range_push=_noop, range_pop=_noop, mark=_noop,
+                                          range=lambda *a, **k: contextlib.nullcontext())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_REAL_TORCH.cuda, name)
+
+
+_CUDA_SHIM = _CudaShim()
+
+
+class _TorchProxy(types.ModuleType):
+    """What a megatron-core module sees as ``torch`` in CPU mode (see module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CUDA_SHIM
+        self.device = _CpuDevice
+        for name in _FACTORY_NAMES:
+            if hasattr(_REAL_TORCH, name):
+                setattr(self, name, _wrap_factory(getattr(_REAL_TORCH, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_REAL_TORCH, name)
+
+
+_TORCH_PROXY = _TorchProxy()
+_PROXIED: Dict[str, types.ModuleType] = {}
+
+
+def _called_from_megatron_core(depth: int = 2) -> bool:
+    frame = sys._getframe(depth)
+    name = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return name.startswith("megatron.core")
+
+
+def _tensor_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``Tensor.type`` that reports CUDA type strings to megatron-core for CPU tensors."""
+    result = _ORIG_TENSOR_TYPE(self, *args, **kwargs)
+    if (not args and not kwargs and isinstance(result, str) and self.device.type == "cpu"
+            and not result.startswith("torch.cuda.") and _called_from_megatron_core()):
+        return "torch.cuda." + result[len("torch."):]
+    return result
+
+
+def _tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``Tensor.cuda`` that is the identity for megatron-core callers in CPU mode."""
+    if _called_from_megatron_core():
+        return self
+    return _ORIG_TENSOR_CUDA(self, *args, **kwargs)
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False,
+                       graph_safe: bool = False) -> torch.Tensor:
+    """CPU replacement of ``tensor_parallel.random._get_cuda_rng_state``."""
+    return _REAL_TORCH.get_rng_state()  # already a copy
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: int = -1,
+                       graph_safe: bool = False) -> None:
+    """CPU replacement of ``tensor_parallel.random._set_cuda_rng_state``."""
+    _REAL_TORCH.set_rng_state(new_state)
+
+
+class _DropCpuRngWarning(logging.Filter):
+    """Drops the RNG-tracker warning that is expected in CPU mode (patch 5)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _proxy_loaded_modules() -> int:
+    count = 0
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith("megatron.core") or name in _PROXIED:
+            continue
+        if name.startswith(_SKIP_MODULE_PREFIXES):
+            continue
+        if getattr(mod, "torch", None) is _REAL_TORCH:
+            mod.torch = _TORCH_PROXY
+            _PROXIED[name] = mod
+            count += 1
+    return count
+
+
+def cpu_mode_requested(device: Optional[str] = None) -> bool:
+    """CPU mode when asked for (``--device cpu``) or when no CUDA device exists."""
+    if device is not None:
+        return device == "cpu"
+    return not _REAL_TORCH.cuda.is_available()
+
+
+def is_cpu_mode() -> bool:
+    """Whether :func:`enable_cpu_mode` has run in this process."""
+    return _ENABLED
+
+
+def enable_cpu_mode() -> int:
+    """Apply the CPU-mode patches (idempotent); returns the number of newly proxied modules."""
+    global _ENABLED
+    if not _ENABLED:
+        import megatron.core.jit as mcore_jit
+
+        mcore_jit.disable_jit_fuser()
+        for name in _PRELOAD_MODULES:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # optional pieces of megatron-core
+                pass
+        import megatron.core.tensor_parallel.random as tp_random
+
+        tp_random._get_cuda_rng_state = _cpu_get_rng_state
+        tp_random._set_cuda_rng_state = _cpu_set_rng_state
+        logging.getLogger(tp_random.__name__).addFilter(_DropCpuRngWarning())
+        torch.Tensor.type = _tensor_type  # type: ignore[method-assign]
+        torch.Tensor.cuda = _tensor_cuda  # type: ignore[method-assign]
+        _ENABLED = True
+    return _proxy_loaded_modules()
+
+
+def proxied_modules() -> list:
+    """Names of megatron-core modules currently seeing the CPU torch proxy (for diagnostics)."""
+    return sorted(_PROXIED)

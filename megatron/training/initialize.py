@@ -1,0 +1,93 @@
+"""Process-level setup: device/CPU mode, torch.distributed, model-parallel groups, seeds.
+
+Why here: every entry point (pretrain_gpt.py, tests, tools) needs the same order of operations
+-- CPU mode must be patched in before megatron-core allocates anything, the process groups must
+exist before the num-microbatches calculator and the models, and the RNG tracker must be seeded
+after the groups exist (its seed depends on the TP/PP rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+from . import cpu_mode
+
+
+def initialize_distributed(args: argparse.Namespace) -> None:
+    """``torch.distributed`` from the torchrun environment, then megatron-core's groups."""
+    if args.device == "cpu":
+        cpu_mode.enable_cpu_mode()
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+
+    if not torch.distributed.is_initialized():
+        if "MASTER_ADDR" not in os.environ:  # plain `python pretrain_gpt.py`: one process
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+        kwargs = {}
+        if args.device == "cuda":
+            kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+        torch.distributed.init_process_group(
+            backend=args.distributed_backend,
+            world_size=int(os.environ["WORLD_SIZE"]), rank=int(os.environ["RANK"]),
+            timeout=timedelta(minutes=args.distributed_timeout_minutes), **kwargs)
+    args.rank = torch.distributed.get_rank()
+    args.world_size = torch.distributed.get_world_size()
+
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            distributed_timeout_minutes=args.distributed_timeout_minutes)
+    assert parallel_state.get_data_parallel_world_size() == args.data_parallel_size, (
+        "data-parallel size from WORLD_SIZE at parse time differs from the process group")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_random_seed(seed: int, device: str) -> None:
+    """Seed python/numpy/torch per pipeline stage (as Megatron-LM) and the TP RNG tracker."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    # On CPU the tracker forks the CPU generator (see cpu_mode patch 2); on GPU the CUDA one.
+    model_parallel_cuda_manual_seed(seed)
+
+
+def init_num_microbatches(args: argparse.Namespace) -> None:
+    """megatron-core's global num-microbatches calculator (constant batch size)."""
+    from megatron.core import num_microbatches_calculator as nmc
+
+    if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
+        nmc.destroy_num_microbatches_calculator()
+    nmc.init_num_microbatches_calculator(
+        rank=args.rank, rampup_batch_size=None, global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size, data_parallel_size=args.data_parallel_size)
+
+
+def initialize_megatron(args: argparse.Namespace) -> None:
+    """Everything before model construction, in the order megatron-core needs."""
+    initialize_distributed(args)
+    init_num_microbatches(args)
+    set_random_seed(args.seed, args.device)

@@ -1,0 +1,596 @@
+"""GPT pretraining loop on megatron-core 0.16.1 (our own code; Megatron-LM semantics).
+
+What it builds, in order: TransformerConfig -> GPTModel (TE spec when transformer_engine is
+importable and we are on GPU, else megatron-core's local spec) -> Float16Module (bf16/fp16) ->
+DDP via ``integration.wrap_model_with_ddp`` -> megatron-core optimizer + OptimizerParamScheduler
+-> ``integration.on_optimizer_built``.  Data come from megatron-core's
+BlendedMegatronDatasetBuilder (GPTDataset, or MockGPTDataset with --mock-data) through a
+consumed-samples-aware sampler so a resumed run sees exactly the batches the uninterrupted run
+would have seen.
+
+Why our own optimizer step (:func:`optimizer_step`): megatron-core only skips a step on fp16
+overflow; with bf16 a NaN/Inf gradient would be applied.  We use the optimizer's own building
+blocks (prepare_grads / get_grad_norm / clip / step_with_ready_grads) and skip when the global
+grad norm is not finite, counting it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from functools import partial
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from megatron.distributed.quant import integration
+
+from . import checkpointing
+from .arguments import padded_vocab_size
+from .logging_utils import MetricsLogger, print_rank_0
+from .tokenizer import build_tokenizer
+
+
+# ----------------------------------------------------------------------------- configs
+def _have_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+
+        return True
+    except Exception:
+        return False
+
+
+def build_transformer_config(args: argparse.Namespace):
+    """Megatron-LM flags -> megatron-core TransformerConfig (fusions off in CPU mode)."""
+    from megatron.core.transformer import TransformerConfig
+
+    cpu = args.device == "cpu"
+    kwargs: Dict[str, Any] = dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
+        normalization=args.normalization, gated_linear_unit=args.swiglu,
+        add_bias_linear=args.add_bias_linear,
+        bf16=args.bf16, fp16=args.fp16, params_dtype=args.params_dtype,
+        pipeline_dtype=args.params_dtype,
+        use_cpu_initialization=args.use_cpu_initialization or cpu,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        # Fused kernels need CUDA (or torch.compile / a C++ toolchain on CPU).
+        bias_activation_fusion=(not cpu) and (args.swiglu or args.add_bias_linear),
+        masked_softmax_fusion=not cpu, bias_dropout_fusion=not cpu,
+        gradient_accumulation_fusion=False, persist_layer_norm=not cpu,
+        apply_rope_fusion=False,
+    )
+    if args.swiglu:
+        import torch.nn.functional as F
+
+        kwargs["activation_func"] = F.silu
+    return TransformerConfig(**kwargs)
+
+
+def build_ddp_config(args: argparse.Namespace):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    kwargs = dict(grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+                  overlap_grad_reduce=args.overlap_grad_reduce,
+                  overlap_param_gather=args.overlap_param_gather,
+                  use_distributed_optimizer=args.use_distributed_optimizer,
+                  check_for_nan_in_grad=False)
+    if args.ddp_bucket_size is not None:
+        kwargs["bucket_size"] = args.ddp_bucket_size
+    return DistributedDataParallelConfig(**kwargs)
+
+
+def build_optimizer_config(args: argparse.Namespace):
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
+        bf16=args.bf16, fp16=args.fp16, params_dtype=args.params_dtype,
+        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather)
+
+
+def config_summary(args: argparse.Namespace) -> Dict[str, Any]:
+    """Every config the run would build (for --dry-run), as JSON-friendly dicts."""
+    from dataclasses import fields
+
+    def as_dict(cfg: Any) -> Dict[str, Any]:
+        out = {}
+        for f in fields(cfg):
+            v = getattr(cfg, f.name, None)
+            out[f.name] = v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+        return out
+
+    return {"transformer": as_dict(build_transformer_config(args)),
+            "ddp": as_dict(build_ddp_config(args)),
+            "optimizer": as_dict(build_optimizer_config(args)),
+            "layer_spec": "transformer_engine" if (args.device == "cuda" and _have_te()) else "local"}
+
+
+# ----------------------------------------------------------------------------- model
+def model_provider(args: argparse.Namespace, config: Any, vocab_size: int,
+                   pre_process: bool, post_process: bool) -> torch.nn.Module:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if args.device == "cuda" and _have_te():
+        spec = specs.get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = specs.get_gpt_layer_local_spec(normalization=args.normalization)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
+                    max_sequence_length=args.max_position_embeddings,
+                    pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type,
+                    rotary_percent=args.rotary_percent, rotary_base=args.rotary_base)
+
+
+def get_model(args: argparse.Namespace, config: Any, vocab_size: int) -> List[torch.nn.Module]:
+    """One model chunk (no virtual pipeline), mixed-precision wrapped, DDP via the integration."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.module import Float16Module
+
+    chunk = model_provider(args, config, vocab_size,
+                           pre_process=ps.is_pipeline_first_stage(),
+                           post_process=ps.is_pipeline_last_stage())
+    if args.device == "cuda":
+        chunk.cuda(torch.cuda.current_device())
+    if args.bf16 or args.fp16:
+        chunk = Float16Module(config, chunk)
+    return integration.wrap_model_with_ddp(config, build_ddp_config(args), [chunk],
+                                           args.quant_config)
+
+
+def get_optimizer_and_scheduler(args: argparse.Namespace, model: List[torch.nn.Module]):
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = get_megatron_optimizer(build_optimizer_config(args), model)
+    gbs = args.global_batch_size
+    decay_steps = args.lr_decay_iters * gbs
+    if args.lr_warmup_fraction is not None:
+        warmup_steps = int(args.lr_warmup_fraction * decay_steps)
+    else:
+        warmup_steps = args.lr_warmup_iters * gbs
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+        end_wd=args.weight_decay, wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False)
+    integration.on_optimizer_built(optimizer, model, args.quant_config)
+    return optimizer, scheduler
+
+
+# ----------------------------------------------------------------------------- data
+def build_datasets(args: argparse.Namespace, tokenizer: Any):
+    """train/valid/test GPT datasets sized for the whole run (Megatron-LM's formula)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+    gbs = args.global_batch_size
+    eval_runs = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 1
+    sizes = [args.train_iters * gbs, eval_runs * args.eval_iters * gbs, args.eval_iters * gbs]
+    blend = None
+    if args.data_path:
+        paths = args.data_path
+        if len(paths) > 1 and _is_number(paths[0]):
+            blend = (paths[1::2], [float(w) for w in paths[0::2]])
+        else:
+            blend = (paths, None)
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
+        split=args.split, tokenizer=tokenizer, reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=False, path_to_cache=args.data_cache_path,
+        mmap_bin_files=True)
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    train, valid, test = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+    return train, valid, test
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+class PretrainingSampler:
+    """Sequential batches of micro-batch indices for this DP rank, starting at consumed_samples.
+
+    Global batch g covers samples [g*GBS, (g+1)*GBS); each micro-step takes MBS*DP consecutive
+    samples and DP rank r gets [r*MBS, (r+1)*MBS) of them -- so resuming at consumed_samples
+    reproduces the exact data order.
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int) -> None:
+        self.total = total_samples
+        self.consumed = consumed_samples
+        self.mbs = micro_batch_size
+        self.rank = dp_rank
+        self.dp = dp_size
+
+    def __len__(self) -> int:
+        return max(0, (self.total - self.consumed) // (self.mbs * self.dp))
+
+    def __iter__(self) -> Iterator[List[int]]:
+        step = self.mbs * self.dp
+        start = self.consumed
+        while start + step <= self.total:
+            yield list(range(start + self.rank * self.mbs, start + (self.rank + 1) * self.mbs))
+            start += step
+
+
+def build_data_iterator(dataset: Any, consumed: int, args: argparse.Namespace,
+                        cyclic: bool = False) -> Optional[Iterator]:
+    if dataset is None or len(dataset) == 0:
+        return None
+    from megatron.core import parallel_state as ps
+
+    def make(consumed_: int):
+        sampler = PretrainingSampler(len(dataset), consumed_ % max(1, len(dataset)),
+                                     args.micro_batch_size, ps.get_data_parallel_rank(),
+                                     ps.get_data_parallel_world_size())
+        # Own generator: creating a DataLoader iterator draws a base seed, which must not
+        # advance the global torch RNG (a resumed run builds its loaders after restoring it).
+        gen = torch.Generator().manual_seed(args.seed)
+        return iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
+                                                num_workers=args.num_workers, pin_memory=False,
+                                                persistent_workers=False, generator=gen))
+
+    if not cyclic:
+        return make(consumed)
+
+    def cycle():
+        c = consumed
+        while True:
+            for batch in make(c):
+                yield batch
+            c = 0
+
+    return cycle()
+
+
+# ----------------------------------------------------------------------------- steps
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Token-mean LM loss; reports [sum, count] so the average is exact across microbatches/DP."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach().clone(), mask.sum().detach()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(args: argparse.Namespace, data_iterator: Iterator, model: torch.nn.Module):
+    batch = next(data_iterator)
+    dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
+    tokens = batch["tokens"]
+    labels = batch["labels"]
+    loss_mask = batch["loss_mask"]
+    position_ids = batch["position_ids"]
+    if dev is not None:
+        tokens, labels, loss_mask, position_ids = (t.to(dev, non_blocking=True) for t in
+                                                   (tokens, labels, loss_mask, position_ids))
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, partial(loss_func, loss_mask)
+
+
+def _reduce_losses(losses_reduced: List[Dict[str, torch.Tensor]], device: torch.device) -> float:
+    """Average LM loss over microbatches and DP ranks, broadcast from the last PP stage."""
+    from megatron.core import parallel_state as ps
+
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for d in losses_reduced:
+        total += d["lm loss"].to(device=device, dtype=torch.float64)
+    if ps.is_pipeline_last_stage():
+        torch.distributed.all_reduce(total, group=ps.get_data_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        src = ps.get_pipeline_model_parallel_last_rank()
+        torch.distributed.broadcast(total, src=src, group=ps.get_pipeline_model_parallel_group())
+    return float(total[0] / torch.clamp(total[1], min=1.0))
+
+
+def optimizer_step(optimizer: Any) -> Tuple[bool, Optional[float], str]:
+    """Step unless the gradients overflowed (fp16) or their global norm is not finite.
+
+    Returns (update_successful, grad_norm, reason) with reason in {'', 'overflow', 'nan'}.
+    Mirrors megatron-core's MixedPrecisionOptimizer/ChainedOptimizer.step, plus the NaN check.
+    """
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    if optimizer.prepare_grads():
+        return False, None, "overflow"
+    grad_norm = optimizer.get_grad_norm()
+    grad_norm = float(grad_norm) if grad_norm is not None else None
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        return False, grad_norm, "nan"
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "is_stub_optimizer", False) or opt.config.clip_grad <= 0.0:
+            continue
+        params = opt.get_parameters()
+        if len(params) == 0:
+            continue
+        clip_grad_by_total_norm_fp32(
+            params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
+            use_decoupled_grad=getattr(opt.config,
+                                       "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
+    ok = optimizer.step_with_ready_grads()
+    return bool(ok), grad_norm, ""
+
+
+def _loss_scale(optimizer: Any) -> float:
+    try:
+        return float(optimizer.get_loss_scale())
+    except Exception:
+        return 1.0
+
+
+def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler, device):
+    """One optimizer step over num_microbatches micro-batches."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    fwd_bwd = get_forward_backward_func()
+    losses = fwd_bwd(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                     model=model, num_microbatches=get_num_microbatches(),
+                     seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                     decoder_seq_length=args.seq_length, forward_only=False)
+    scale_before = _loss_scale(optimizer)
+    ok, grad_norm, reason = optimizer_step(optimizer)
+    if ok:
+        scheduler.step(increment=args.global_batch_size)
+    else:
+        ratio = (_loss_scale(optimizer) / scale_before) if reason == "overflow" else None
+        integration.on_step_skipped(model, ratio)
+    loss = _reduce_losses(losses, device)
+    return loss, ok, grad_norm, reason
+
+
+def evaluate(args, forward_step_func, data_iterator, model, device) -> Optional[float]:
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if data_iterator is None or args.eval_iters <= 0:
+        return None
+    for chunk in model:
+        chunk.eval()
+    total = []
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            losses = get_forward_backward_func()(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
+                forward_only=True)
+            total.append(_reduce_losses(losses, device))
+    for chunk in model:
+        chunk.train()
+    return sum(total) / len(total)
+
+
+# ----------------------------------------------------------------------------- loop
+def _fmt_log_line(iteration: int, args, consumed: int, ms_per_iter: float, lr: float,
+                  loss: float, loss_scale: float, grad_norm: Optional[float], skipped: int,
+                  nans: int, tokens_per_s: float, comm: Dict[str, float]) -> str:
+    parts = [f" iteration {iteration:8d}/{args.train_iters:8d}",
+             f"consumed samples: {consumed:12d}",
+             f"elapsed time per iteration (ms): {ms_per_iter:.1f}",
+             f"learning rate: {lr:.6E}",
+             f"global batch size: {args.global_batch_size:5d}",
+             f"lm loss: {loss:.6E}",
+             f"loss scale: {loss_scale:.1f}"]
+    if grad_norm is not None:
+        parts.append(f"grad norm: {grad_norm:.3f}")
+    parts += [f"number of skipped iterations: {skipped:3d}",
+              f"number of nan iterations: {nans:3d}"]
+    if args.log_throughput:
+        parts.append(f"throughput (tokens/s): {tokens_per_s:.1f}")
+    for k, v in comm.items():
+        parts.append(f"{k}: {v:.3f}")
+    return " | ".join(parts) + " |"
+
+
+def _should_exit_on_time(args, start_time: float, device) -> bool:
+    if args.exit_duration_in_mins is None:
+        return False
+    elapsed = torch.tensor([(time.time() - start_time) / 60.0], device=device)
+    torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
+    return float(elapsed) > args.exit_duration_in_mins
+
+
+def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]:
+    """Initialize, build, (resume), train, evaluate, save.  Returns the summary dict."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    from .initialize import initialize_megatron
+
+    start_time = time.time()
+    initialize_megatron(args)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" \
+        else torch.device("cpu")
+    if forward_step_func is None:
+        forward_step_func = partial(forward_step, args)
+
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    config = build_transformer_config(args)
+    model = get_model(args, config, args.padded_vocab_size)
+    optimizer, scheduler = get_optimizer_and_scheduler(args, model)
+
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model[0].no_sync
+    if args.overlap_grad_reduce:
+        config.grad_sync_func = model[0].start_grad_sync
+    config.timers = None
+
+    iteration, train_state = 0, {}
+    if args.load:
+        iteration, train_state = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+        if iteration:
+            print_rank_0(f" loaded checkpoint from {args.load} at iteration {iteration}")
+    consumed_train = int(train_state.get("consumed_train_samples", iteration * args.global_batch_size))
+    consumed_valid = int(train_state.get("consumed_valid_samples", 0))
+    skipped_total = int(train_state.get("skipped_iterations", 0))
+    nan_total = int(train_state.get("nan_iterations", 0))
+
+    train_ds, valid_ds, _ = build_datasets(args, tokenizer)
+    train_iter = build_data_iterator(train_ds, consumed_train, args)
+    valid_iter = build_data_iterator(valid_ds, consumed_valid, args, cyclic=True)
+
+    is_logger = torch.distributed.get_rank() == 0
+    metrics = MetricsLogger(args, active=is_logger)
+    n_params = sum(p.numel() for p in model[0].parameters())
+    print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
+                 f"({ps.get_tensor_model_parallel_rank()}, {ps.get_pipeline_model_parallel_rank()}): "
+                 f"{n_params}")
+    print_rank_0(f" > device: {args.device}, backend: {args.distributed_backend}, world size: "
+                 f"{args.world_size} (TP={args.tensor_model_parallel_size}, "
+                 f"PP={args.pipeline_model_parallel_size}, DP={args.data_parallel_size})")
+
+    tokens_per_iter = args.global_batch_size * args.seq_length
+    interval = {"loss": 0.0, "n": 0, "time": 0.0, "skipped": 0, "nan": 0}
+    run_iters, run_time = 0, 0.0
+    last_saved = iteration if args.load else None
+    last_loss: Optional[float] = None
+    last_val: Optional[float] = None
+    exit_reason = "finished"
+
+    def save(it: int) -> None:
+        nonlocal last_saved
+        if args.save and last_saved != it:
+            checkpointing.save_checkpoint(args, it, model, optimizer, scheduler, {
+                "consumed_train_samples": consumed_train,
+                "consumed_valid_samples": consumed_valid,
+                "skipped_iterations": skipped_total, "nan_iterations": nan_total})
+            last_saved = it
+            print_rank_0(f" saved checkpoint at iteration {it:7d} to {args.save}")
+
+    for chunk in model:
+        chunk.train()
+    while not args.skip_train and iteration < args.train_iters:
+        integration.set_iteration(model, iteration + 1)
+        t0 = time.time()
+        loss, ok, grad_norm, reason = train_step(args, forward_step_func, train_iter, model,
+                                                 optimizer, scheduler, device)
+        dt = time.time() - t0
+        iteration += 1
+        run_iters += 1
+        run_time += dt
+        consumed_train += args.global_batch_size
+        is_nan = reason == "nan" or not math.isfinite(loss)
+        if not ok:
+            skipped_total += 1
+            interval["skipped"] += 1
+        if is_nan:
+            nan_total += 1
+            interval["nan"] += 1
+        else:
+            interval["loss"] += loss
+            interval["n"] += 1
+            last_loss = loss
+        interval["time"] += dt
+        lr = float(optimizer.param_groups[0]["lr"])
+
+        if iteration % args.tensorboard_log_interval == 0:
+            tb = {"lm loss": loss if not is_nan else None, "learning-rate": lr,
+                  "grad-norm": grad_norm if (grad_norm is not None and math.isfinite(grad_norm)) else None,
+                  "throughput/tokens-per-sec": tokens_per_iter / dt if dt > 0 else None}
+            if args.log_loss_scale:
+                tb["loss-scale"] = _loss_scale(optimizer)
+            if args.log_timers_to_tensorboard:
+                tb["iteration-time"] = dt
+            metrics.scalars(tb, iteration)
+
+        if iteration % args.log_interval == 0:
+            n_it = args.log_interval
+            ms = 1000.0 * interval["time"] / n_it
+            avg_loss = interval["loss"] / interval["n"] if interval["n"] else float("nan")
+            tps = tokens_per_iter * n_it / interval["time"] if interval["time"] > 0 else 0.0
+            comm = integration.communication_report(model)
+            line = _fmt_log_line(iteration, args, consumed_train, ms, lr, avg_loss,
+                                 _loss_scale(optimizer), grad_norm, interval["skipped"],
+                                 interval["nan"], tps, comm)
+            print_rank_0(line)
+            metrics.record({"type": "train", "iteration": iteration,
+                            "consumed_samples": consumed_train, "lm_loss": avg_loss, "lr": lr,
+                            "grad_norm": grad_norm, "loss_scale": _loss_scale(optimizer),
+                            "skipped_iterations": interval["skipped"],
+                            "nan_iterations": interval["nan"], "ms_per_iteration": ms,
+                            "tokens_per_s": tps, **comm})
+            if comm:
+                metrics.scalars({f"comm/{k}": v for k, v in comm.items()}, iteration)
+            interval = {"loss": 0.0, "n": 0, "time": 0.0, "skipped": 0, "nan": 0}
+
+        if args.eval_interval and iteration % args.eval_interval == 0 and valid_iter is not None:
+            last_val = _run_eval(args, forward_step_func, valid_iter, model, device, metrics,
+                                 iteration, "validation")
+            consumed_valid += args.eval_iters * args.global_batch_size
+
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            save(iteration)
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            exit_reason = f"exit interval {args.exit_interval}"
+            break
+        if _should_exit_on_time(args, start_time, device):
+            exit_reason = f"exit duration {args.exit_duration_in_mins} min"
+            break
+
+    if exit_reason == "finished" and valid_iter is not None and (args.skip_train or not (
+            args.eval_interval and iteration % args.eval_interval == 0)):
+        last_val = _run_eval(args, forward_step_func, valid_iter, model, device, metrics,
+                             iteration, "validation (end of training)")
+    save(iteration)
+
+    comm_total = integration.communication_report(model, reset=True)
+    summary = {"type": "summary", "iterations": iteration, "iterations_this_run": run_iters,
+               "exit_reason": exit_reason, "final_lm_loss": last_loss, "final_val_loss": last_val,
+               "skipped_iterations": skipped_total, "nan_iterations": nan_total,
+               "ms_per_iteration": 1000.0 * run_time / max(1, run_iters),
+               "tokens_per_s": tokens_per_iter * run_iters / run_time if run_time > 0 else 0.0,
+               "quantization": args.quant_config.enabled, **comm_total}
+    fmt = lambda v: f"{v:.4E}" if isinstance(v, float) else str(v)  # noqa: E731
+    print_rank_0(" training summary | " + " | ".join(f"{k}: {fmt(v)}" for k, v in summary.items()
+                                                     if k != "type") + " |")
+    metrics.record(summary)
+    metrics.close()
+    return summary
+
+
+def _run_eval(args, forward_step_func, valid_iter, model, device, metrics, iteration,
+              label: str) -> Optional[float]:
+    val = evaluate(args, forward_step_func, valid_iter, model, device)
+    if val is None:
+        return None
+    ppl = math.exp(min(20.0, val))
+    bar = "-" * 100
+    print_rank_0(f"{bar}\n {label} loss at iteration {iteration} | lm loss value: {val:.6E} | "
+                 f"lm loss PPL: {ppl:.6E} |\n{bar}")
+    tb = {"lm loss validation": val}
+    if args.log_validation_ppl_to_tensorboard:
+        tb["lm loss validation ppl"] = ppl
+    metrics.scalars(tb, iteration)
+    metrics.record({"type": "valid", "iteration": iteration, "lm_loss": val, "ppl": ppl})
+    return val

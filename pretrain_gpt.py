@@ -1,0 +1,47 @@
+#!/usr/bin/env python3
+"""Pretrain a GPT model with megatron-core 0.16.1 (Megatron-LM compatible flags).
+
+    torchrun --nproc-per-node 2 pretrain_gpt.py --num-layers 2 --hidden-size 64 \
+        --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 --global-batch-size 8 \
+        --train-iters 20 --lr 1e-3 --mock-data --bf16 --use-distributed-optimizer
+
+Runs on CPU ranks (gloo) automatically when no GPU is present (or with ``--device cpu``).
+``--dry-run`` parses and builds every config without initializing torch.distributed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import List, Optional
+
+from megatron.training.arguments import parse_args
+
+
+def dry_run(args) -> None:
+    """Print the parsed args, the QuantizationConfig and the built configs as JSON lines."""
+    from megatron.training.training import config_summary
+
+    print("DRY_RUN_ARGS " + json.dumps(vars(args), default=str), flush=True)
+    print("DRY_RUN_QUANT " + json.dumps(args.quant_config.to_dict(), default=str), flush=True)
+    print("DRY_RUN_CONFIGS " + json.dumps(config_summary(args), default=str), flush=True)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        dry_run(args)
+        return 0
+    from megatron.training.training import pretrain
+
+    pretrain(args)
+    import torch
+
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

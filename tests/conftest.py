@@ -1,0 +1,51 @@
+"""Shared helpers for the trainer tests: free ports and a torchrun launcher for pretrain_gpt.py.
+
+Why a fixture and not a helper module: tests/ is not a package, and every multi-process test
+needs the same launch recipe (gloo on 127.0.0.1, OMP_NUM_THREADS=1 so two ranks fit on two
+cores, a hard timeout so a hung collective fails the test instead of the CI job).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, List
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+TINY_GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--max-position-embeddings", "32",
+            "--micro-batch-size", "2", "--mock-data", "--vocab-size", "128",
+            "--make-vocab-size-divisible-by", "8", "--device", "cpu"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def free_port() -> int:
+    return _free_port()
+
+
+@pytest.fixture
+def run_pretrain() -> Callable[..., subprocess.CompletedProcess]:
+    """``run_pretrain(args, nproc=2, timeout=180)``: torchrun pretrain_gpt.py, capture output."""
+
+    def run(args: List[str], nproc: int = 2, timeout: int = 180) -> subprocess.CompletedProcess:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+                   PYTHONWARNINGS="ignore")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+               str(REPO / "pretrain_gpt.py"), *TINY_GPT, *args]
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    return run

@@ -1,0 +1,150 @@
+"""Flags: every Megatron-LM flag we promise parses and lands in args; bad combinations fail
+with a message that names the fix; --dry-run prints the configs and exits 0.
+
+Why: launch scripts written for Megatron-LM must keep working, and a misconfigured job should
+die at parse time with a clear reason instead of deep inside megatron-core.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from megatron.training.arguments import ArgumentError, build_parser, parse_args, validate_args
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3",
+        "--mock-data", "--device", "cpu"]
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+
+
+def test_every_listed_flag_parses_and_acts(tmp_path: Path) -> None:
+    argv = BASE + [
+        "--ffn-hidden-size", "96", "--max-position-embeddings", "64",
+        "--lr-decay-iters", "8", "--lr-decay-style", "cosine", "--min-lr", "1e-5",
+        "--adam-beta1", "0.8", "--adam-beta2", "0.95", "--adam-eps", "1e-6",
+        "--weight-decay", "0.1", "--lr-warmup-fraction", "0.1", "--clip-grad", "0.5",
+        "--loss-scale", "128", "--initial-loss-scale", "1024", "--loss-scale-window", "50",
+        "--hysteresis", "3", "--min-loss-scale", "2", "--bf16", "--use-distributed-optimizer",
+        "--overlap-grad-reduce", "--overlap-param-gather",
+        "--accumulate-allreduce-grads-in-fp32", "--tensor-model-parallel-size", "1",
+        "--pipeline-model-parallel-size", "1", "--global-batch-size", "8",
+        "--vocab-size", "300", "--split", "90,5,5", "--log-interval", "3",
+        "--timing-log-level", "2", "--save-interval", "5", "--eval-interval", "4",
+        "--eval-iters", "2", "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+        "--log-throughput", "--tensorboard-dir", str(tmp_path / "tb"),
+        "--tensorboard-log-interval", "2", "--wandb-project", "", "--wandb-save-dir", "w",
+        "--wandb-exp-name", "x", "--recompute-activations", "--distributed-backend", "gloo",
+        "--save", str(tmp_path / "s"), "--load", str(tmp_path / "l"), "--no-load-optim",
+        "--no-load-rng", "--exit-duration-in-mins", "5", "--exit-interval", "7", "--seed", "7",
+        "--no-async-tensor-model-parallel-allreduce", "--normalization", "RMSNorm", "--swiglu",
+        "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear", "--attention-dropout", "0.2", "--hidden-dropout", "0.3",
+        "--init-method-std", "0.01", "--make-vocab-size-divisible-by", "64", "--log-loss-scale",
+        "--jsonl-log", str(tmp_path / "m.jsonl"), "--tokenizer-type", "NullTokenizer"]
+    a = parse_args(argv)
+    assert (a.ffn_hidden_size, a.max_position_embeddings, a.lr_decay_iters) == (96, 64, 8)
+    assert (a.adam_beta1, a.adam_beta2, a.adam_eps, a.weight_decay) == (0.8, 0.95, 1e-6, 0.1)
+    assert (a.loss_scale, a.initial_loss_scale, a.loss_scale_window, a.hysteresis,
+            a.min_loss_scale) == (128, 1024, 50, 3, 2)
+    assert a.bf16 and a.use_distributed_optimizer and a.overlap_param_gather
+    assert a.accumulate_allreduce_grads_in_fp32
+    assert a.recompute_granularity == "selective"
+    assert (a.normalization, a.swiglu, a.position_embedding_type) == ("RMSNorm", True, "rope")
+    assert a.untie_embeddings_and_output_weights and a.add_bias_linear is False
+    assert (a.attention_dropout, a.hidden_dropout, a.init_method_std) == (0.2, 0.3, 0.01)
+    assert a.data_parallel_size == 1 and a.global_batch_size == 8
+    assert a.quant_config.enabled is False and a.seed == 7 and a.exit_interval == 7
+
+    from megatron.training.training import (build_ddp_config, build_optimizer_config,
+                                            build_transformer_config)
+
+    tc = build_transformer_config(a)
+    assert tc.gated_linear_unit and tc.normalization == "RMSNorm" and not tc.add_bias_linear
+    assert tc.ffn_hidden_size == 96 and tc.recompute_granularity == "selective"
+    ddp = build_ddp_config(a)
+    assert ddp.grad_reduce_in_fp32 and ddp.overlap_param_gather and ddp.use_distributed_optimizer
+    oc = build_optimizer_config(a)
+    assert (oc.clip_grad, oc.adam_beta2, oc.loss_scale) == (0.5, 0.95, 128)
+
+
+def test_bf16_accumulates_in_fp32_unless_asked() -> None:
+    assert parse_args(BASE + ["--bf16"]).accumulate_allreduce_grads_in_fp32 is True
+    a = parse_args(BASE + ["--bf16", "--grad-accum-dtype", "bf16"])
+    assert a.accumulate_allreduce_grads_in_fp32 is False
+    assert parse_args(BASE).accumulate_allreduce_grads_in_fp32 is False
+
+
+def test_quantization_config_built_from_args() -> None:
+    a = parse_args(BASE + ["--use-distributed-optimizer", "--quantized-grad-bits", "4",
+                           "--quantized-weights"])
+    assert a.quant_config.quantized_gradients and a.quant_config.quantized_weights
+    assert a.quant_config.gradient_quantization_bits_inter == 4
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--quantized-weights"], "needs --use-distributed-optimizer"),
+    (["--quantized-grad-bits", "4"], "needs --use-distributed-optimizer"),
+    (["--bf16", "--fp16"], "mutually exclusive"),
+    (["--global-batch-size", "5"], "must be divisible by --micro-batch-size"),
+    (["--overlap-param-gather", "--overlap-grad-reduce"], "needs --use-distributed-optimizer"),
+    (["--loco", "--use-distributed-optimizer"], "--loco compensates quantized gradients"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "only one of"),
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/nonexistent/vocab.json",
+      "--merge-file", "/nonexistent/merges.txt"], "does not exist"),
+    (["--save-interval", "5"], "needs --save"),
+])
+def test_bad_combinations_fail_clearly(extra: List[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args(BASE + extra)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_data_source_is_an_error() -> None:
+    argv = [x for x in BASE if x != "--mock-data"]
+    args = build_parser().parse_args(argv)
+    with pytest.raises(ArgumentError, match="--data-path.*--mock-data"):
+        validate_args(args)
+    args = build_parser().parse_args(argv + ["--data-path", "/nonexistent/prefix_text_document"])
+    with pytest.raises(ArgumentError, match="does not exist"):
+        validate_args(args)
+
+
+def test_global_batch_checked_against_world_size(monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    a = parse_args(BASE + ["--global-batch-size", "16"])
+    assert a.data_parallel_size == 4
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--global-batch-size", "6"])
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--tensor-model-parallel-size", "3"])
+
+
+def test_dry_run_prints_json_and_exits_zero() -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore", WORLD_SIZE="1")
+    res = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *BASE, "--bf16",
+                          "--use-distributed-optimizer", "--quantized-grad-bits", "4",
+                          "--swiglu", "--dry-run"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = {l.split(" ", 1)[0]: json.loads(l.split(" ", 1)[1])
+           for l in res.stdout.splitlines() if l.startswith("DRY_RUN_")}
+    assert out["DRY_RUN_ARGS"]["num_layers"] == 2 and out["DRY_RUN_ARGS"]["bf16"] is True
+    assert out["DRY_RUN_QUANT"]["quantized_gradients"] is True
+    assert out["DRY_RUN_QUANT"]["gradient_quantization_bits_inter"] == 4
+    assert out["DRY_RUN_CONFIGS"]["transformer"]["gated_linear_unit"] is True
+    assert out["DRY_RUN_CONFIGS"]["ddp"]["grad_reduce_in_fp32"] is True
+    assert "Traceback" not in res.stderr

@@ -25,9 +25,11 @@ Tokenizers (all loaded from local files, no network access needed):
   ``save_pretrained`` (or a hub name already in the local cache); EOD = ``eos_token``.
 * ``SentencePieceTokenizer``: ``--tokenizer-model`` = a ``.model`` file; EOD = ``eos`` id.
 
-megatron-core 0.16.1's own tokenizer wrappers are not used here: its ``GPT2BPETokenizer`` path
-always resolves the hub model ``gpt2`` (fails offline) and its SentencePiece wrapper has no
-``eod`` and rewrites runs of whitespace, which would corrupt source-code corpora.
+The tokenizers are the trainer's own (``megatron/training/tokenizer.py``), so the ids written
+here are exactly what ``pretrain_gpt.py`` assumes. megatron-core 0.16.1's wrappers are not used:
+its ``GPT2BPETokenizer`` path always resolves the hub model ``gpt2`` (fails offline) and its
+SentencePiece wrapper has no ``eod`` and rewrites runs of whitespace, which would corrupt
+source-code corpora.
 
 ``build_tokenizer`` is importable without side effects::
 
@@ -44,144 +46,31 @@ import os
 import sys
 import time
 
+# Run as a script, sys.path[0] is tools/: make the repository root importable for megatron.training.
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+from megatron.training.tokenizer import TokenizerError, build_tokenizer_from  # noqa: E402
+
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
-GPT2_EOD_TOKEN = "<|endoftext|>"
 
 
 class PreprocessError(Exception):
     """A user-facing error (bad input, bad arguments); printed without a traceback."""
 
 
-# --------------------------------------------------------------------------------------------
-# Tokenizers
-# --------------------------------------------------------------------------------------------
-
-
-class _TokenizerBase:
-    """Minimal interface shared by all adapters: tokenize, detokenize, eod, vocab_size."""
-
-    name = "base"
-
-    def tokenize(self, text):
-        raise NotImplementedError
-
-    def detokenize(self, ids):
-        raise NotImplementedError
-
-    @property
-    def eod(self):
-        return self._eod
-
-    @property
-    def vocab_size(self):
-        return self._vocab_size
-
-    def __repr__(self):
-        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
-
-
-class GPT2BPETokenizer(_TokenizerBase):
-    """GPT-2 byte-level BPE from local vocab.json + merges.txt (HF ``tokenizers``)."""
-
-    def __init__(self, vocab_file, merge_file):
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-        with open(vocab_file, "r", encoding="utf-8") as f:
-            try:
-                vocab = json.load(f)
-            except json.JSONDecodeError as e:
-                raise PreprocessError(f"vocab file {vocab_file!r} is not valid JSON: {e}") from None
-        if GPT2_EOD_TOKEN not in vocab:
-            raise PreprocessError(f"vocab file {vocab_file!r} has no {GPT2_EOD_TOKEN!r} token")
-        try:
-            bpe = models.BPE.from_file(vocab_file, merge_file)
-        except Exception as e:  # tokenizers raises plain Exception subclasses
-            raise PreprocessError(f"cannot load BPE from {vocab_file!r} / {merge_file!r}: {e}") from None
-        tok = Tokenizer(bpe)
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        # Like Megatron-LM's GPT-2 tokenizer, a literal "<|endoftext|>" inside a document is
-        # ordinary text; document boundaries come only from --append-eod.
-        self._tok = tok
-        self._eod = vocab[GPT2_EOD_TOKEN]
-        self._vocab_size = tok.get_vocab_size()
-
-    def tokenize(self, text):
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def detokenize(self, ids):
-        return self._tok.decode(list(ids), skip_special_tokens=False)
-
-
-class HuggingFaceTokenizer(_TokenizerBase):
-    """``transformers.AutoTokenizer`` from a local directory (or cached hub name)."""
-
-    def __init__(self, tokenizer_model):
-        from transformers import AutoTokenizer
-
-        try:
-            tok = AutoTokenizer.from_pretrained(tokenizer_model)
-        except Exception as e:
-            raise PreprocessError(f"cannot load HuggingFace tokenizer {tokenizer_model!r}: {e}") from None
-        eod = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
-        if eod is None:
-            raise PreprocessError(f"HuggingFace tokenizer {tokenizer_model!r} defines neither eos nor sep token")
-        self._tok = tok
-        self._eod = int(eod)
-        self._vocab_size = len(tok)
-
-    def tokenize(self, text):
-        return self._tok(text, add_special_tokens=False)["input_ids"]
-
-    def detokenize(self, ids):
-        return self._tok.decode(list(ids))
-
-
-class SentencePieceTokenizer(_TokenizerBase):
-    """SentencePiece ``.model`` file; EOD is the model's eos id."""
-
-    def __init__(self, tokenizer_model):
-        import sentencepiece
-
-        try:
-            sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
-        except Exception as e:
-            raise PreprocessError(f"cannot load SentencePiece model {tokenizer_model!r}: {e}") from None
-        if sp.eos_id() < 0:
-            raise PreprocessError(f"SentencePiece model {tokenizer_model!r} has no eos piece")
-        self._sp = sp
-        self._eod = sp.eos_id()
-        self._vocab_size = sp.get_piece_size()
-
-    def tokenize(self, text):
-        return self._sp.encode(text)
-
-    def detokenize(self, ids):
-        return self._sp.decode(list(ids))
-
-
-def _require_file(path, what, flag):
-    if not path:
-        raise PreprocessError(f"{what} is required: pass {flag}")
-    if not os.path.isfile(path):
-        raise PreprocessError(f"{what} {path!r} ({flag}) does not exist or is not a file")
-
-
 def build_tokenizer(tokenizer_type, vocab_file=None, merge_file=None, tokenizer_model=None):
     """Build a tokenizer with ``.tokenize(text) -> list[int]``, ``.detokenize``, ``.eod``,
     ``.vocab_size`` (the unpadded vocabulary size, special tokens included)."""
-    if tokenizer_type == "GPT2BPETokenizer":
-        _require_file(vocab_file, "GPT2BPETokenizer vocab file", "--vocab-file")
-        _require_file(merge_file, "GPT2BPETokenizer merges file", "--merge-file")
-        return GPT2BPETokenizer(vocab_file, merge_file)
-    if tokenizer_type == "HuggingFaceTokenizer":
-        if not tokenizer_model:
-            raise PreprocessError("HuggingFaceTokenizer requires --tokenizer-model (directory or name)")
-        return HuggingFaceTokenizer(tokenizer_model)
-    if tokenizer_type == "SentencePieceTokenizer":
-        _require_file(tokenizer_model, "SentencePiece model", "--tokenizer-model")
-        return SentencePieceTokenizer(tokenizer_model)
-    raise PreprocessError(f"unsupported --tokenizer-type {tokenizer_type!r}; choose from {', '.join(TOKENIZER_TYPES)}")
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise PreprocessError(f"unsupported --tokenizer-type {tokenizer_type!r}; choose from "
+                              f"{', '.join(TOKENIZER_TYPES)}")
+    try:
+        return build_tokenizer_from(tokenizer_type, vocab_file=vocab_file, merge_file=merge_file,
+                                    tokenizer_model=tokenizer_model)
+    except TokenizerError as e:
+        raise PreprocessError(str(e)) from None
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections import OrderedDict
 from typing import Any, List, Sequence
 
@@ -50,18 +51,41 @@ class _TokenizerBase:
         raise NotImplementedError
 
 
+class TokenizerError(ValueError):
+    """A tokenizer could not be built from the given files (message says which and why)."""
+
+
+def _require_file(path: str | None, what: str, flag: str) -> str:
+    if not path:
+        raise TokenizerError(f"{what} is required: pass {flag}")
+    if not os.path.isfile(path):
+        raise TokenizerError(f"{what} {path!r} ({flag}) does not exist or is not a file")
+    return path
+
+
 class GPT2BPETokenizer(_TokenizerBase):
-    """Byte-level BPE from GPT-2 style ``vocab.json`` + ``merges.txt`` (HF ``tokenizers``)."""
+    """Byte-level BPE from GPT-2 style ``vocab.json`` + ``merges.txt`` (HF ``tokenizers``).
+
+    Like Megatron-LM's GPT-2 tokenizer, a literal ``<|endoftext|>`` inside a document is ordinary
+    text; document boundaries come only from the EOD id appended at preprocessing time.
+    """
 
     def __init__(self, vocab_file: str, merge_file: str) -> None:
         super().__init__(vocab_file, merge_file)
         from tokenizers import ByteLevelBPETokenizer
 
-        self._tok = ByteLevelBPETokenizer(vocab_file, merge_file, add_prefix_space=False)
-        eod = self._tok.token_to_id(EOD_TOKEN)
-        if eod is None:
-            raise ValueError(f"{vocab_file} has no {EOD_TOKEN!r} token")
-        self._eod = eod
+        with open(vocab_file, encoding="utf-8") as f:
+            try:
+                vocab = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise TokenizerError(f"vocab file {vocab_file!r} is not valid JSON: {exc}") from None
+        if EOD_TOKEN not in vocab:
+            raise TokenizerError(f"vocab file {vocab_file!r} has no {EOD_TOKEN!r} token")
+        try:
+            self._tok = ByteLevelBPETokenizer(vocab_file, merge_file, add_prefix_space=False)
+        except Exception as exc:  # tokenizers raises plain Exception subclasses
+            raise TokenizerError(f"cannot load BPE from {vocab_file!r} / {merge_file!r}: {exc}") from None
+        self._eod = vocab[EOD_TOKEN]
 
     @property
     def vocab_size(self) -> int:
@@ -75,17 +99,28 @@ class GPT2BPETokenizer(_TokenizerBase):
         return self._tok.encode(text).ids
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids))
+        return self._tok.decode(list(ids), skip_special_tokens=False)
 
 
 class HuggingFaceTokenizer(_TokenizerBase):
-    """``transformers.AutoTokenizer`` from a local directory (``local_files_only``)."""
+    """``transformers.AutoTokenizer`` from a local directory (``local_files_only``: no network).
+
+    EOD is the eos token, else the sep token.
+    """
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        try:
+            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as exc:
+            raise TokenizerError(f"cannot load HuggingFace tokenizer {path!r}: {exc}") from None
+        eod = self._tok.eos_token_id if self._tok.eos_token_id is not None else self._tok.sep_token_id
+        if eod is None:
+            raise TokenizerError(f"HuggingFace tokenizer {path!r} defines neither eos nor sep token "
+                                 "to use as end-of-document")
+        self._eod = int(eod)
 
     @property
     def vocab_size(self) -> int:
@@ -93,13 +128,10 @@ class HuggingFaceTokenizer(_TokenizerBase):
 
     @property
     def eod(self) -> int:
-        eos = self._tok.eos_token_id
-        if eos is None:
-            raise ValueError("HuggingFace tokenizer has no eos token to use as end-of-document")
-        return eos
+        return self._eod
 
     def tokenize(self, text: str) -> List[int]:
-        return self._tok.encode(text, add_special_tokens=False)
+        return self._tok(text, add_special_tokens=False)["input_ids"]
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
@@ -112,7 +144,12 @@ class SentencePieceTokenizer(_TokenizerBase):
         super().__init__(model_file)
         import sentencepiece
 
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        except Exception as exc:
+            raise TokenizerError(f"cannot load SentencePiece model {model_file!r}: {exc}") from None
+        if self._sp.eos_id() < 0:
+            raise TokenizerError(f"SentencePiece model {model_file!r} has no eos piece")
 
     @property
     def vocab_size(self) -> int:
@@ -151,15 +188,34 @@ class NullTokenizer(_TokenizerBase):
         return " ".join(str(int(i)) for i in numpy.asarray(ids).reshape(-1))
 
 
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer")
+
+
+def build_tokenizer_from(tokenizer_type: str, *, vocab_file: str | None = None,
+                         merge_file: str | None = None, tokenizer_model: str | None = None,
+                         vocab_size: int | None = None) -> _TokenizerBase:
+    """The one tokenizer factory, shared by the trainer and ``tools/preprocess_data.py``.
+
+    Raises :class:`TokenizerError` naming the missing/bad file and the flag that sets it.
+    """
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(_require_file(vocab_file, "GPT2BPETokenizer vocab file", "--vocab-file"),
+                                _require_file(merge_file, "GPT2BPETokenizer merges file", "--merge-file"))
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if not tokenizer_model:
+            raise TokenizerError("HuggingFaceTokenizer requires --tokenizer-model (a local directory)")
+        return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(_require_file(tokenizer_model, "SentencePiece model", "--tokenizer-model"))
+    if tokenizer_type == "NullTokenizer":
+        if not vocab_size:
+            raise TokenizerError("NullTokenizer requires --vocab-size")
+        return NullTokenizer(vocab_size)
+    raise TokenizerError(f"unknown --tokenizer-type {tokenizer_type!r}; choose from {', '.join(TOKENIZER_TYPES)}")
+
+
 def build_tokenizer(args: argparse.Namespace) -> _TokenizerBase:
-    """The tokenizer named by ``--tokenizer-type`` (validated paths, see ``validate_args``)."""
-    kind = args.tokenizer_type
-    if kind == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(args.vocab_file, args.merge_file)
-    if kind == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(args.tokenizer_model)
-    if kind == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(args.tokenizer_model)
-    if kind == "NullTokenizer":
-        return NullTokenizer(args.vocab_size)
-    raise ValueError(f"unknown --tokenizer-type {kind!r}")
+    """The tokenizer named by ``--tokenizer-type`` (paths validated in ``validate_args``)."""
+    return build_tokenizer_from(args.tokenizer_type, vocab_file=args.vocab_file,
+                                merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                                vocab_size=getattr(args, "vocab_size", None))

@@ -148,3 +148,26 @@ def test_dry_run_prints_json_and_exits_zero() -> None:
     assert out["DRY_RUN_CONFIGS"]["transformer"]["gated_linear_unit"] is True
     assert out["DRY_RUN_CONFIGS"]["ddp"]["grad_reduce_in_fp32"] is True
     assert "Traceback" not in res.stderr
+
+
+def test_paro_strategy_flags():
+    """Only the PaRO strategies the trainer realises are accepted, each with its matching setting."""
+    from megatron.training.arguments import ArgumentError, parse_args, validate_args
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--vocab-size", "128"]
+
+    def validated(*extra):
+        return validate_args(parse_args(base + list(extra), validate=False))
+
+    assert validated("--paro-strategy", "zero1", "--use-distributed-optimizer").paro_strategy == "NNG"
+    assert validated("--paro-strategy", "ddp").paro_strategy == "NNN"
+    with pytest.raises(ArgumentError, match="needs --use-distributed-optimizer"):
+        validated("--paro-strategy", "NNG")
+    with pytest.raises(ArgumentError, match="not implemented in training yet"):
+        validated("--paro-strategy", "NIG", "--use-distributed-optimizer")
+    with pytest.raises(ArgumentError, match="cost model only"):
+        validated("--paro-strategy", "auto")
+    with pytest.raises(ArgumentError):
+        validated("--paro-strategy", "XYZ")

@@ -19,6 +19,7 @@ import warnings
 from typing import Callable, List, Optional
 
 from megatron.distributed.quant.arguments import add_quantization_args
+from megatron.distributed.quant.paro import add_paro_args, check_trainable
 from megatron.distributed.quant.config import QuantizationConfig
 
 NOOP = "(no-op in this trainer; accepted for Megatron-LM script compatibility)"
@@ -214,6 +215,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     _add_checkpoint_args(parser)
     _add_logging_args(parser)
     add_quantization_args(parser)
+    add_paro_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
     return parser
@@ -311,6 +313,13 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         _require(args.use_distributed_optimizer,
                  "quantized communication (--quantized-weights / --quantized-gradients / "
                  "--quantized-grad-bits) needs --use-distributed-optimizer")
+
+    # PaRO partition strategy: only the ones megatron-core's DDP/DistributedOptimizer realise.
+    if args.paro_strategy is not None:
+        try:
+            args.paro_strategy = check_trainable(args.paro_strategy, args.use_distributed_optimizer).name
+        except ValueError as e:
+            raise ArgumentError(str(e)) from None
 
     # Model shape defaults.
     if args.max_position_embeddings is None:

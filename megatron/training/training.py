@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.distributed.quant import integration
+from megatron.distributed.quant import integration, paro
 
 from . import checkpointing
 from .arguments import padded_vocab_size
@@ -469,6 +469,16 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
     print_rank_0(f" > device: {args.device}, backend: {args.distributed_backend}, world size: "
                  f"{args.world_size} (TP={args.tensor_model_parallel_size}, "
                  f"PP={args.pipeline_model_parallel_size}, DP={args.data_parallel_size})")
+    if args.paro_strategy is not None:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        n_total = n_params * args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+        print_rank_0(paro.format_report(paro.paro_report(
+            args.paro_strategy, n_total, args.data_parallel_size, args.paro_group_size,
+            micro_steps=get_num_microbatches(), quant_config=args.quant_config,
+            state_bytes=paro.StateBytes(
+                param=2.0 if (args.bf16 or args.fp16) else 4.0,
+                grad=4.0 if (args.accumulate_allreduce_grads_in_fp32 or not (args.bf16 or args.fp16)) else 2.0))))
 
     tokens_per_iter = args.global_batch_size * args.seq_length
     interval = {"loss": 0.0, "n": 0, "time": 0.0, "skipped": 0, "nan": 0}

@@ -237,6 +237,34 @@ def resolve_group_size(world_size: int, group_size: Optional[int] = None,
     return group_size
 
 
+# Strategies the trainer runs today, with the megatron-core setting that realises each
+# (value: --use-distributed-optimizer). The others are modelled (report, auto) but not trained yet.
+TRAINABLE_STRATEGIES: Dict[str, bool] = {"NNN": False, "NNG": True}
+
+
+def check_trainable(text: str, use_distributed_optimizer: bool) -> PaRoStrategy:
+    """Parse ``--paro-strategy`` for training; ValueError (with the fix) when it cannot be run.
+
+    Raising beats silently training with another partitioning than the one asked for.
+    """
+    parsed = parse_paro_strategy(text)
+    if parsed == AUTO:
+        raise ValueError(
+            "--paro-strategy auto is available in the cost model only (docs/paro.md: "
+            "choose_strategy_auto); pass an explicit strategy to train")
+    name = parsed.name
+    if name not in TRAINABLE_STRATEGIES:
+        raise ValueError(
+            f"PaRO strategy {name} is modelled (startup report, docs/paro.md) but not implemented in "
+            f"training yet; trainable now: NNN (plain data parallel) and NNG (ZeRO-1, "
+            f"--use-distributed-optimizer)")
+    if TRAINABLE_STRATEGIES[name] != use_distributed_optimizer:
+        raise ValueError(
+            f"--paro-strategy {name} " + ("needs --use-distributed-optimizer" if TRAINABLE_STRATEGIES[name]
+                                          else "replicates optimizer states: drop --use-distributed-optimizer"))
+    return parsed
+
+
 def add_paro_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the PaRO flags (the trainer's parser must call this; see docs/paro.md)."""
     group = parser.add_argument_group(title="PaRO (partial redundancy optimizer)")

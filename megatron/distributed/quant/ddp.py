@@ -1,0 +1,666 @@
+"""Quantized communication wired into megatron-core 0.16.1's DDP (subclasses, no fork).
+
+What is overridden, and why (everything else is megatron-core's own code):
+
+* :class:`QuantizedParamAndGradBuffer` (subclass of ``_ParamAndGradBuffer``) only changes bucket
+  *padding*. megatron-core pads every bucket end to ``lcm(data_parallel_world_size, 128)`` inside a
+  closure of ``__init__`` that reads ``self.data_parallel_world_size`` at call time. While the
+  layout is computed we report ``P * m`` there (``m`` = the quantizers' group-size requirement),
+  so every bucket holds whole quantization groups per DP shard; afterwards the attribute is the
+  real ``P`` again. A post-construction assertion catches a megatron-core change that would
+  silently defeat this.
+* :class:`QuantizedBucketGroup` (subclass of ``_ParamAndGradBucketGroup``; existing instances get
+  their ``__class__`` swapped after ``DistributedDataParallel.__init__``) overrides
+  ``start_grad_sync`` (quantized two-level reduce-scatter, TLq/TLq-HS, LoCo) and
+  ``start_param_sync`` (qWD / qW all-gather). Each override first decides whether the quantized
+  path applies; if not it calls ``super()`` unchanged. ``finish_grad_sync`` /
+  ``finish_param_sync`` are megatron-core's: they only call ``.wait()`` on the handle we store.
+* :class:`QuantizedDistributedDataParallel` (subclass of ``DistributedDataParallel``) builds the
+  buffers through the subclass above (megatron-core has no buffer-class hook, so the module-level
+  name ``_ParamAndGradBuffer`` of ``distributed_data_parallel`` is swapped for the duration of
+  ``super().__init__`` only), then swaps the bucket-group class and attaches the runtime.
+* :func:`install_optimizer_hooks` wraps two methods of the megatron-core optimizer instance:
+  ``DistributedOptimizer._copy_main_params_to_model_params`` (take a copy of this rank's shard of
+  the reconstructed weights before it is overwritten: in megatron-core 0.16 model params *are*
+  views of the param buffer, so qWD's reference for the own shard would otherwise be lost) and
+  ``prepare_grads`` of the top-level optimizer (report non-finite quantized gradients as
+  ``found_inf`` so the step is skipped even for bf16 runs without a grad scaler).
+
+Gradient pre-scaling (``gradient_scaling_factor``) is applied exactly as megatron-core does it,
+before quantization; with ``average_in_collective`` (megatron-core uses ``ReduceOp.AVG``) the
+quantized SUM is divided by P afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import distributed_data_parallel as _mcore_ddp_module
+from megatron.core.distributed.param_and_grad_buffer import (
+    _ParamAndGradBuffer,
+    _ParamAndGradBucketGroup,
+    shard_buffer,
+)
+from megatron.core.transformer import TransformerConfig
+
+from .accounting import CommAccounting
+from .collectives import (
+    NonFiniteError,
+    quantized_all_gather,
+    required_padding_multiple_from_config,
+    two_level_reduce_scatter,
+)
+from .config import QuantizationConfig
+from .loco import LoCoErrorFeedback
+from .topology import TwoLevelGroups, build_two_level_groups_for_all
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "QuantizationRuntime", "QuantizedParamAndGradBuffer", "QuantizedBucketGroup",
+    "QuantizedDistributedDataParallel", "install_optimizer_hooks", "build_runtime",
+]
+
+GRAD_EXACT = "grad_reduce_scatter_exact"
+WEIGHT_EXACT = "weight_all_gather_exact"
+
+# Seed offsets: one generator per (rank, bucket, direction) so that the rounding stream of a
+# bucket does not depend on the order in which buckets happen to be reduced (overlap vs. no
+# overlap give identical numerics) nor on whether the other direction is quantized.
+_SEED_RANK_STRIDE = 1_000_003
+_SEED_BUCKET_STRIDE = 7_919
+_SEED_WEIGHT_OFFSET = 104_729
+_CHUNK_BUCKET_STRIDE = 10_000
+
+
+# ------------------------------------------------------------------------------------------------
+# shared runtime state (one per model, shared by its chunks)
+# ------------------------------------------------------------------------------------------------
+
+class QuantizationRuntime:
+    """Everything the quantized bucket groups of one model share.
+
+    Holds the config, the two-level process groups, the iteration counter (start-iteration
+    switch), the communication accounting, the LoCo error buffers and the non-finite bookkeeping.
+    Stochastic-rounding generators live per bucket (see :class:`QuantizedBucketGroup`) but are
+    registered here so the checkpoint state is collected in one place.
+    """
+
+    def __init__(self, config: QuantizationConfig, groups: TwoLevelGroups) -> None:
+        config.validate()
+        self.config = config
+        self.groups = groups
+        self.iteration = 0
+        self.last_stepped_iteration: Optional[int] = None
+        self.accounting = CommAccounting()
+        self.loco: Optional[LoCoErrorFeedback] = (
+            LoCoErrorFeedback.from_config(config) if config.loco else None)
+        self.generators: Dict[str, torch.Generator] = {}
+        self.nonfinite_pending = False
+        """Set by a bucket whose quantized reduce-scatter met NaN/Inf; consumed by prepare_grads."""
+        self.nonfinite_events = 0
+        self.nonfinite_events_interval = 0
+        self.bucket_groups: List["QuantizedBucketGroup"] = []
+
+    # -- decisions ----------------------------------------------------------------------------
+    @property
+    def quantize_gradients_now(self) -> bool:
+        """Quantized reduce-scatter this iteration (else megatron-core's exact one)."""
+        c = self.config
+        return c.quantized_gradients and self.iteration >= c.gradients_quantization_start_iteration
+
+    @property
+    def quantize_weights(self) -> bool:
+        return self.config.quantized_weights
+
+    # -- generators ---------------------------------------------------------------------------
+    def generator(self, key: str, seed: int, device: torch.device) -> torch.Generator:
+        """The stochastic-rounding generator registered under ``key`` (created seeded once)."""
+        gen = self.generators.get(key)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(int(seed) % (2 ** 63))
+            self.generators[key] = gen
+        return gen
+
+    # -- accounting of the exact (megatron-core) collectives -------------------------------------
+    def record_exact(self, name: str, kind: str, numel: int, elem_size: int) -> None:
+        """Count an unquantized reduce-scatter / all-gather of ``numel`` elements: the same bytes
+        as the baseline (N/P elements to each other peer), so reports cover every step."""
+        p, d = self.groups.dp_size, self.groups.intra_size
+        if p <= 1:
+            return
+        shard = numel // p
+        self.accounting.record_baseline(name, kind=kind, numel=numel, elem_size=elem_size,
+                                        dp_size=p, peers_intra=d - 1, peers_inter=p - d)
+        self.accounting.record_all_gather(name, kind=kind, shard_bytes=shard * elem_size,
+                                          shard_elements=shard, peers_intra=d - 1,
+                                          peers_inter=p - d)
+
+    def mark_nonfinite(self, what: str, exc: BaseException) -> None:
+        self.nonfinite_pending = True
+        self.nonfinite_events += 1
+        self.nonfinite_events_interval += 1
+        logger.warning("quantized %s met non-finite values at iteration %d (%s); the step will be "
+                       "skipped", what, self.iteration, exc)
+
+    # -- iteration / skip hooks ---------------------------------------------------------------
+    def set_iteration(self, iteration: int) -> None:
+        """Start of a training iteration: remembers it (start-iteration switch) and advances the
+        LoCo reset schedule once per new iteration (= once per optimizer step)."""
+        iteration = int(iteration)
+        if (self.loco is not None and self.last_stepped_iteration is not None
+                and iteration > self.last_stepped_iteration):
+            for _ in range(iteration - self.last_stepped_iteration):
+                self.loco.step()
+        self.last_stepped_iteration = iteration
+        self.iteration = iteration
+
+    def on_step_skipped(self, loss_scale_ratio: Optional[float]) -> None:
+        """A skipped step may have polluted the error buffers with NaN/Inf: drop them (as
+        DeepSpeed does on an fp16 overflow). A pure loss-scale change without skip is handled by
+        :meth:`rescale_errors`."""
+        self.nonfinite_pending = False
+        if self.loco is not None:
+            self.loco.drop()
+
+    def rescale_errors(self, factor: float) -> None:
+        """Loss scale changed by ``factor`` (new/old): keep LoCo errors in loss-scaled units."""
+        if self.loco is not None and factor != 1.0:
+            self.loco.rescale(factor)
+
+    # -- checkpoint ---------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        refs: Dict[str, Optional[torch.Tensor]] = {}
+        updated: Dict[str, bool] = {}
+        for bg in self.bucket_groups:
+            for idx, ref in enumerate(bg._reference_shards):
+                refs[bg._bucket_key(idx)] = None if ref is None else ref.clone()
+                updated[bg._bucket_key(idx)] = bool(bg._updated[idx])
+        return {
+            "iteration": self.iteration,
+            "last_stepped_iteration": self.last_stepped_iteration,
+            "generators": {k: g.get_state() for k, g in self.generators.items()},
+            "loco": None if self.loco is None else self.loco.state_dict(),
+            "reference_shards": refs,
+            "updated_buckets": updated,
+            "nonfinite_events": self.nonfinite_events,
+            "config": self.config.to_dict(),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.iteration = int(state["iteration"])
+        last = state.get("last_stepped_iteration")
+        self.last_stepped_iteration = None if last is None else int(last)
+        for key, gstate in state.get("generators", {}).items():
+            gen = self.generators.get(key)
+            if gen is None:
+                raise KeyError(f"checkpoint has a stochastic-rounding generator {key!r} this model "
+                               "does not have (bucket layout or DP size changed)")
+            gen.set_state(gstate)
+        loco_sd = state.get("loco")
+        if self.loco is not None and loco_sd is not None:
+            self.loco.load_state_dict(loco_sd)
+        refs = state.get("reference_shards", {})
+        updated = state.get("updated_buckets", {})
+        for bg in self.bucket_groups:
+            for idx in range(len(bg.buckets)):
+                ref = refs.get(bg._bucket_key(idx))
+                bg._reference_shards[idx] = None if ref is None else ref.clone()
+                bg._updated[idx] = bool(updated.get(bg._bucket_key(idx), False))
+        self.nonfinite_events = int(state.get("nonfinite_events", 0))
+
+
+_GROUPS_CACHE: Dict[Tuple[Any, ...], TwoLevelGroups] = {}
+
+
+def _two_level_groups_for(dp_group: Any, intra_size: int) -> TwoLevelGroups:
+    """Two-level groups of ``dp_group`` (cached; creating them is world-collective).
+
+    Every rank learns every DP group's members (one all_gather_object over WORLD) so that all
+    ranks create the same sub-groups in the same order.
+    """
+    my_ranks = tuple(dist.get_process_group_ranks(dp_group))
+    everyone: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, my_ranks)
+    all_lists = sorted({tuple(r) for r in everyone})
+    key = (tuple(all_lists), intra_size, my_ranks)
+    cached = _GROUPS_CACHE.get(key)
+    if cached is not None:
+        return cached
+    dp_groups = [dp_group if tuple(r) == my_ranks else None for r in all_lists]
+    groups = build_two_level_groups_for_all([list(r) for r in all_lists], intra_size,
+                                            dp_groups=dp_groups)
+    _GROUPS_CACHE[key] = groups
+    return groups
+
+
+def build_runtime(config: QuantizationConfig,
+                  dp_group: Optional[Any] = None) -> QuantizationRuntime:
+    """Runtime for one model: two-level groups from megatron-core's DP(+CP) group, intra size
+    from :meth:`QuantizationConfig.intra_node_size` (so ``--data-parallel-intra-node-size 2``
+    makes 4 CPU ranks behave like 2 nodes x 2)."""
+    if dp_group is None:
+        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dp_size = dist.get_world_size(dp_group)
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    intra = config.intra_node_size(dp_size, tp_size)
+    return QuantizationRuntime(config, _two_level_groups_for(dp_group, intra))
+
+
+# ------------------------------------------------------------------------------------------------
+# buffer: quantization-aware padding only
+# ------------------------------------------------------------------------------------------------
+
+class QuantizedParamAndGradBuffer(_ParamAndGradBuffer):
+    """``_ParamAndGradBuffer`` whose buckets are padded to a multiple of ``P * m``.
+
+    ``m`` (``pad_multiple // P``) comes from :func:`required_padding_multiple_from_config`.
+    Implementation: megatron-core's padding closure uses ``self.data_parallel_world_size`` as the
+    sharding granularity; during ``__init__`` this property returns the padded granularity, after
+    it the real world size (see module docstring).
+    """
+
+    _layout_granularity: int = 1
+
+    def __init__(self, *args: Any, pad_multiple: int, **kwargs: Any) -> None:
+        self._pad_multiple = int(pad_multiple)
+        self._in_layout = True
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            self._in_layout = False
+        if self.ddp_config.use_distributed_optimizer:
+            for bucket in self.buckets:
+                n = bucket.grad_data.numel()
+                if n % self._pad_multiple:
+                    raise RuntimeError(
+                        f"bucket {bucket.bucket_id} has {n} elements, not a multiple of "
+                        f"{self._pad_multiple}: megatron-core's padding no longer goes through "
+                        "data_parallel_world_size; update QuantizedParamAndGradBuffer")
+
+    @property
+    def data_parallel_world_size(self) -> int:  # type: ignore[override]
+        real = self.__dict__["_real_dp_world_size"]
+        if self.__dict__.get("_in_layout", False):
+            return math.lcm(real, self._pad_multiple)
+        return real
+
+    @data_parallel_world_size.setter
+    def data_parallel_world_size(self, value: int) -> None:
+        self.__dict__["_real_dp_world_size"] = int(value)
+
+
+@contextlib.contextmanager
+def _buffer_class(pad_multiple: int) -> Iterator[None]:
+    """Make ``DistributedDataParallel.__init__`` build :class:`QuantizedParamAndGradBuffer`.
+
+    megatron-core looks the class up as a module global of ``distributed_data_parallel``; we swap
+    that name only while our own ``super().__init__`` runs (single-threaded construction).
+    """
+    original = _mcore_ddp_module._ParamAndGradBuffer
+
+    def factory(*args: Any, **kwargs: Any) -> QuantizedParamAndGradBuffer:
+        return QuantizedParamAndGradBuffer(*args, pad_multiple=pad_multiple, **kwargs)
+
+    _mcore_ddp_module._ParamAndGradBuffer = factory
+    try:
+        yield
+    finally:
+        _mcore_ddp_module._ParamAndGradBuffer = original
+
+
+# ------------------------------------------------------------------------------------------------
+# bucket group: quantized reduce-scatter / all-gather
+# ------------------------------------------------------------------------------------------------
+
+class _GradSyncHandle:
+    """Handle for the async quantized reduce-scatters of one bucket group.
+
+    megatron-core's ``finish_grad_sync`` calls ``wait()``; we complete every pending collective
+    and then run the post-processing (AVG division)."""
+
+    def __init__(self, pending: List[Any], finish: Callable[[], None]) -> None:
+        self._pending = pending
+        self._finish: Optional[Callable[[], None]] = finish
+
+    def wait(self) -> None:
+        if self._finish is None:
+            return
+        for h in self._pending:
+            h.wait()
+        finish, self._finish = self._finish, None
+        finish()
+
+
+class _CompletedHandle:
+    """Param-gather handle of an already finished (synchronous) quantized all-gather.
+
+    Returned when ``overlap_param_gather`` asks for an async gather, so that megatron-core's
+    ``finish_param_sync`` still sees a handle and dispatches the next bucket group's gather."""
+
+    def wait(self) -> None:
+        return None
+
+
+class QuantizedBucketGroup(_ParamAndGradBucketGroup):
+    """Bucket group whose collectives go through the quantized path when it applies.
+
+    Instances are created by megatron-core as ``_ParamAndGradBucketGroup`` and converted with
+    :meth:`convert` (``__class__`` swap + extra attributes): megatron-core's bookkeeping
+    (ready counts, handles, ``next_param_gather_bucket_group``) stays untouched.
+    """
+
+    runtime: QuantizationRuntime
+    _reference_shards: List[Optional[torch.Tensor]]
+
+    @classmethod
+    def convert(cls, group: _ParamAndGradBucketGroup, runtime: QuantizationRuntime,
+                key_prefix: str, bucket_index_base: int) -> "QuantizedBucketGroup":
+        if not group.ddp_config.use_distributed_optimizer:
+            raise ValueError("quantized communication needs --use-distributed-optimizer "
+                             "(reduce-scatter + all-gather buckets)")
+        if group.ddp_config.num_distributed_optimizer_instances != 1:
+            raise ValueError("quantized communication supports num_distributed_optimizer_instances=1")
+        members = list(dist.get_process_group_ranks(group.intra_distributed_optimizer_instance_group))
+        if members != list(runtime.groups.dp_ranks):
+            raise ValueError(f"bucket group's DP group {members} does not match the two-level "
+                             f"groups' {runtime.groups.dp_ranks}")
+        group.__class__ = cls
+        group.runtime = runtime
+        group._key_prefix = key_prefix
+        group._bucket_index_base = bucket_index_base
+        group._reference_shards = [None] * len(group.buckets)
+        group._updated = [False] * len(group.buckets)
+        group._reference_hook_installed = False
+        runtime.bucket_groups.append(group)
+        # Create the generators now so that checkpoint loading finds them before first use.
+        for idx in range(len(group.buckets)):
+            group._grad_generator(idx)
+            group._weight_generator(idx)
+        return group
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _bucket_key(self, idx: int) -> str:
+        return f"{self._key_prefix}/bucket{self._bucket_index_base + idx}"
+
+    def _seed(self, idx: int) -> int:
+        rt = self.runtime
+        return (rt.config.seed + _SEED_RANK_STRIDE * rt.groups.dp_rank
+                + _SEED_BUCKET_STRIDE * (self._bucket_index_base + idx + 1))
+
+    def _grad_generator(self, idx: int) -> torch.Generator:
+        return self.runtime.generator("grad/" + self._bucket_key(idx), self._seed(idx),
+                                      self.buckets[idx].grad_data.device)
+
+    def _weight_generator(self, idx: int) -> torch.Generator:
+        return self.runtime.generator("weight/" + self._bucket_key(idx),
+                                      self._seed(idx) + _SEED_WEIGHT_OFFSET,
+                                      self.buckets[idx].grad_data.device)
+
+    def _grad_shard(self, idx: int) -> torch.Tensor:
+        if self.cached_grad_buffer_shard_list[idx] is None:
+            self.cached_grad_buffer_shard_list[idx] = shard_buffer(
+                self.buckets[idx].grad_data, self.intra_distributed_optimizer_instance_size)
+        return self.cached_grad_buffer_shard_list[idx][self.intra_distributed_optimizer_instance_rank]
+
+    def _param_shard(self, idx: int) -> torch.Tensor:
+        if self.cached_param_buffer_shard_list[idx] is None:
+            self.cached_param_buffer_shard_list[idx] = shard_buffer(
+                self.buckets[idx].param_data, self.intra_distributed_optimizer_instance_size)
+        return self.cached_param_buffer_shard_list[idx][self.intra_distributed_optimizer_instance_rank]
+
+    # -- gradients ----------------------------------------------------------------------------
+    def start_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
+        """Quantized two-level reduce-scatter of every bucket (TLq[-HS], LoCo), else mcore's."""
+        rt = self.runtime
+        if force_all_reduce or not rt.quantize_gradients_now:
+            if self.is_first_batch and self.grad_reduce_handle is not None:
+                return
+            if not force_all_reduce:
+                for bucket in self.buckets:
+                    rt.record_exact(GRAD_EXACT, "grad", bucket.grad_data.numel(),
+                                    bucket.grad_data.element_size())
+            super().start_grad_sync(force_all_reduce=force_all_reduce)
+            return
+
+        # --- same preamble as megatron-core's start_grad_sync ---------------------------------
+        if self.is_first_batch and self.grad_reduce_handle is not None:
+            return
+        assert self.grad_reduce_handle is None, \
+            "Should not have multiple communication calls outstanding at once"
+        if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
+            self.check_grads(check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
+                             check_for_large=self.ddp_config.check_for_large_grads)
+        for bucket in self.buckets:
+            if bucket.gradient_scaling_factor != 1.0:
+                bucket.grad_data *= bucket.gradient_scaling_factor
+        # -------------------------------------------------------------------------------------
+
+        cfg = rt.config
+        async_op = bool(self.ddp_config.overlap_grad_reduce)
+        pending: List[Any] = []
+        failed = False
+        for idx, bucket in enumerate(self.buckets):
+            shard = self._grad_shard(idx)
+            ef = rt.loco.bucket(self._bucket_key(idx)) if rt.loco is not None else None
+            try:
+                handle = two_level_reduce_scatter(
+                    bucket.grad_data, shard, rt.groups,
+                    bits_intra=cfg.gradient_quantization_bits_intra,
+                    group_size_intra=cfg.gq_group_size_intra,
+                    bits_inter=cfg.gradient_quantization_bits_inter,
+                    group_size_inter=cfg.gq_group_size_inter,
+                    hadamard=cfg.hadamard_transform, hadamard_block=cfg.hadamard_block_size,
+                    generator=self._grad_generator(idx), stochastic=cfg.stochastic_rounding,
+                    accounting=rt.accounting, error_feedback=ef, async_op=async_op)
+            except NonFiniteError as exc:
+                # Agreed on every DP rank before any payload moved: no rank is left blocked.
+                # NaN in the shard makes grad-norm / found_inf checks see the problem as well.
+                shard.fill_(float("nan"))
+                if not failed:
+                    rt.mark_nonfinite("gradient reduce-scatter", exc)
+                failed = True
+                continue
+            if handle is not None:
+                pending.append(handle)
+
+        average = bool(self.ddp_config.average_in_collective)
+
+        def finish() -> None:
+            if average:  # megatron-core uses ReduceOp.AVG; the quantized collective returns SUM
+                for idx in range(len(self.buckets)):
+                    self._grad_shard(idx).div_(self.intra_distributed_optimizer_instance_size)
+
+        if async_op:
+            self.grad_reduce_handle = _GradSyncHandle(pending, finish)
+        else:
+            finish()
+            self.grad_reduce_handle = None
+
+    # -- weights ------------------------------------------------------------------------------
+    def snapshot_reference_shards(self) -> None:
+        """Mark the buckets as updated and, for qWD, keep this rank's shard of the reconstructed
+        weights before the optimizer overwrites it.
+
+        Called right before ``DistributedOptimizer._copy_main_params_to_model_params``. A snapshot
+        that was not consumed yet (no gather since) is kept: it is still the true reference."""
+        self._reference_hook_installed = True
+        if not self.runtime.quantize_weights:
+            return
+        diff = self.runtime.config.weight_quantization_mode == "diff"
+        for idx in range(len(self.buckets)):
+            if diff and self._reference_shards[idx] is None:
+                self._reference_shards[idx] = self._param_shard(idx).detach().clone()
+            self._updated[idx] = True
+
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        """Quantized all-gather (qWD / qW) of every bucket, else megatron-core's exact one."""
+        rt = self.runtime
+        if not rt.quantize_weights:
+            if not (force_sync and self.param_gather_handle is not None):
+                for bucket in self.buckets:
+                    rt.record_exact(WEIGHT_EXACT, "weight", bucket.param_data.numel(),
+                                    bucket.param_data.element_size())
+            super().start_param_sync(force_sync=force_sync)
+            return
+
+        assert self.ddp_config.use_distributed_optimizer
+        if force_sync:
+            if self.param_gather_handle is not None:
+                self.param_gather_handle.wait()
+                self.param_gather_handle = None
+                return
+        else:
+            assert self.param_gather_handle is None
+
+        cfg = rt.config
+        diff = cfg.weight_quantization_mode == "diff"
+        if diff and not self._reference_hook_installed:
+            raise RuntimeError("qWD needs the optimizer hook: call integration.on_optimizer_built "
+                               "(install_optimizer_hooks) after building the optimizer")
+        group = self.intra_distributed_optimizer_instance_group
+        for idx, bucket in enumerate(self.buckets):
+            if not self._updated[idx]:
+                # No optimizer update reached this bucket since its last gather (first forward,
+                # skipped step, forced re-sync): every replica already holds the same
+                # reconstructed weights, and re-quantizing them would only add noise. The
+                # condition follows the global training flow, so all ranks skip together.
+                continue
+            shard = self._param_shard(idx)
+            new = shard.detach().clone()
+            ref = self._reference_shards[idx]
+            if diff and ref is not None:
+                shard.copy_(ref)  # the buffer is now W~_old on every rank
+            try:
+                quantized_all_gather(
+                    new, bucket.param_data if diff else None, bucket.param_data, group,
+                    mode=cfg.weight_quantization_mode, bits=cfg.weight_quantization_bits,
+                    group_size=cfg.wq_group_size, generator=self._weight_generator(idx),
+                    stochastic=cfg.stochastic_rounding, accounting=rt.accounting,
+                    link_of_peer=rt.groups.link_of_peer)
+            except NonFiniteError as exc:
+                # Non-finite master weights: behave like megatron-core (exact gather of them).
+                shard.copy_(new)
+                rt.mark_nonfinite("weight all-gather", exc)
+                dist.all_gather_into_tensor(bucket.param_data, shard, group=group)
+            self._reference_shards[idx] = None
+            self._updated[idx] = False
+
+        async_op = self.ddp_config.overlap_param_gather and not force_sync
+        self.param_gather_handle = _CompletedHandle() if async_op else None
+        self.param_gather_dispatched = True
+
+
+# ------------------------------------------------------------------------------------------------
+# DDP subclass
+# ------------------------------------------------------------------------------------------------
+
+class QuantizedDistributedDataParallel(DistributedDataParallel):
+    """megatron-core DDP whose dense bucket groups communicate quantized (see module docstring).
+
+    Expert-parallel buffers (MoE) keep megatron-core's exact collectives.
+    """
+
+    def __init__(self, config: TransformerConfig, ddp_config: DistributedDataParallelConfig,
+                 module: torch.nn.Module, quant_config: QuantizationConfig,
+                 disable_bucketing: bool = False, runtime: Optional[QuantizationRuntime] = None,
+                 chunk_id: int = 0, **kwargs: Any) -> None:
+        if not ddp_config.use_distributed_optimizer:
+            raise ValueError("quantized communication (--quantized-weights / --quantized-gradients) "
+                             "requires --use-distributed-optimizer")
+        if runtime is None:
+            runtime = build_runtime(quant_config)
+        pad = required_padding_multiple_from_config(runtime.config, runtime.groups.dp_size,
+                                                    runtime.groups.intra_size)
+        with _buffer_class(pad):
+            super().__init__(config=config, ddp_config=ddp_config, module=module,
+                             disable_bucketing=disable_bucketing, **kwargs)
+        self.quant_runtime = runtime
+        self.quant_chunk_id = chunk_id
+        base = chunk_id * _CHUNK_BUCKET_STRIDE  # bucket indices unique across chunks (seeds, keys)
+        converted = []
+        for gi, bg in enumerate(self.bucket_groups):
+            converted.append(QuantizedBucketGroup.convert(bg, runtime, f"chunk{chunk_id}", base))
+            base += len(bg.buckets)
+        self.bucket_groups = converted
+        # param_to_bucket_group holds the same objects (class swapped in place): nothing to remap.
+
+    def quantized_bucket_groups(self) -> List[QuantizedBucketGroup]:
+        return [bg for bg in self.bucket_groups if isinstance(bg, QuantizedBucketGroup)]
+
+
+# ------------------------------------------------------------------------------------------------
+# optimizer hooks
+# ------------------------------------------------------------------------------------------------
+
+def _leaf_optimizers(optimizer: Any) -> List[Any]:
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is None:
+        return [optimizer]
+    out: List[Any] = []
+    for opt in chained:
+        out.extend(_leaf_optimizers(opt))
+    return out
+
+
+def install_optimizer_hooks(optimizer: Any, model_chunks: Sequence[torch.nn.Module]) -> None:
+    """Attach the quantized path to a megatron-core optimizer (idempotent).
+
+    * every leaf optimizer's ``_copy_main_params_to_model_params``: snapshot the qWD reference
+      shard of every quantized bucket first;
+    * the top-level ``prepare_grads``: OR in the non-finite flag of the quantized reduce-scatter,
+      agreed over all ranks (one scalar all-reduce per step, only when gradients are quantized),
+      so megatron-core skips the step (``step()`` returns ``(False, None, None)``).
+    """
+    qddps = [c for c in model_chunks if isinstance(c, QuantizedDistributedDataParallel)]
+    if not qddps:
+        return
+    groups = [bg for m in qddps for bg in m.quantized_bucket_groups()]
+    runtimes = list({id(m.quant_runtime): m.quant_runtime for m in qddps}.values())
+
+    for bg in groups:
+        bg._reference_hook_installed = True
+    for opt in _leaf_optimizers(optimizer):
+        cfg = getattr(opt, "config", None)
+        if (cfg is not None and getattr(cfg, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
+                and any(rt.quantize_weights and rt.config.weight_quantization_mode == "diff"
+                        for rt in runtimes)):
+            # That optimizer writes the model params itself inside step(), before our snapshot.
+            raise ValueError("qWD (--quantized-weights, mode diff) does not support megatron-core's "
+                             "precision-aware optimizer")
+        orig = getattr(opt, "_copy_main_params_to_model_params", None)
+        if orig is None or getattr(orig, "_quant_hook", False):
+            continue
+
+        def copy_with_snapshot(_orig: Callable[[], None] = orig) -> None:
+            for bg in groups:
+                bg.snapshot_reference_shards()
+            _orig()
+
+        copy_with_snapshot._quant_hook = True  # type: ignore[attr-defined]
+        opt._copy_main_params_to_model_params = copy_with_snapshot
+
+    if any(rt.config.quantized_gradients for rt in runtimes) and groups:
+        device = groups[0].buckets[0].grad_data.device
+        orig_prepare = optimizer.prepare_grads
+        if not getattr(orig_prepare, "_quant_hook", False):
+
+            def prepare_grads_with_nonfinite() -> bool:
+                found_inf = bool(orig_prepare())
+                flag = torch.tensor([1.0 if any(rt.nonfinite_pending for rt in runtimes) else 0.0],
+                                    device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                for rt in runtimes:
+                    rt.nonfinite_pending = False
+                return found_inf or bool(flag.item() > 0)
+
+            prepare_grads_with_nonfinite._quant_hook = True  # type: ignore[attr-defined]
+            optimizer.prepare_grads = prepare_grads_with_nonfinite

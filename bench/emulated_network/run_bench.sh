@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Emulated two-node cluster benchmark: baseline vs SDP4Bit over a tc-limited veth link.
+#
+#   sudo bash bench/emulated_network/run_bench.sh                 # defaults below
+#   BANDWIDTH=500mbit MODEL=medium ITERS=10 bash bench/emulated_network/run_bench.sh
+#   MODE=collectives bash bench/emulated_network/run_bench.sh     # no trainer needed
+#
+# Knobs (environment):
+#   BANDWIDTH  link rate per direction, tc syntax (default 1gbit)
+#   LATENCY    one-way delay per end (default 1ms; only applied where sch_netem exists)
+#   MODEL      tiny | small | medium GPT preset (default small, ~16.8M params; medium ~34.8M; seq 8, micro-batch 1)
+#   SEQ        override the preset's sequence length
+#   MODE       train (pretrain_gpt.py) | collectives (bench_collectives.py)   (default train)
+#   VARIANTS   default baseline,sdp4bit  (run in this order, same invocation)
+#   ITERS      training iterations / timed steps (default 8);  WARMUP (default 2)
+#   NUMEL      collectives mode: elements (default: the MODEL's parameter count)
+#   TIMEOUT    seconds per variant (default 600);  THREADS per rank (default 1)
+#   MTU        veth MTU (default 1500);  OUT  report path (default bench/out/emulated_network.md)
+#   TRAIN_EXTRA extra pretrain_gpt.py flags for every variant
+# Needs root (ip netns, tc). Namespaces are always removed on exit.
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+cd "$ROOT"
+
+export BANDWIDTH=${BANDWIDTH:-1gbit}
+export LATENCY=${LATENCY:-1ms}
+export MTU=${MTU:-1500}
+MODEL=${MODEL:-small}
+MODE=${MODE:-train}
+VARIANTS=${VARIANTS:-baseline,sdp4bit}
+ITERS=${ITERS:-8}
+WARMUP=${WARMUP:-2}
+TIMEOUT=${TIMEOUT:-600}
+THREADS=${THREADS:-1}
+OUT=${OUT:-$ROOT/bench/out/emulated_network.md}
+export NS_PREFIX=${NS_PREFIX:-emu$$}
+export ADDR0=10.77.0.1 ADDR1=10.77.0.2 IF0=emu0 IF1=emu1
+NS0=${NS_PREFIX}n0; NS1=${NS_PREFIX}n1
+STATE_FILE=$(mktemp); export STATE_FILE
+
+if [[ $EUID -ne 0 ]]; then echo "run_bench.sh needs root (ip netns / tc)" >&2; exit 2; fi
+cleanup() { bash "$HERE/setup_netns.sh" down || true; rm -f "$STATE_FILE"; }
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+bash "$HERE/setup_netns.sh" up
+# shellcheck disable=SC1090
+source "$STATE_FILE"
+
+echo "== routes (same-namespace traffic to the own veth address goes over lo):"
+bash "$HERE/setup_netns.sh" check
+
+# --- link check: TCP throughput across the veth, and that same-namespace traffic skips it ------
+PROBE_MB=${PROBE_MB:-48}
+echo "== bandwidth check: $PROBE_MB MiB $NS0 -> $NS1"
+timeout 120 ip netns exec "$NS1" python3 "$HERE/netcheck.py" server "$ADDR1" 5299 > "$STATE_FILE.srv" &
+SRV=$!
+sleep 0.5
+CLIENT=$(timeout 120 ip netns exec "$NS0" python3 "$HERE/netcheck.py" client "$ADDR1" 5299 "$PROBE_MB")
+wait $SRV || true
+INTER_MBS=$(python3 -c 'import json,sys; print("%.1f" % json.loads(sys.argv[1])["MB_per_s"])' "$CLIENT")
+echo "   inter-namespace TCP: $INTER_MBS MB/s (limit $BANDWIDTH)"
+TX0=$(ip netns exec "$NS0" cat /sys/class/net/$IF0/statistics/tx_bytes)
+timeout 120 ip netns exec "$NS0" python3 "$HERE/netcheck.py" server "$ADDR0" 5298 > "$STATE_FILE.srv" &
+SRV=$!
+sleep 0.5
+INTRA=$(timeout 120 ip netns exec "$NS0" python3 "$HERE/netcheck.py" client "$ADDR0" 5298 256)
+wait $SRV || true
+TX1=$(ip netns exec "$NS0" cat /sys/class/net/$IF0/statistics/tx_bytes)
+INTRA_MBS=$(python3 -c 'import json,sys; print("%.0f" % json.loads(sys.argv[1])["MB_per_s"])' "$INTRA")
+echo "   same-namespace TCP via $ADDR0: $INTRA_MBS MB/s, veth $IF0 tx grew by $((TX1 - TX0)) bytes for 256 MiB"
+rm -f "$STATE_FILE.srv"
+LINK_INFO="tc tbf rate $BANDWIDTH per direction, added delay: ${LATENCY_APPLIED} (requested $LATENCY), MTU $MTU; measured TCP $INTER_MBS MB/s across, same-namespace $INTRA_MBS MB/s via lo (veth tx +$((TX1 - TX0)) B for 256 MiB)"
+
+CMD=(python3 "$HERE/bench_emulated.py" --mode "$MODE" --variants "$VARIANTS"
+     --namespaces "$NS0,$NS1" --ifnames "$IF0,$IF1" --master-addr "$ADDR0"
+     --model "$MODEL" --iters "$ITERS" --warmup "$WARMUP" --timeout "$TIMEOUT"
+     --threads "$THREADS" --out "$OUT" --link-info "$LINK_INFO")
+[[ -n "${NUMEL:-}" ]] && CMD+=(--numel "$NUMEL")
+[[ -n "${SEQ:-}" ]] && CMD+=(--seq-length "$SEQ")
+[[ -n "${TRAIN_EXTRA:-}" ]] && CMD+=(--train-extra "$TRAIN_EXTRA")
+echo "== ${CMD[*]}"
+"${CMD[@]}"

@@ -271,7 +271,9 @@ def add_paro_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--paro-strategy", type=str, default=None,
                        help="Partition levels of parameters, gradients, optimizer states, each "
                             "N (replicated), I (within a group) or G (global), e.g. NIG, IIG; "
-                            "aliases ddp, zero1, zero2, zero3, mics; or 'auto' (cost model).")
+                            "aliases ddp, zero1, zero2, zero3, mics. Training runs NNN and NNG "
+                            "(ZeRO-1, --use-distributed-optimizer) and prints the strategy's memory/"
+                            "communication report; the others and 'auto' are cost-model only for now.")
     group.add_argument("--paro-group-size", type=int, default=None,
                        help="Data-parallel ranks per PaRO group (default LOCAL_WORLD_SIZE // TP, "
                             "i.e. one node).")

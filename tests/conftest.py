@@ -8,13 +8,13 @@ cores, a hard timeout so a hung collective fails the test instead of the CI job)
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Callable, List
 
 import pytest
+from dist_harness import free_port as free_port_number
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -24,15 +24,9 @@ TINY_GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
             "--make-vocab-size-divisible-by", "8", "--device", "cpu"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def free_port() -> int:
-    return _free_port()
+    return free_port_number()
 
 
 @pytest.fixture
@@ -43,7 +37,7 @@ def run_pretrain() -> Callable[..., subprocess.CompletedProcess]:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
                    PYTHONWARNINGS="ignore")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+               "--master-addr=127.0.0.1", f"--master-port={free_port_number()}",
                str(REPO / "pretrain_gpt.py"), *TINY_GPT, *args]
         return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=timeout)

@@ -171,3 +171,12 @@ def test_paro_strategy_flags():
         validated("--paro-strategy", "auto")
     with pytest.raises(ArgumentError):
         validated("--paro-strategy", "XYZ")
+
+
+def test_data_blend_forms():
+    """--data-path PREFIX... and W1 PREFIX1 W2 PREFIX2 ... both reach megatron-core's blend shape."""
+    from megatron.training.arguments import data_blend
+
+    assert data_blend(["data/a_text_document"]) == (["data/a_text_document"], None)
+    assert data_blend(["a", "b"]) == (["a", "b"], None)
+    assert data_blend(["0.3", "a", "0.7", "b"]) == (["a", "b"], [0.3, 0.7])

@@ -7,15 +7,10 @@ measurements; the test functions assert on them. Numbers are printed with ``-s``
 
 from __future__ import annotations
 
-import os
-import socket
-import traceback
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron.distributed.quant.accounting import CommAccounting
 from megatron.distributed.quant.collectives import (PendingReduceScatter, quantized_all_gather,
@@ -24,43 +19,11 @@ from megatron.distributed.quant.collectives import (PendingReduceScatter, quanti
 from megatron.distributed.quant.kernels import NonFiniteError, hadamard_transform, inverse_hadamard_transform
 from megatron.distributed.quant.topology import (TwoLevelGroups, build_two_level_groups,
                                                  build_two_level_groups_for_all)
+from dist_harness import run_distributed
 
 GS_INTRA, GS_INTER = 64, 128     # different on purpose: the inter hop must use its own size
 BITS_INTRA, BITS_INTER = 8, 4
 WQ_GS = 256
-
-
-# ------------------------------------------------------------------------------------------------
-# spawn harness
-# ------------------------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn, out_dir: str, args: tuple) -> None:
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning)  # gloo *_tensor deprecation notes
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        try:
-            res = fn(rank, world, *args)
-        except Exception:  # report instead of hanging the peers' assertions
-            res = {"__error__": traceback.format_exc()}
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_distributed(world: int, fn, out_dir: str, *args) -> list:
-    mp.spawn(_entry, args=(world, _free_port(), fn, str(out_dir), args), nprocs=world, join=True)
-    results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
-    for r, res in enumerate(results):
-        if "__error__" in res:
-            raise AssertionError(f"rank {r} failed:\n{res['__error__']}")
-    return results
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 from functools import partial
 from pathlib import Path
 from typing import List
@@ -23,12 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron.training import cpu_mode
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dist_harness import free_port
 
 
 def _train_worker(rank: int, world: int, port: int, out_dir: str, steps: int) -> None:
@@ -128,7 +122,7 @@ def _train_worker(rank: int, world: int, port: int, out_dir: str, steps: int) ->
 
 def test_cpu_mode_ddp_distributed_optimizer_trains(tmp_path: Path) -> None:
     steps = 6
-    mp.spawn(_train_worker, args=(2, _free_port(), str(tmp_path), steps), nprocs=2, join=True)
+    mp.spawn(_train_worker, args=(2, free_port(), str(tmp_path), steps), nprocs=2, join=True)
     r = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     for res in r:
         assert all(math.isfinite(x) for x in res["losses"]), res["losses"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -25,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from dist_harness import free_port
 
 SEQ = 16
 VOCAB = 128
@@ -35,12 +35,6 @@ JOIN_TIMEOUT_S = int(os.environ.get("QUANT_TEST_TIMEOUT_S", "170"))
 # ------------------------------------------------------------------------------------------------
 # harness (also used by tests/test_grad_accum.py)
 # ------------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable[[int, int], Dict[str, Any]]) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -449,6 +443,11 @@ def scenarios_4ranks(rank: int, world: int) -> Dict[str, Any]:
     res["sdp_oks"] = out["oks"]
     res["sdp_losses"] = out["losses"]
     res["sdp_report"] = integration.communication_report(chunks)
+    # LoCo memory the report should give: per bucket of N (padded) elements, E1 holds N int8 codes
+    # + one fp32 scale per intra group (512), E2 (intra-node sum) N/D codes + one per inter group (128).
+    bucket_numels = [b.grad_data.numel() for g in chunks[0].bucket_groups for b in g.buckets]
+    res["loco_expected_bytes"] = sum(n * (1 + 4 / 512) + n / 2 * (1 + 4 / 128) for n in bucket_numels)
+    res["n_params"] = sum(p.numel() for p in chunks[0].parameters())
     rt = chunks[0].quant_runtime
     res["groups"] = (rt.groups.dp_size, rt.groups.intra_size, rt.groups.inter_size,
                      rt.groups.node, rt.groups.local)
@@ -557,4 +556,7 @@ def test_sdp4bit_overlap_2x2(four):
         rep = r["sdp_report"]
         assert rep["weight_total_bits_per_element"] == pytest.approx(4 + 32 / 2048)
         assert rep["grad_inter_bits_per_element"] == pytest.approx(4 + 32 / 128)
+        assert rep["loco_error_bytes_per_param"] == pytest.approx(r["loco_expected_bytes"] / r["n_params"])
+        # padding only adds: never below the unpadded 1 + 4/512 + (1 + 4/128)/2 bytes per parameter
+        assert rep["loco_error_bytes_per_param"] >= 1 + 4 / 512 + (1 + 4 / 128) / 2
     assert len({tuple(r["sdp_losses"]) for r in four}) == 4  # different data per rank

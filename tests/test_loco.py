@@ -4,56 +4,23 @@ quantized reduce-scatter on gloo (2 ranks as 2x1: E1 only; 4 ranks as 2x2: E1 + 
 from __future__ import annotations
 
 import io
-import os
-import socket
-import traceback
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron.distributed.quant.collectives import required_padding_multiple, two_level_reduce_scatter
 from megatron.distributed.quant.config import QuantizationConfig
 from megatron.distributed.quant.loco import LoCoErrorFeedback
 from megatron.distributed.quant.topology import build_two_level_groups
+from dist_harness import run_distributed
 
 GS_INTRA, GS_INTER = 64, 128
 
 
 # ------------------------------------------------------------------------------------------------
-# spawn harness (same as tests/test_collectives.py; kept local so the files stay independent)
+# spawn harness: tests/dist_harness.py
 # ------------------------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn, out_dir: str, args: tuple) -> None:
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        try:
-            res = fn(rank, world, *args)
-        except Exception:
-            res = {"__error__": traceback.format_exc()}
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_distributed(world: int, fn, out_dir, *args) -> list:
-    mp.spawn(_entry, args=(world, _free_port(), fn, str(out_dir), args), nprocs=world, join=True)
-    results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
-    for r, res in enumerate(results):
-        if "__error__" in res:
-            raise AssertionError(f"rank {r} failed:\n{res['__error__']}")
-    return results
-
 
 def _roundtrip(sd: dict) -> dict:
     buf = io.BytesIO()

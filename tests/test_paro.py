@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from megatron.distributed.quant.config import QuantizationConfig
 from megatron.distributed.quant.paro import (PaRoStrategy, StateBytes, choose_strategy_auto,
                                              communication_volume, model_state_memory,
                                              parse_paro_strategy, resolve_group_size)
+from dist_harness import free_port
 
 SPEC_VALID = ["NNN", "NNI", "NII", "INI", "III", "NNG", "NIG", "NGG", "ING", "IIG", "IGG", "GNG",
               "GIG", "GGG"]
@@ -245,12 +245,6 @@ def test_auto_nothing_fits():
 # PaRO-CC collectives on 4 gloo ranks (2 groups x 2)
 # ------------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _check_collectives(groups, rank: int, world: int) -> None:
     intra, inter = groups.intra_group, groups.inter_group
     m = 1 if intra is None else dist.get_world_size(intra)
@@ -331,4 +325,4 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 
 def test_hierarchical_collectives_on_four_ranks():
-    mp.spawn(_worker, args=(4, _free_port()), nprocs=4, join=True)
+    mp.spawn(_worker, args=(4, free_port()), nprocs=4, join=True)

@@ -1,7 +1,6 @@
 """tools/plot_logs.py: JSONL and tensorboard logs become a PNG and a summary table."""
 
 import json
-import os
 
 import pytest
 

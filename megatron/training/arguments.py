@@ -16,7 +16,7 @@ import importlib.util
 import os
 import sys
 import warnings
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from megatron.distributed.quant.arguments import add_quantization_args
 from megatron.distributed.quant.paro import add_paro_args, check_trainable
@@ -366,8 +366,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
             args.vocab_size = 1024
         _require(args.vocab_size >= 2, "--vocab-size must be >= 2")
     if args.data_path:
-        paths = args.data_path
-        prefixes = paths[1::2] if len(paths) > 1 and _is_number(paths[0]) else paths
+        prefixes, _ = data_blend(args.data_path)
         for prefix in prefixes:
             for ext in (".bin", ".idx"):
                 _require(os.path.isfile(prefix + ext), f"data file {prefix + ext!r} does not exist")
@@ -395,6 +394,16 @@ def _is_number(s: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def data_blend(data_path: List[str]) -> Tuple[List[str], Optional[List[float]]]:
+    """Megatron's ``--data-path`` forms: ``PREFIX...`` or ``W1 PREFIX1 W2 PREFIX2 ...``.
+
+    Returns (prefixes, weights or None), the shape megatron-core's ``blend`` config expects.
+    """
+    if len(data_path) > 1 and _is_number(data_path[0]):
+        return list(data_path[1::2]), [float(w) for w in data_path[0::2]]
+    return list(data_path), None
 
 
 def padded_vocab_size(orig_vocab_size: int, args: argparse.Namespace) -> int:

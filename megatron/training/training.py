@@ -30,7 +30,7 @@ import torch
 from megatron.distributed.quant import integration, paro
 
 from . import checkpointing
-from .arguments import padded_vocab_size
+from .arguments import data_blend, padded_vocab_size
 from .logging_utils import MetricsLogger, print_rank_0
 from .tokenizer import build_tokenizer
 
@@ -187,11 +187,7 @@ def build_datasets(args: argparse.Namespace, tokenizer: Any):
     sizes = [args.train_iters * gbs, eval_runs * args.eval_iters * gbs, args.eval_iters * gbs]
     blend = None
     if args.data_path:
-        paths = args.data_path
-        if len(paths) > 1 and _is_number(paths[0]):
-            blend = (paths[1::2], [float(w) for w in paths[0::2]])
-        else:
-            blend = (paths, None)
+        blend = data_blend(args.data_path)
     config = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
         split=args.split, tokenizer=tokenizer, reset_position_ids=args.reset_position_ids,
@@ -201,14 +197,6 @@ def build_datasets(args: argparse.Namespace, tokenizer: Any):
     cls = MockGPTDataset if args.mock_data else GPTDataset
     train, valid, test = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
     return train, valid, test
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s)
-        return True
-    except ValueError:
-        return False
 
 
 class PretrainingSampler:

@@ -143,7 +143,8 @@ def communication_report(model_chunks: List[torch.nn.Module], reset: bool = True
 
     Keys ``{grad|weight}_{intra|inter|total}_{bytes|bits_per_element|ratio_vs_baseline|...}``,
     ``{kind}_bits_per_model_element`` (bytes on all links per bucket element), ``{kind}_calls``,
-    and ``nonfinite_events`` (quantized collectives that met NaN/Inf in the interval).
+    ``nonfinite_events`` (quantized collectives that met NaN/Inf in the interval) and, with LoCo,
+    ``loco_error_bytes_per_param`` (error-buffer memory on this rank per local parameter).
     """
     rts = _runtimes(model_chunks)
     if not rts:
@@ -161,4 +162,9 @@ def communication_report(model_chunks: List[torch.nn.Module], reset: bool = True
             rt.accounting.reset_interval()
             rt.nonfinite_events_interval = 0
     merged["nonfinite_events"] = float(nonfinite)
+    locos = [rt.loco for rt in rts if rt.loco is not None]
+    if locos:
+        # LoCo's memory overhead on this rank, per local model parameter (int8 codes + scales).
+        n_params = sum(p.numel() for chunk in model_chunks for p in chunk.parameters())
+        merged["loco_error_bytes_per_param"] = sum(l.memory_bytes() for l in locos) / max(1, n_params)
     return merged

@@ -7,17 +7,19 @@ import pytest
 from tools import plot_logs
 
 
-def _write_jsonl(path, losses, key="lm loss"):
+def _write_jsonl(path, losses, key="lm_loss"):
+    """Records shaped like pretrain_gpt.py --jsonl-log: train and valid share the lm_loss key."""
     with open(path, "w") as f:
         for i, loss in enumerate(losses, 1):
-            f.write(json.dumps({"iteration": i * 10, key: loss}) + "\n")
-        f.write(json.dumps({"event": "summary"}) + "\n")  # lines without iteration are ignored
+            f.write(json.dumps({"type": "train", "iteration": i * 10, key: loss}) + "\n")
+            f.write(json.dumps({"type": "valid", "iteration": i * 10, key: loss + 100.0}) + "\n")
+        f.write(json.dumps({"type": "summary", "final_lm_loss": losses[-1]}) + "\n")
 
 
 def test_jsonl_runs_plot_and_table(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     _write_jsonl(a, [5.0, 4.0, 3.0])
-    _write_jsonl(b, [5.0, 4.5, 3.3], key="lm_loss")
+    _write_jsonl(b, [5.0, 4.5, 3.3], key="lm loss")
     out = tmp_path / "plot" / "loss.png"
     assert plot_logs.main([f"base={a}", f"quant={b}", "--output", str(out)]) == 0
     with open(out, "rb") as f:
@@ -26,6 +28,8 @@ def test_jsonl_runs_plot_and_table(tmp_path):
     assert runs["base"] == [(10, 5.0), (20, 4.0), (30, 3.0)]
     table = plot_logs.summary_table(runs, "lm loss")
     assert "| quant | 30 | 3.3000 | +10.00% |" in table
+    # validation records are kept apart from training records
+    assert plot_logs.read_run(str(a), "validation loss") == [(10, 105.0), (20, 104.0), (30, 103.0)]
 
 
 def test_tensorboard_run(tmp_path):
@@ -33,9 +37,11 @@ def test_tensorboard_run(tmp_path):
 
     writer = SummaryWriter(str(tmp_path / "tb"))
     for step, value in [(1, 3.0), (2, 2.5)]:
-        writer.add_scalar("lm loss", value, step)
+        writer.add_scalar("lm loss", value, step)  # the trainer's tags
+        writer.add_scalar("lm loss validation", value + 1, step)
     writer.close()
     assert plot_logs.read_run(str(tmp_path / "tb"), "lm loss") == [(1, 3.0), (2, 2.5)]
+    assert plot_logs.read_run(str(tmp_path / "tb"), "validation loss") == [(1, 4.0), (2, 3.5)]
 
 
 def test_bad_inputs_are_reported(tmp_path):

@@ -23,21 +23,24 @@ from typing import Dict, List, Sequence, Tuple
 
 Series = List[Tuple[int, float]]
 
-# Names the same quantity goes by in our JSONL logs and tensorboard tags.
-METRIC_ALIASES = {
-    "lm loss": ("lm loss", "lm_loss", "loss", "train/lm loss", "lm-loss"),
-    "validation loss": ("validation loss", "val_loss", "lm loss validation", "lm-loss-validation"),
-    "grad norm": ("grad norm", "grad_norm", "grad-norm"),
+# metric -> (record "type" in the trainer's --jsonl-log, its keys there, tensorboard tags).
+# The trainer writes train and validation records with the same "lm_loss" key, so the record type
+# must select them; records without a "type" (other tools' logs) match any metric.
+METRICS = {
+    "lm loss": ("train", ("lm_loss", "lm loss", "loss"), ("lm loss",)),
+    "validation loss": ("valid", ("lm_loss", "lm loss", "val_loss"), ("lm loss validation",)),
+    "grad norm": ("train", ("grad_norm", "grad norm"), ("grad-norm",)),
+    "learning rate": ("train", ("lr",), ("learning-rate",)),
 }
 
 
-def _candidates(metric: str) -> Sequence[str]:
-    return METRIC_ALIASES.get(metric, (metric,))
+def _spec(metric: str):
+    return METRICS.get(metric, (None, (metric,), (metric,)))
 
 
 def read_jsonl(path: str, metric: str) -> Series:
-    """(iteration, value) pairs of `metric` from a JSON-lines file; lines without it are skipped."""
-    names = _candidates(metric)
+    """(iteration, value) pairs of `metric` from a JSON-lines file; other records are skipped."""
+    record_type, keys, _ = _spec(metric)
     series: Series = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -50,9 +53,11 @@ def read_jsonl(path: str, metric: str) -> Series:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
             if "iteration" not in record:
                 continue
-            for name in names:
-                if name in record and record[name] is not None:
-                    series.append((int(record["iteration"]), float(record[name])))
+            if record_type is not None and record.get("type", record_type) != record_type:
+                continue
+            for key in keys:
+                if record.get(key) is not None:
+                    series.append((int(record["iteration"]), float(record[key])))
                     break
     return series
 
@@ -64,7 +69,7 @@ def read_tensorboard(logdir: str, metric: str) -> Series:
     acc = EventAccumulator(logdir, size_guidance={"scalars": 0})
     acc.Reload()
     tags = acc.Tags().get("scalars", [])
-    for name in _candidates(metric):
+    for name in _spec(metric)[2]:
         if name in tags:
             return [(e.step, e.value) for e in acc.Scalars(name)]
     raise ValueError(f"{logdir}: no scalar tag for {metric!r}; tags present: {sorted(tags)}")

@@ -42,14 +42,14 @@ How (each item is one patch, applied only by :func:`enable_cpu_mode`):
    and ``cuda()`` returns the tensor itself (checkpoint load paths, ``check_param_hashes``).
    Any other caller gets the original behaviour.
 
-5. A logging filter on ``megatron.core.tensor_parallel.random`` drops the per-forward warning
-   "CPU RNG state changed within GPU RNG context": on CPU the forked generator *is* the CPU
-   generator, so the warning is expected and would flood the logs.
-
 4. Megatron-core's JIT fuser (``megatron.core.jit.jit_fuser``) is switched to a no-op
    decorator: the bias-GELU/SwiGLU fusions otherwise go through ``torch.compile``, which
    needs a C++ toolchain on CPU and buys nothing for tiny CPU runs.  (Only affects modules
    imported after :func:`enable_cpu_mode`; the trainer also disables the fusion flags.)
+
+5. A logging filter on ``megatron.core.tensor_parallel.random`` drops the per-forward warning
+   "CPU RNG state changed within GPU RNG context": on CPU the forked generator *is* the CPU
+   generator, so the warning is expected and would flood the logs.
 
 The call is idempotent and may be repeated: a repeated call only proxies megatron-core
 modules imported since the previous call.  Call it before building models/optimizers.

@@ -12,7 +12,7 @@
 #
 # Extra arguments are passed through to pretrain_gpt.py.  Environment overrides:
 #   DATA_DIR (data/quickstart)  RUN_DIR (runs/quickstart/<name>)  RUN_NAME (baseline, or derived
-#   from the extra args)  NPROC (2)  TRAIN_ITERS (200)  CORPUS_BYTES (4000000)  VOCAB_SIZE (8192)
+#   from the extra args)  NPROC (2)  TRAIN_ITERS (100)  CORPUS_BYTES (4000000)  VOCAB_SIZE (8192)
 #   PYTHON (python)  TORCHRUN ("$PYTHON -m torch.distributed.run")
 set -euo pipefail
 
@@ -26,7 +26,7 @@ PYTHON=${PYTHON:-python}
 TORCHRUN=${TORCHRUN:-"$PYTHON -m torch.distributed.run"}
 DATA_DIR=${DATA_DIR:-data/quickstart}
 NPROC=${NPROC:-2}
-TRAIN_ITERS=${TRAIN_ITERS:-200}
+TRAIN_ITERS=${TRAIN_ITERS:-100}
 CORPUS_BYTES=${CORPUS_BYTES:-4000000}
 VOCAB_SIZE=${VOCAB_SIZE:-8192}
 PREPROCESS_WORKERS=${PREPROCESS_WORKERS:-2}
@@ -99,7 +99,7 @@ DATA_ARGS=(
 )
 OUTPUT_ARGS=(
     --log-interval 10 --eval-interval 50 --eval-iters 5
-    --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 100
+    --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 50
     --tensorboard-dir "$RUN_DIR/tensorboard"
 )
 

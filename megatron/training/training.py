@@ -348,6 +348,9 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     ok, grad_norm, reason = optimizer_step(optimizer)
     if ok:
         scheduler.step(increment=args.global_batch_size)
+        scale_after = _loss_scale(optimizer)
+        if scale_after != scale_before:  # fp16 dynamic scale grew: keep LoCo errors in scaled units
+            integration.on_loss_scale_changed(model, scale_after / scale_before)
     else:
         ratio = (_loss_scale(optimizer) / scale_before) if reason == "overflow" else None
         integration.on_step_skipped(model, ratio)

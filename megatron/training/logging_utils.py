@@ -12,7 +12,7 @@ import json
 import math
 import os
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 
 def print_rank_0(msg: str) -> None:

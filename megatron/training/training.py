@@ -17,10 +17,7 @@ grad norm is not finite, counting it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import sys
 import time
 from functools import partial
 from typing import Any, Dict, Iterator, List, Optional, Tuple

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Throughput and error of the quantization kernels (torch reference vs Triton).
+"""Throughput and error of the quantization kernels (torch reference vs Triton / C++ CPU).
 
 Examples::
 
@@ -8,7 +8,7 @@ Examples::
 
 For every kernel and size it prints the time per call, throughput in GB/s of *input* bytes, the
 bytes moved (read + written) per second, and the error of the round trip (relative L2 and max
-abs).  Triton runs only on CUDA.  On CUDA the device-to-device copy bandwidth (``dst.copy_(src)``
+abs).  Triton runs only on CUDA; the fused C++ backend (``cpp``) only on CPU.  On CUDA the device-to-device copy bandwidth (``dst.copy_(src)``
 of the fp32 tensor, counted as read + write) is measured too and each kernel's moved-bytes
 bandwidth is printed as a fraction of it: these kernels are memory bound, so that fraction is the
 figure of merit.
@@ -136,6 +136,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     bits_list = [int(b) for b in args.bits.split(",") if b.strip()]
 
     backends: Dict[str, object] = {"torch": R}
+    if dev == "cpu":
+        from megatron.distributed.quant.kernels import cpu_kernels as C
+        if C.available():
+            backends["cpp"] = C
+        else:
+            print(f"# C++ CPU kernels unavailable: {C.build_error()!r}")
     if dev == "cuda":
         try:
             from megatron.distributed.quant.kernels import triton_kernels as T

@@ -22,3 +22,9 @@ then
   echo "[ensure_deps] installing requirements.txt"
   "$PYTHON" -m pip install --quiet -r "$ROOT/requirements.txt"
 fi
+# ninja drives torch.utils.cpp_extension, which builds the C++ CPU quantization kernels at first
+# use (without it they fall back to the slower torch reference). A system ninja on PATH is fine.
+if ! command -v ninja >/dev/null 2>&1 && ! "$PYTHON" -c "import ninja" >/dev/null 2>&1; then
+  echo "[ensure_deps] installing ninja"
+  "$PYTHON" -m pip install --quiet ninja
+fi

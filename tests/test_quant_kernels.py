@@ -345,7 +345,8 @@ def test_backend_dispatch(monkeypatch) -> None:
     x = _gauss(256)
     assert K.backend_for(x) == "torch"
     monkeypatch.setenv("QUANT_KERNELS", "auto")
-    assert K.backend_for(x) == "torch"       # CPU tensor -> reference
+    # CPU tensor -> the C++ kernels when they build here, else the reference
+    assert K.backend_for(x) == ("cpp" if K.cpu_kernels_available() else "torch")
     monkeypatch.setenv("QUANT_KERNELS", "bogus")
     with pytest.raises(ValueError, match="QUANT_KERNELS"):
         K.backend_for(x)

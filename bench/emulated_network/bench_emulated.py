@@ -59,7 +59,11 @@ SDP4BIT_FLAGS = [
     "--gradient-quantization-bits-inter", "4", "--gq-group-size-intra", "128",
     "--gq-group-size-inter", "128", "--hadamard-transform",
 ]
-TRAIN_VARIANTS: Dict[str, List[str]] = {"baseline": [], "sdp4bit": SDP4BIT_FLAGS}
+TRAIN_VARIANTS: Dict[str, List[str]] = {"baseline": [], "sdp4bit": SDP4BIT_FLAGS,
+                                         "sdp4bit-torch": SDP4BIT_FLAGS}
+# per-variant environment of the ranks: sdp4bit-torch = SDP4Bit with the pure-PyTorch reference
+# quantizer (the state before the C++ CPU kernels), for before/after comparisons in one invocation
+VARIANT_ENV: Dict[str, Dict[str, str]] = {"sdp4bit-torch": {"QUANT_KERNELS": "torch"}}
 COLLECTIVE_VARIANTS = ("baseline", "sdp4bit")
 
 
@@ -260,6 +264,7 @@ class JsonlCounterSampler(threading.Thread):
         super().__init__(daemon=True)
         self.topo, self.path, self.period = topo, path, period
         self.samples: List[tuple] = []  # (iteration, tx_bytes)
+        self.loads: List[tuple] = []    # (iteration, 1-min load average) -- the machine is shared
         self._halt = threading.Event()
         self._pos = 0
 
@@ -284,11 +289,22 @@ class JsonlCounterSampler(threading.Thread):
                         continue
                     if isinstance(rec, dict) and "iteration" in rec:
                         self.samples.append((int(rec["iteration"]), tx))
+                        try:
+                            self.loads.append((int(rec["iteration"]), os.getloadavg()[0]))
+                        except OSError:
+                            pass
             self._halt.wait(self.period)
 
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=5)
+
+    def load_summary(self, warmup: int) -> Optional[str]:
+        """'min-max (median m)' of the 1-min load average over the post-warm-up iterations."""
+        vals = sorted(v for it, v in self.loads if it >= warmup)
+        if not vals:
+            return None
+        return f"{vals[0]:.1f}-{vals[-1]:.1f} (median {statistics.median(vals):.1f})"
 
     def bytes_per_iter(self, warmup: int) -> Optional[float]:
         pts = [(it, tx) for it, tx in self.samples if tx is not None and it >= warmup]
@@ -443,7 +459,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             script = train_args(model, v, args.iters, jsonl, args.micro_batch_size, topo.world,
                                 shlex.split(args.train_extra))
             topo_v = Topology(**{**topo.__dict__, "master_port": args.master_port + i})
-            cmds = node_commands(topo_v, script, threads=args.threads)
+            cmds = node_commands(topo_v, script, threads=args.threads,
+                                 extra_env=VARIANT_ENV.get(v))
             commands[v] = cmds
             print(f"[bench] {v}:\n[bench]   " + "\n[bench]   ".join(shlex.join(c) for c in cmds),
                   flush=True)
@@ -466,7 +483,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "extra": "; ".join(
                              ([f"trainer-logged inter-node payload (rank 0 accounting): "
                                f"{fmt_bytes(logged)}/iter"] if logged is not None else [])
-                             + [f"per-iteration ms: {summ['ms_all']}"])})
+                             + [f"per-iteration ms: {summ['ms_all']}"]
+                             + ([f"1-min load average during the timed iterations: "
+                                 f"{sampler.load_summary(args.warmup)}"]
+                                if sampler.load_summary(args.warmup) else []))})
         if args.dry_run:
             return 0
         sp = speedups({r["variant"]: r["ms"] for r in rows})

@@ -11,7 +11,8 @@
 #   MODEL      tiny | small | medium GPT preset (default small, ~16.8M params; medium ~34.8M; seq 8, micro-batch 1)
 #   SEQ        override the preset's sequence length
 #   MODE       train (pretrain_gpt.py) | collectives (bench_collectives.py)   (default train)
-#   VARIANTS   default baseline,sdp4bit  (run in this order, same invocation)
+#   VARIANTS   default baseline,sdp4bit  (run in this order, same invocation); train mode also
+#              knows sdp4bit-torch = SDP4Bit with QUANT_KERNELS=torch (the torch reference quantizer)
 #   ITERS      training iterations / timed steps (default 8);  WARMUP (default 2)
 #   NUMEL      collectives mode: elements (default: the MODEL's parameter count)
 #   TIMEOUT    seconds per variant (default 600);  THREADS per rank (default 1)

@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 
 from .accounting import CommAccounting
-from .kernels import (NonFiniteError, QuantizedTensor, dequantize, dequantize_add, dequantize_sum,
-                      dequantize_sum_requantize, quantize, quantize_difference, quantize_partitions)
+from .kernels import (NonFiniteError, QuantizedTensor, all_finite, dequantize, dequantize_add,
+                      dequantize_sum, dequantize_sum_requantize, quantize, quantize_difference,
+                      quantize_partitions)
 from .topology import TwoLevelGroups
 
 __all__ = [
@@ -113,7 +114,7 @@ def required_padding_multiple_from_config(cfg, dp_size: int, intra_size: int) ->
 def _agree_finite(x: torch.Tensor, group, what: str) -> None:
     """Raise NonFiniteError on every rank of ``group`` if any rank's ``x`` is non-finite."""
     bad = torch.zeros(1, dtype=torch.float32, device=x.device)
-    if not bool(torch.isfinite(x).all()):
+    if not all_finite(x):  # one fused pass on the C++ CPU backend (no N-byte bool temporary)
         bad.fill_(1.0)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
@@ -194,7 +195,8 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
     caller's own shard of ``input`` (SDP4Bit writes in place into the grad bucket): the input is
     fully consumed by the first quantization before anything is written.
 
-    ``generator`` must live on ``input``'s device (torch.rand draws the stochastic rounding).
+    ``generator`` must live on ``input``'s device (the stochastic rounding draws from it:
+    ``torch.rand`` in the torch reference, one seed per kernel call in the C++ / Triton kernels).
     ``check_finite`` costs a one-element all-reduce over the DP group (and a host sync) per call;
     it is what lets every rank raise :class:`NonFiniteError` together instead of deadlocking.
 

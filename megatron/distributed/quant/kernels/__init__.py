@@ -1,17 +1,31 @@
 """Numerical core of the quantized collectives: group-wise symmetric 2/4/8-bit quantization.
 
-Every public op dispatches to a Triton kernel when the input is a CUDA tensor and triton can be
-imported, and to the PyTorch reference (:mod:`.reference`) otherwise.  The environment variable
-``QUANT_KERNELS`` overrides the choice: ``triton`` forces the Triton path (this is how CI runs the
-kernels on CPU tensors under ``TRITON_INTERPRET=1``), ``torch`` forces the reference.  Triton is
-imported lazily so CPU-only installs without triton keep working.
+Three backends implement the same public ops:
 
-Numerics are defined once, in :mod:`.reference`; the Triton kernels reproduce them bit-for-bit for
-round-to-nearest and in distribution for stochastic rounding.
+* ``torch``  — the PyTorch reference (:mod:`.reference`), any device; the numerical definition.
+* ``triton`` — Triton kernels (:mod:`.triton_kernels`), used for CUDA tensors.
+* ``cpp``    — fused single-pass C++ CPU kernels (:mod:`.cpu_kernels`), compiled at first use
+  with ``torch.utils.cpp_extension`` (needs a C++ compiler and ``ninja``) and cached per machine.
+
+``backend_for(x)`` says which one the public ops use for a tensor like ``x``. The environment
+variable ``QUANT_KERNELS`` (read at every call) chooses:
+
+* ``auto`` (default): ``triton`` for CUDA tensors when triton imports, ``cpp`` for CPU tensors when
+  the C++ kernels build (if they cannot — no compiler, no ninja, build error — one warning is logged
+  and ``torch`` is used), ``torch`` otherwise;
+* ``torch``, ``triton`` or ``cpp`` (alias ``cpu``) force that backend; forcing one that cannot be
+  loaded raises RuntimeError. ``triton`` on CPU tensors is how CI runs the Triton kernels under
+  ``TRITON_INTERPRET=1``; ``cpp`` hands tensors it cannot handle (non-CPU, or dtypes other than
+  fp32/bf16/fp16) to the reference.
+
+Numerics are defined once, in :mod:`.reference`; the Triton and C++ kernels reproduce them
+bit-for-bit for round-to-nearest and in distribution for stochastic rounding (each backend has its
+own random stream, reproducible from the caller's ``torch.Generator``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional, Sequence
 
@@ -26,7 +40,8 @@ __all__ = [
     "quantize", "dequantize", "pack", "unpack",
     "hadamard_transform", "inverse_hadamard_transform", "hadamard_matrix",
     "quantize_partitions", "dequantize_sum_requantize", "dequantize_sum",
-    "quantize_difference", "dequantize_add", "triton_available", "backend_for",
+    "quantize_difference", "dequantize_add", "triton_available", "cpu_kernels_available",
+    "backend_for", "count_nonfinite", "all_finite",
 ]
 
 _TRITON_MOD = None
@@ -50,8 +65,40 @@ def triton_available() -> bool:
     return _triton() is not None
 
 
+_CPU_WARNED = False
+
+
+def _cpu():
+    """The C++ CPU kernels module if they build/load in this process, else None."""
+    from . import cpu_kernels as mod  # noqa: WPS433 (lazy: importing it builds nothing)
+    return mod if mod.available() else None
+
+
+def cpu_kernels_available() -> bool:
+    """True if the C++ CPU kernels are built and loaded (builds them on the first call)."""
+    return _cpu() is not None
+
+
+def _auto_cpu() -> str:
+    global _CPU_WARNED
+    if _cpu() is not None:
+        return "cpp"
+    if not _CPU_WARNED:
+        _CPU_WARNED = True
+        from . import cpu_kernels as mod
+        logging.getLogger(__name__).warning(
+            "C++ CPU quantization kernels unavailable (%r); using the slower torch reference. "
+            "Install a C++ compiler and ninja (pip install ninja) to enable them.",
+            mod.build_error())
+    return "torch"
+
+
 def backend_for(x: torch.Tensor) -> str:
-    """'triton' or 'torch': the backend the public ops will use for a tensor on x's device."""
+    """'triton', 'cpp' or 'torch': the backend the public ops will use for a tensor like ``x``.
+
+    See the module docstring for ``QUANT_KERNELS``. In ``auto`` mode the first CPU call builds
+    (or loads from the cache) the C++ kernels.
+    """
     mode = os.environ.get("QUANT_KERNELS", "auto").strip().lower()
     if mode == "torch":
         return "torch"
@@ -60,13 +107,42 @@ def backend_for(x: torch.Tensor) -> str:
             raise RuntimeError(f"QUANT_KERNELS=triton but triton kernels cannot be imported: "
                                f"{_TRITON_ERR!r}")
         return "triton"
+    if mode in ("cpp", "cpu"):
+        if _cpu() is None:
+            from . import cpu_kernels as mod
+            raise RuntimeError(f"QUANT_KERNELS={mode} but the C++ CPU kernels cannot be built: "
+                               f"{mod.build_error()!r}")
+        return "cpp"
     if mode not in ("", "auto"):
-        raise ValueError(f"QUANT_KERNELS must be 'auto', 'torch' or 'triton', got {mode!r}")
-    return "triton" if (x.is_cuda and _triton() is not None) else "torch"
+        raise ValueError(f"QUANT_KERNELS must be 'auto', 'torch', 'triton' or 'cpp', got {mode!r}")
+    if x.is_cuda:
+        return "triton" if _triton() is not None else "torch"
+    if x.device.type == "cpu":
+        return _auto_cpu()
+    return "torch"
 
 
 def _impl(x: torch.Tensor):
-    return _triton() if backend_for(x) == "triton" else _ref
+    b = backend_for(x)
+    if b == "triton":
+        return _triton()
+    if b == "cpp":
+        return _cpu()
+    return _ref
+
+
+def count_nonfinite(x: torch.Tensor) -> int:
+    """Number of NaN/Inf elements of ``x`` (one fused pass on the C++ backend)."""
+    if backend_for(x) == "cpp":
+        return _cpu().count_nonfinite(x)
+    return int((~torch.isfinite(x)).sum().item())
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """``bool(torch.isfinite(x).all())``, without the bool temporary on the C++ backend."""
+    if backend_for(x) == "cpp" and x.device.type == "cpu":
+        return _cpu().count_nonfinite(x) == 0
+    return bool(torch.isfinite(x).all())
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, *, stochastic: bool = True,

@@ -151,7 +151,8 @@ def test_dry_run_prints_json_and_exits_zero() -> None:
 
 
 def test_paro_strategy_flags():
-    """Only the PaRO strategies the trainer realises are accepted, each with its matching setting."""
+    """Every effective PaRO strategy is accepted; NNN / NNG (megatron-core) need the matching
+    --use-distributed-optimizer setting; ineffective ones are rejected with the reason."""
     from megatron.training.arguments import ArgumentError, parse_args, validate_args
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -165,10 +166,14 @@ def test_paro_strategy_flags():
     assert validated("--paro-strategy", "ddp").paro_strategy == "NNN"
     with pytest.raises(ArgumentError, match="needs --use-distributed-optimizer"):
         validated("--paro-strategy", "NNG")
-    with pytest.raises(ArgumentError, match="not implemented in training yet"):
-        validated("--paro-strategy", "NIG", "--use-distributed-optimizer")
-    with pytest.raises(ArgumentError, match="cost model only"):
-        validated("--paro-strategy", "auto")
+    # The other 12 run on the PaRO engine (tests/test_paro_training.py); auto resolves at startup.
+    assert validated("--paro-strategy", "NIG").paro_strategy == "NIG"
+    assert validated("--paro-strategy", "pIIg", "--use-distributed-optimizer").paro_strategy == "IIG"
+    assert validated("--paro-strategy", "auto").paro_strategy == "auto"
+    with pytest.raises(ArgumentError, match="less finely than gradients"):
+        validated("--paro-strategy", "NGI")
+    with pytest.raises(ArgumentError, match="not --fp16"):
+        validated("--paro-strategy", "NIG", "--fp16")
     with pytest.raises(ArgumentError):
         validated("--paro-strategy", "XYZ")
 

@@ -19,7 +19,9 @@ import warnings
 from typing import Callable, List, Optional, Tuple
 
 from megatron.distributed.quant.arguments import add_quantization_args
-from megatron.distributed.quant.paro import add_paro_args, check_trainable
+from megatron.distributed.quant.paro import AUTO as PARO_AUTO
+from megatron.distributed.quant.paro import add_paro_args, check_trainable, resolve_group_size
+from megatron.distributed.quant.paro_engine import quantization_support_error, uses_paro_engine
 from megatron.distributed.quant.config import QuantizationConfig
 
 NOOP = "(no-op in this trainer; accepted for Megatron-LM script compatibility)"
@@ -309,17 +311,44 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         args.quant_config = QuantizationConfig.from_args(args)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
-    if args.quant_config.enabled:
+    # PaRO partition strategy: NNN / NNG on megatron-core, the other 12 on the PaRO engine,
+    # 'auto' resolved at startup (training.resolve_paro_auto) once the model size is known.
+    if args.paro_strategy is not None:
+        try:
+            parsed = check_trainable(args.paro_strategy, args.use_distributed_optimizer)
+            args.paro_group_size = resolve_group_size(args.data_parallel_size, args.paro_group_size,
+                                                      args.tensor_model_parallel_size)
+        except ValueError as e:
+            raise ArgumentError(str(e)) from None
+        args.paro_strategy = parsed if parsed == PARO_AUTO else parsed.name
+        if args.paro_strategy == PARO_AUTO or uses_paro_engine(args.paro_strategy):
+            what = ("--paro-strategy auto (it may pick a PaRO-engine strategy)"
+                    if args.paro_strategy == PARO_AUTO else
+                    f"--paro-strategy {args.paro_strategy} (PaRO engine)")
+            _require(args.tensor_model_parallel_size == 1 and args.pipeline_model_parallel_size == 1,
+                     f"{what} needs --tensor-model-parallel-size 1 and "
+                     f"--pipeline-model-parallel-size 1 (pure data parallelism)")
+            _require(not args.fp16, f"{what} supports --bf16 and fp32, not --fp16 (no loss scaling)")
+            _require(not (args.overlap_grad_reduce or args.overlap_param_gather),
+                     f"{what} does not overlap communication: drop --overlap-grad-reduce / "
+                     f"--overlap-param-gather")
+            if args.paro_strategy == PARO_AUTO:
+                _require(not args.quant_config.enabled,
+                         "--paro-strategy auto cannot be combined with quantized communication "
+                         "(not every strategy supports it): pass an explicit strategy")
+            else:
+                err = quantization_support_error(args.paro_strategy, args.quant_config)
+                _require(err is None, err or "")
+                intra = args.quant_config.data_parallel_intra_node_size
+                _require(not args.quant_config.enabled or intra is None or intra == args.paro_group_size,
+                         f"{what}: --data-parallel-intra-node-size {intra} differs from "
+                         f"--paro-group-size {args.paro_group_size}; the engine quantizes inside "
+                         f"the PaRO groups")
+
+    if args.quant_config.enabled and not uses_paro_engine(args.paro_strategy):
         _require(args.use_distributed_optimizer,
                  "quantized communication (--quantized-weights / --quantized-gradients / "
                  "--quantized-grad-bits) needs --use-distributed-optimizer")
-
-    # PaRO partition strategy: only the ones megatron-core's DDP/DistributedOptimizer realise.
-    if args.paro_strategy is not None:
-        try:
-            args.paro_strategy = check_trainable(args.paro_strategy, args.use_distributed_optimizer).name
-        except ValueError as e:
-            raise ArgumentError(str(e)) from None
 
     # Model shape defaults.
     if args.max_position_embeddings is None:

@@ -6,10 +6,12 @@ Layout::
     {save}/iter_{N:07d}/mp_rank_{tp:02d}_{pp:03d}_dp_{dp:03d}.pt
 
 Every rank writes its own file: optimizer state (for the distributed optimizer its local shard
-via megatron-core's ``dp_reshardable`` parameter state -- no communication, works on gloo CPU),
+via megatron-core's ``dp_reshardable`` parameter state -- no communication, works on gloo CPU;
+for the PaRO engine its fp32 master shard, Adam moments and step),
 scheduler, RNG (python/numpy/torch/cuda + the TP RNG tracker), quantization state (error
 buffers are per rank), iteration and consumed samples.  The model weights are identical over
-data-parallel ranks, so only DP rank 0 of each (TP, PP) stores them.
+data-parallel ranks, so only DP rank 0 of each (TP, PP) stores them (PaRO strategies that
+partition parameters gather them first).
 
 Why atomic: a job killed while saving must never leave a directory that ``--load`` would pick
 up.  Ranks write into ``{save}/.tmp_iter_{N:07d}``; after a barrier rank 0 renames it to
@@ -30,7 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from megatron.distributed.quant import integration
+from megatron.distributed.quant import integration, paro_engine
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -176,6 +178,24 @@ def _sync_params_for_save(model: List[torch.nn.Module]) -> None:
             chunk.enable_forward_pre_hook()
 
 
+def _model_state_dicts(model: List[torch.nn.Module], keep: bool) -> List[Dict[str, Any]]:
+    """Full weights of every chunk (only when ``keep``).
+
+    PaRO-engine chunks hold only a shard of partitioned parameters: their full weights are
+    gathered (collective, every rank takes part) and copied out before the buffer is released.
+    """
+    out: List[Dict[str, Any]] = []
+    for chunk in model:
+        if hasattr(chunk, "full_params"):
+            with chunk.full_params():
+                if keep:
+                    out.append({k: v.detach().clone() if torch.is_tensor(v) else v
+                                for k, v in chunk.module.state_dict().items()})
+        elif keep:
+            out.append(chunk.module.state_dict())
+    return out
+
+
 def save_checkpoint(args: argparse.Namespace, iteration: int, model: List[torch.nn.Module],
                     optimizer: Any, scheduler: Any, train_state: Dict[str, Any]) -> str:
     """Collective: every rank calls it.  Returns the final directory."""
@@ -200,8 +220,9 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model: List[torch.
         "checkpoint_version": 1,
         "quantization": integration.quantization_state_dict(model),
     }
+    model_sd = _model_state_dicts(model, keep=ps.get_data_parallel_rank() == 0)
     if ps.get_data_parallel_rank() == 0:
-        state["model"] = [chunk.module.state_dict() for chunk in model]
+        state["model"] = model_sd
     if not args.no_save_optim:
         state["optimizer"] = _optimizer_state(optimizer)
         state["opt_param_scheduler"] = scheduler.state_dict()
@@ -245,14 +266,19 @@ def load_checkpoint(args: argparse.Namespace, model: List[torch.nn.Module], opti
     model_state = state if "model" in state else torch.load(
         os.path.join(ckpt, _model_filename()), map_location="cpu", weights_only=False)
     for chunk, sd in zip(model, model_state["model"]):
-        chunk.module.load_state_dict(sd, strict=True)
+        if hasattr(chunk, "full_params"):  # PaRO engine: load into the gathered buffer, re-shard
+            with chunk.full_params(writeback=True):
+                chunk.module.load_state_dict(sd, strict=True)
+        else:
+            chunk.module.load_state_dict(sd, strict=True)
     del model_state
 
     finetune = getattr(args, "finetune", False)
     if not finetune and not args.no_load_optim and "optimizer" in state:
         _load_optimizer_state(optimizer, state["optimizer"])
         scheduler.load_state_dict(state["opt_param_scheduler"])
-    elif args.use_distributed_optimizer or args.bf16 or args.fp16:
+    elif args.use_distributed_optimizer or args.bf16 or args.fp16 or paro_engine.uses_paro_engine(
+            getattr(args, "paro_strategy", None)):
         # Main (fp32) params must follow the freshly loaded model weights.
         for opt in _sub_optimizers(optimizer):
             if hasattr(opt, "reload_model_params"):

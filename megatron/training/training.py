@@ -3,7 +3,9 @@
 What it builds, in order: TransformerConfig -> GPTModel (TE spec when transformer_engine is
 importable and we are on GPU, else megatron-core's local spec) -> Float16Module (bf16/fp16) ->
 DDP via ``integration.wrap_model_with_ddp`` -> megatron-core optimizer + OptimizerParamScheduler
--> ``integration.on_optimizer_built``.  Data come from megatron-core's
+-> ``integration.on_optimizer_built``.  With ``--paro-strategy`` other than NNN / NNG the chunk is
+wrapped in the PaRO engine instead (``paro_engine.ParoDataParallel`` + ``ParoOptimizer``; the
+loop below is the same).  Data come from megatron-core's
 BlendedMegatronDatasetBuilder (GPTDataset, or MockGPTDataset with --mock-data) through a
 consumed-samples-aware sampler so a resumed run sees exactly the batches the uninterrupted run
 would have seen.
@@ -24,7 +26,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.distributed.quant import integration, paro
+from megatron.distributed.quant import integration, paro, paro_engine
 
 from . import checkpointing
 from .arguments import data_blend, padded_vocab_size
@@ -148,15 +150,96 @@ def get_model(args: argparse.Namespace, config: Any, vocab_size: int) -> List[to
         chunk.cuda(torch.cuda.current_device())
     if args.bf16 or args.fp16:
         chunk = Float16Module(config, chunk)
+    if args.paro_strategy == paro.AUTO:
+        resolve_paro_auto(args, sum(p.numel() for p in chunk.parameters()))
+    if paro_engine.uses_paro_engine(args.paro_strategy):
+        return [build_paro_chunk(args, config, chunk)]
     return integration.wrap_model_with_ddp(config, build_ddp_config(args), [chunk],
                                            args.quant_config)
+
+
+def _paro_state_bytes(args: argparse.Namespace) -> "paro.StateBytes":
+    """Bytes per element of parameters / gradients as this run stores them (K = 12 for Adam)."""
+    mixed = args.bf16 or args.fp16
+    return paro.StateBytes(param=2.0 if mixed else 4.0,
+                           grad=4.0 if (args.accumulate_allreduce_grads_in_fp32 or not mixed) else 2.0)
+
+
+def _memory_for_auto(args: argparse.Namespace) -> float:
+    """Bytes per rank that --paro-strategy auto may fill: the flag, else the device's memory (CPU:
+    host memory shared by the ranks of this node); the minimum over all ranks."""
+    import os
+
+    if args.paro_gpu_memory_gb is not None:
+        mem = args.paro_gpu_memory_gb * 1e9
+    elif args.device == "cuda":
+        mem = float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    else:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        mem = host / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
+    t = torch.tensor([mem], dtype=torch.float64, device=dev)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return float(t.item())
+
+
+def resolve_paro_auto(args: argparse.Namespace, num_params: int) -> "paro.AutoChoice":
+    """``--paro-strategy auto``: the cheapest modelled communication that fits (spec §3); prints
+    the choice and why, and sets ``args.paro_strategy`` (and, for NNN / NNG, the matching
+    ``--use-distributed-optimizer``)."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    choice = paro.choose_strategy_auto(
+        num_params, args.data_parallel_size, args.paro_group_size, _memory_for_auto(args),
+        args.paro_intra_bandwidth_gbs * 1e9, args.paro_inter_bandwidth_gbs * 1e9,
+        micro_steps=get_num_microbatches(), state_bytes=_paro_state_bytes(args),
+        reserved_bytes=args.paro_reserved_memory_gb * 1e9)
+    args.paro_strategy = choice.strategy.name
+    if args.paro_strategy in paro.TRAINABLE_STRATEGIES:
+        args.use_distributed_optimizer = paro.TRAINABLE_STRATEGIES[args.paro_strategy]
+    print_rank_0(f" > --paro-strategy {choice.explanation}")
+    return choice
+
+
+def build_paro_chunk(args: argparse.Namespace, config: Any,
+                     chunk: torch.nn.Module) -> "paro_engine.ParoDataParallel":
+    """Wrap one model chunk in the PaRO engine with the run's groups and gradient dtype."""
+    from megatron.core import parallel_state as ps
+
+    groups = paro.build_paro_groups(args.paro_group_size,
+                                    dp_ranks=torch.distributed.get_process_group_ranks(
+                                        ps.get_data_parallel_group()))
+    grad_dtype = torch.float32 if (args.accumulate_allreduce_grads_in_fp32 or not
+                                   (args.bf16 or args.fp16)) else args.params_dtype
+    return paro_engine.ParoDataParallel(config, chunk, paro.PaRoStrategy.from_string(
+        args.paro_strategy), groups, grad_dtype=grad_dtype, quant_config=args.quant_config,
+        seed=args.seed)
+
+
+def configure_schedule(args: argparse.Namespace, config: Any, model: List[torch.nn.Module],
+                       optimizer: Any) -> None:
+    """The hooks megatron-core's schedule calls: loss scaling, gradient finalization, no_sync."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config.grad_scale_func = optimizer.scale_loss
+    if isinstance(model[0], paro_engine.ParoDataParallel):
+        config.finalize_model_grads_func = model[0].finalize_model_grads
+    else:
+        config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model[0].no_sync
+    if args.overlap_grad_reduce:
+        config.grad_sync_func = model[0].start_grad_sync
+    config.timers = None
 
 
 def get_optimizer_and_scheduler(args: argparse.Namespace, model: List[torch.nn.Module]):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    optimizer = get_megatron_optimizer(build_optimizer_config(args), model)
+    if isinstance(model[0], paro_engine.ParoDataParallel):
+        optimizer = paro_engine.ParoOptimizer(model[0], build_optimizer_config(args))
+    else:
+        optimizer = get_megatron_optimizer(build_optimizer_config(args), model)
     gbs = args.global_batch_size
     decay_steps = args.lr_decay_iters * gbs
     if args.lr_warmup_fraction is not None:
@@ -410,7 +493,6 @@ def _should_exit_on_time(args, start_time: float, device) -> bool:
 def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]:
     """Initialize, build, (resume), train, evaluate, save.  Returns the summary dict."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import finalize_model_grads
 
     from .initialize import initialize_megatron
 
@@ -427,12 +509,7 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
     model = get_model(args, config, args.padded_vocab_size)
     optimizer, scheduler = get_optimizer_and_scheduler(args, model)
 
-    config.grad_scale_func = optimizer.scale_loss
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model[0].no_sync
-    if args.overlap_grad_reduce:
-        config.grad_sync_func = model[0].start_grad_sync
-    config.timers = None
+    configure_schedule(args, config, model, optimizer)
 
     iteration, train_state = 0, {}
     if args.load:
@@ -461,12 +538,18 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
         n_total = n_params * args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+        if isinstance(model[0], paro_engine.ParoDataParallel):
+            n_total = model[0].padded_numel  # what the engine allocates and sends (padded to n)
         print_rank_0(paro.format_report(paro.paro_report(
             args.paro_strategy, n_total, args.data_parallel_size, args.paro_group_size,
             micro_steps=get_num_microbatches(), quant_config=args.quant_config,
-            state_bytes=paro.StateBytes(
-                param=2.0 if (args.bf16 or args.fp16) else 4.0,
-                grad=4.0 if (args.accumulate_allreduce_grads_in_fp32 or not (args.bf16 or args.fp16)) else 2.0))))
+            state_bytes=_paro_state_bytes(args))))
+        if isinstance(model[0], paro_engine.ParoDataParallel):
+            mem = paro_engine.model_state_bytes(model[0], optimizer)
+            print_rank_0(f" > PaRO engine, resident model states on rank 0: parameters "
+                         f"{mem['params']} B, gradients {mem['grads']} B, optimizer states "
+                         f"{mem['optimizer_states']} B, total {mem['total']} B (padded to "
+                         f"{model[0].padded_numel} elements)")
 
     tokens_per_iter = args.global_batch_size * args.seq_length
     interval = {"loss": 0.0, "n": 0, "time": 0.0, "skipped": 0, "nan": 0}
@@ -527,7 +610,7 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
             ms = 1000.0 * interval["time"] / n_it
             avg_loss = interval["loss"] / interval["n"] if interval["n"] else float("nan")
             tps = tokens_per_iter * n_it / interval["time"] if interval["time"] > 0 else 0.0
-            comm = integration.communication_report(model)
+            comm = _communication_report(model)
             line = _fmt_log_line(iteration, args, consumed_train, ms, lr, avg_loss,
                                  _loss_scale(optimizer), grad_norm, interval["skipped"],
                                  interval["nan"], tps, comm)
@@ -562,7 +645,7 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
                              iteration, "validation (end of training)")
     save(iteration)
 
-    comm_total = integration.communication_report(model, reset=True)
+    comm_total = _communication_report(model)
     summary = {"type": "summary", "iterations": iteration, "iterations_this_run": run_iters,
                "exit_reason": exit_reason, "final_lm_loss": last_loss, "final_val_loss": last_val,
                "skipped_iterations": skipped_total, "nan_iterations": nan_total,
@@ -575,6 +658,18 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
     metrics.record(summary)
     metrics.close()
     return summary
+
+
+def _communication_report(model: List[torch.nn.Module]) -> Dict[str, float]:
+    """Quantization accounting plus, for PaRO-engine chunks, the bytes this rank sent on the
+    intra / inter links since the last call (cost-model convention); both reset."""
+    comm = integration.communication_report(model, reset=True)
+    for chunk in model:
+        if isinstance(chunk, paro_engine.ParoDataParallel):
+            comm["paro_intra_bytes"] = comm.get("paro_intra_bytes", 0.0) + chunk.counter.intra
+            comm["paro_inter_bytes"] = comm.get("paro_inter_bytes", 0.0) + chunk.counter.inter
+            chunk.counter.reset()
+    return comm
 
 
 def _run_eval(args, forward_step_func, valid_iter, model, device, metrics, iteration,

@@ -9,7 +9,8 @@ and optimizer states (os) -- one partition level:
 * ``G`` split into ``n`` shards across all ranks (ZeRO).
 
 A strategy is the three letters in the order p, g, os (``NIG``, ``IIG``, ZeRO-1 = ``NNG``, ...).
-This module is the part of PaRO that does not touch the training loop yet:
+This module holds the model and the collectives; training of the strategies lives in
+:mod:`.paro_engine`:
 
 1. :class:`PaRoStrategy` / :func:`parse_paro_strategy` -- parsing and the validity rule (14 of the
    27 combinations are effective; every rejection says why);
@@ -237,28 +238,25 @@ def resolve_group_size(world_size: int, group_size: Optional[int] = None,
     return group_size
 
 
-# Strategies the trainer runs today, with the megatron-core setting that realises each
-# (value: --use-distributed-optimizer). The others are modelled (report, auto) but not trained yet.
+# Strategies megatron-core's DDP / DistributedOptimizer realise directly (value: the
+# --use-distributed-optimizer setting they need). Every other effective strategy is trained by
+# the PaRO engine (megatron/distributed/quant/paro_engine.py).
 TRAINABLE_STRATEGIES: Dict[str, bool] = {"NNN": False, "NNG": True}
 
 
-def check_trainable(text: str, use_distributed_optimizer: bool) -> PaRoStrategy:
+def check_trainable(text: str, use_distributed_optimizer: bool) -> Union[PaRoStrategy, str]:
     """Parse ``--paro-strategy`` for training; ValueError (with the fix) when it cannot be run.
 
-    Raising beats silently training with another partitioning than the one asked for.
+    All 14 effective strategies train: NNN and NNG on megatron-core (with the matching
+    ``--use-distributed-optimizer`` setting, so the flag and the strategy never disagree), the
+    others on the PaRO engine. ``'auto'`` is returned as is and resolved at startup, once the
+    model size and the world are known. Ineffective strategies raise with the reason.
     """
     parsed = parse_paro_strategy(text)
     if parsed == AUTO:
-        raise ValueError(
-            "--paro-strategy auto is available in the cost model only (docs/paro.md: "
-            "choose_strategy_auto); pass an explicit strategy to train")
+        return AUTO
     name = parsed.name
-    if name not in TRAINABLE_STRATEGIES:
-        raise ValueError(
-            f"PaRO strategy {name} is modelled (startup report, docs/paro.md) but not implemented in "
-            f"training yet; trainable now: NNN (plain data parallel) and NNG (ZeRO-1, "
-            f"--use-distributed-optimizer)")
-    if TRAINABLE_STRATEGIES[name] != use_distributed_optimizer:
+    if name in TRAINABLE_STRATEGIES and TRAINABLE_STRATEGIES[name] != use_distributed_optimizer:
         raise ValueError(
             f"--paro-strategy {name} " + ("needs --use-distributed-optimizer" if TRAINABLE_STRATEGIES[name]
                                           else "replicates optimizer states: drop --use-distributed-optimizer"))
@@ -271,9 +269,10 @@ def add_paro_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--paro-strategy", type=str, default=None,
                        help="Partition levels of parameters, gradients, optimizer states, each "
                             "N (replicated), I (within a group) or G (global), e.g. NIG, IIG; "
-                            "aliases ddp, zero1, zero2, zero3, mics. Training runs NNN and NNG "
-                            "(ZeRO-1, --use-distributed-optimizer) and prints the strategy's memory/"
-                            "communication report; the others and 'auto' are cost-model only for now.")
+                            "aliases ddp, zero1, zero2, zero3, mics; or 'auto' (cheapest modelled "
+                            "communication that fits in memory). NNN and NNG (ZeRO-1, needs "
+                            "--use-distributed-optimizer) run on megatron-core, the other 12 on the "
+                            "PaRO engine (TP=PP=1, bf16/fp32); prints the memory/communication report.")
     group.add_argument("--paro-group-size", type=int, default=None,
                        help="Data-parallel ranks per PaRO group (default LOCAL_WORLD_SIZE // TP, "
                             "i.e. one node).")

@@ -338,12 +338,7 @@ def dequantize_sum(q: QuantizedTensor, num_sources: int, *, hadamard: bool = Fal
                    hadamard_block: int = 32, out: Optional[torch.Tensor] = None,
                    scale: float = 1.0) -> torch.Tensor:
     """C++ version of :func:`reference.dequantize_sum` (one pass into ``out``)."""
-    n = _ref._check_sources(q, num_sources, "dequantize_sum")
-    if hadamard:
-        _ref._check_hadamard(hadamard_block, hadamard_block)
-        if n % hadamard_block != 0:
-            raise ValueError(
-                f"dequantize_sum: chunk size {n} is not a multiple of hadamard_block {hadamard_block}")
+    n = _ref._check_dequantize_sum(q, num_sources, hadamard, hadamard_block)
     if not _ok(q.scales) or q.codes.device.type != "cpu":
         return _ref.dequantize_sum(q, num_sources, hadamard=hadamard,
                                    hadamard_block=hadamard_block, out=out, scale=scale)

@@ -347,6 +347,18 @@ def _check_sources(q: QuantizedTensor, num_sources: int, what: str) -> int:
     return n
 
 
+def _check_dequantize_sum(q: QuantizedTensor, num_sources: int, hadamard: bool,
+                          hadamard_block: int) -> int:
+    """Validation shared by every backend's ``dequantize_sum``; returns the chunk size."""
+    n = _check_sources(q, num_sources, "dequantize_sum")
+    if hadamard:
+        _check_hadamard(hadamard_block, hadamard_block)
+        if n % hadamard_block != 0:
+            raise ValueError(
+                f"dequantize_sum: chunk size {n} is not a multiple of hadamard_block {hadamard_block}")
+    return n
+
+
 def _sum_sources(q: QuantizedTensor, num_sources: int, n: int) -> torch.Tensor:
     d = _dequant_fp32(q).view(num_sources, n)
     acc = torch.zeros(n, dtype=torch.float32, device=d.device)
@@ -372,12 +384,7 @@ def dequantize_sum(q: QuantizedTensor, num_sources: int, *, hadamard: bool = Fal
                    hadamard_block: int = 32, out: Optional[torch.Tensor] = None,
                    scale: float = 1.0) -> torch.Tensor:
     """Dequantize ``num_sources`` chunks, fp32 sum in order [-> inverse Hadamard] -> * scale."""
-    n = _check_sources(q, num_sources, "dequantize_sum")
-    if hadamard:
-        _check_hadamard(hadamard_block, hadamard_block)
-        if n % hadamard_block != 0:
-            raise ValueError(
-                f"dequantize_sum: chunk size {n} is not a multiple of hadamard_block {hadamard_block}")
+    n = _check_dequantize_sum(q, num_sources, hadamard, hadamard_block)
     acc = _sum_sources(q, num_sources, n)
     if hadamard:
         acc = _fwht_rows(acc.view(-1, hadamard_block), hadamard_block).reshape(-1) * (1.0 / hadamard_block)

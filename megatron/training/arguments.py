@@ -115,7 +115,9 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="Overlap the distributed optimizer's param all-gather with the forward pass.")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
-                   help="Elements per DDP bucket (default megatron-core's).")
+                   help="Elements per DDP bucket (default megatron-core's); with a PaRO-engine "
+                        "strategy, the cap on a gather/reduce-scatter bucket (default one per "
+                        "layer).")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="Default: nccl on GPU, gloo on CPU.")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)

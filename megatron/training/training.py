@@ -213,7 +213,7 @@ def build_paro_chunk(args: argparse.Namespace, config: Any,
                                    (args.bf16 or args.fp16)) else args.params_dtype
     return paro_engine.ParoDataParallel(config, chunk, paro.PaRoStrategy.from_string(
         args.paro_strategy), groups, grad_dtype=grad_dtype, quant_config=args.quant_config,
-        seed=args.seed)
+        seed=args.seed, bucket_numel=args.ddp_bucket_size)
 
 
 def configure_schedule(args: argparse.Namespace, config: Any, model: List[torch.nn.Module],
@@ -553,6 +553,7 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
 
     tokens_per_iter = args.global_batch_size * args.seq_length
     interval = {"loss": 0.0, "n": 0, "time": 0.0, "skipped": 0, "nan": 0}
+    paro_totals: Dict[str, float] = {}
     run_iters, run_time = 0, 0.0
     last_saved = iteration if args.load else None
     last_loss: Optional[float] = None
@@ -610,7 +611,7 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
             ms = 1000.0 * interval["time"] / n_it
             avg_loss = interval["loss"] / interval["n"] if interval["n"] else float("nan")
             tps = tokens_per_iter * n_it / interval["time"] if interval["time"] > 0 else 0.0
-            comm = _communication_report(model)
+            comm = _communication_report(model, paro_totals)
             line = _fmt_log_line(iteration, args, consumed_train, ms, lr, avg_loss,
                                  _loss_scale(optimizer), grad_norm, interval["skipped"],
                                  interval["nan"], tps, comm)
@@ -645,7 +646,8 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
                              iteration, "validation (end of training)")
     save(iteration)
 
-    comm_total = _communication_report(model)
+    _communication_report(model, paro_totals)  # bytes since the last log line
+    comm_total = {**integration.communication_report(model, totals=True), **paro_totals}
     summary = {"type": "summary", "iterations": iteration, "iterations_this_run": run_iters,
                "exit_reason": exit_reason, "final_lm_loss": last_loss, "final_val_loss": last_val,
                "skipped_iterations": skipped_total, "nan_iterations": nan_total,
@@ -660,14 +662,18 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
     return summary
 
 
-def _communication_report(model: List[torch.nn.Module]) -> Dict[str, float]:
+def _communication_report(model: List[torch.nn.Module],
+                          paro_totals: Dict[str, float]) -> Dict[str, float]:
     """Quantization accounting plus, for PaRO-engine chunks, the bytes this rank sent on the
-    intra / inter links since the last call (cost-model convention); both reset."""
+    intra / inter links since the last call (cost-model convention); both reset. The PaRO bytes
+    are also added to ``paro_totals`` (the run's totals, for the summary)."""
     comm = integration.communication_report(model, reset=True)
     for chunk in model:
         if isinstance(chunk, paro_engine.ParoDataParallel):
-            comm["paro_intra_bytes"] = comm.get("paro_intra_bytes", 0.0) + chunk.counter.intra
-            comm["paro_inter_bytes"] = comm.get("paro_inter_bytes", 0.0) + chunk.counter.inter
+            for link in ("intra", "inter"):
+                key = f"paro_{link}_bytes"
+                comm[key] = comm.get(key, 0.0) + chunk.counter.bytes[link]
+                paro_totals[key] = paro_totals.get(key, 0.0) + chunk.counter.bytes[link]
             chunk.counter.reset()
     return comm
 

@@ -138,8 +138,10 @@ def _flatten(report: Dict[str, Any]) -> Dict[str, float]:
     return out
 
 
-def communication_report(model_chunks: List[torch.nn.Module], reset: bool = True) -> Dict[str, float]:
-    """Bytes/bits per element on each link since the last call (empty when quantization is off).
+def communication_report(model_chunks: List[torch.nn.Module], reset: bool = True,
+                         totals: bool = False) -> Dict[str, float]:
+    """Bytes/bits per element on each link since the last call (empty when quantization is off);
+    with ``totals``, over the whole run instead (for the end-of-run summary; resets nothing).
 
     Keys ``{grad|weight}_{intra|inter|total}_{bytes|bits_per_element|ratio_vs_baseline|...}``,
     ``{kind}_bits_per_model_element`` (bytes on all links per bucket element), ``{kind}_calls``,
@@ -152,13 +154,14 @@ def communication_report(model_chunks: List[torch.nn.Module], reset: bool = True
     merged: Dict[str, float] = {}
     nonfinite = 0
     for rt in rts:
-        for k, v in _flatten(rt.accounting.interval_report()).items():
+        report = rt.accounting.totals() if totals else rt.accounting.interval_report()
+        for k, v in _flatten(report).items():
             if "bits" in k or "ratio" in k:
                 merged.setdefault(k, v)  # one runtime per model in practice
             else:
                 merged[k] = merged.get(k, 0.0) + v
-        nonfinite += rt.nonfinite_events_interval
-        if reset:
+        nonfinite += rt.nonfinite_events if totals else rt.nonfinite_events_interval
+        if reset and not totals:
             rt.accounting.reset_interval()
             rt.nonfinite_events_interval = 0
     merged["nonfinite_events"] = float(nonfinite)

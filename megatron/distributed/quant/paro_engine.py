@@ -14,27 +14,45 @@ all fourteen -- with our own small data-parallel engine:
   the interface the trainer's ``optimizer_step`` / ``train_step`` and megatron-core's
   ``OptimizerParamScheduler`` use.
 
-Flat layout (why it looks like this). The buffer of ``S`` elements (the parameter count padded to
-a multiple of the DP size ``n``) is cut into ``m`` I-shards; the I-shard of local index ``l`` is
-``[l*S/m, (l+1)*S/m)``. The G-shard of the rank in group ``k`` with local index ``l`` is sub-chunk
-``k`` of that I-shard, ``[l*S/m + k*S/n, l*S/m + (k+1)*S/n)``. With this (local-major) order
-every PaRO transition is one plain collective on a contiguous slice and nothing is reordered:
+Flat layout (why it looks like this). The parameters are grouped into *buckets*, the unit of
+gather / release and of the per-micro-step gradient reduce-scatter (as FSDP / ZeRO-3): contiguous
+runs of parameters in module order, one per unit module (:func:`_units`: the embedding, every
+transformer layer, the final norm, the output layer; a unit above ``bucket_numel`` elements is
+split into its children), and a bucket of its own for a parameter several modules use (the tied
+word-embedding / output weight). The flat buffer is the concatenation of the buckets, each padded
+to a multiple of the DP size ``n`` (and of the quantization unit when quantized);
+``padded_numel`` = S is the sum. Inside a bucket of ``s`` elements the layout is local-major: the
+I-shard of local index ``l`` is ``[l*s/m, (l+1)*s/m)`` and the G-shard of the rank in group ``k``
+with local index ``l`` is sub-chunk ``k`` of it, ``[l*s/m + k*s/n, l*s/m + (k+1)*s/n)``. A rank's
+shard at a level (what it keeps for p / g / os at I or G) is the concatenation of its shards of
+the buckets, S/m or S/n elements. With this order every PaRO transition of a bucket is one plain
+collective on a contiguous slice and nothing is reordered:
 
 * full -> I: intra reduce-scatter; I -> G: inter reduce-scatter of the I slice;
 * global reduce-scatter (full -> G) = intra RS + inter RS (PaRO-CC, spec §4);
 * G -> I: inter all-gather; I -> full: intra all-gather; global all-gather = inter AG + intra AG;
-* global all-reduce (NNN) = :func:`.paro.hierarchical_all_reduce`.
+* global all-reduce (NNN) = :func:`.paro.hierarchical_all_reduce` (whole buffer).
 
-Parameters at level I / G live persistently only as their shard; the full buffer is gathered
-before the forward pass and again before the backward pass (a hook on the model output) and its
-storage is released (``untyped_storage().resize_(0)``, as FSDP does) after each. The gather is
-whole-model, so the *peak* holds one full parameter copy; the *persistent* memory follows the PaRO
-formula. Gradients arrive through per-parameter post-accumulate-grad hooks into a flat buffer:
-level N keeps it and accumulates locally; levels I / G reduce-scatter it at the end of every
-micro-step's backward (a callback queued on the autograd engine) into a persistent shard
-accumulator and free it. ``finalize_model_grads`` (called by megatron-core's schedule after the
-last micro-batch) moves the gradients from their level to the optimizer-state level and averages
-them over DP, like megatron-core's DDP.
+Byte totals do not depend on the bucketing (ring bytes are linear in the element count).
+
+Parameters at level I / G live persistently only as their shard; each bucket has its own full
+buffer whose storage exists only while the bucket is gathered (``untyped_storage().resize_(0)``
+otherwise, as FSDP does; the parameters are views into it). A forward pre-hook on the bucket's
+owner module gathers it, a forward hook releases it after the (last) owner's forward -- or at the
+next owner's forward when the module returns the parameter to its caller (megatron's
+``skip_bias_add`` bias) -- and a hook on the owner's output gradient gathers it again right before
+its backward; it is released when all its parameters got their gradient. A bucket with several
+owners (tied embeddings) therefore stays gathered from the embedding to the output layer in the
+forward pass and from the output layer to the embedding in the backward pass (still one forward
+and one backward gather per micro-step, as the cost model counts). Gradients arrive through
+per-parameter post-accumulate-grad hooks: level N adds them into a resident flat buffer; levels I /
+G into a temporary full gradient of the bucket, which is reduce-scattered into the persistent shard
+accumulator and freed as soon as the bucket's last gradient arrived; a callback at the end of every
+micro-step's backward finishes any bucket left (same order on every rank). So the *peak* is the
+persistent figure plus about one bucket's full parameters and gradients (``peak_bytes``), and the
+*persistent* memory follows the PaRO formula. ``finalize_model_grads`` (called by megatron-core's
+schedule after the last micro-batch) moves the gradients from their level to the optimizer-state
+level and averages them over DP, like megatron-core's DDP.
 
 With a QuantizationConfig, SDP4Bit's collectives run inside the PaRO groups: gradient
 reduce-scatters through ``collectives.two_level_reduce_scatter`` (one-hop paths for intra / inter,
@@ -112,6 +130,81 @@ class _Slot:
     shape: torch.Size
 
 
+@dataclass
+class _Bucket:
+    """A contiguous, separately padded piece of the flat buffer: the unit of gather / release and
+    of the per-micro-step gradient reduce-scatter.
+
+    ``start`` / ``size``: its range in the flat (level-N) buffer; ``size`` is a multiple of the
+    padding unit (n, or the quantization unit), so each of its I / G shards is whole.
+    ``params``: indices into ``ParoDataParallel.params``. ``owners``: the modules that use its
+    parameters, in forward order (gathered before the first one's forward, released after the last
+    one's; several owners for tied / shared weights).
+    """
+
+    index: int
+    start: int
+    size: int
+    params: List[int]
+    owners: List[torch.nn.Module]
+    numel: int = 0
+    full: Optional[torch.Tensor] = None  # full parameters of this bucket (own storage for p = I / G)
+    gathered: bool = True
+    tmp_grad: Optional[torch.Tensor] = None  # g = I / G: this micro-step's full gradient
+    pending: int = 0  # parameters whose gradient has not arrived yet in this backward
+    reduced: bool = False  # gradients of this micro-step already reduce-scattered
+
+    def shard_offset(self, k: int) -> int:
+        """Offset of this bucket's piece in a shard-space tensor with k ranks per element."""
+        return self.start // k
+
+
+def _has_module_list(mod: torch.nn.Module) -> bool:
+    return any(isinstance(x, torch.nn.ModuleList) for x in mod.modules())
+
+
+def _units(mod: torch.nn.Module, cap: Optional[int], child_of_list: bool = False
+           ) -> List[Tuple[torch.nn.Module, List[torch.nn.Parameter]]]:
+    """Owner modules and the parameters of each, in module order (FSDP-style wrap policy).
+
+    A module is one unit unless it contains a ``ModuleList`` (then its children -- e.g. the
+    embedding, every transformer layer, the final norm, the output layer -- are considered in
+    turn, and the children of the ModuleList are units) or it holds more than ``cap`` elements and
+    has children to split into. Parameters held directly by a split module form their own unit.
+    """
+    params = list(mod.parameters())
+    if not params:
+        return []
+    total = sum(p.numel() for p in params)
+    has_children = any(True for c in mod.children() if any(True for _ in c.parameters()))
+    split = has_children and ((not child_of_list and _has_module_list(mod))
+                              or (cap is not None and total > cap))
+    if not split:
+        return [(mod, params)]
+    out = []
+    direct = list(mod.parameters(recurse=False))
+    if direct:
+        out.append((mod, direct))
+    is_list = isinstance(mod, torch.nn.ModuleList)
+    for child in mod.children():
+        out += _units(child, cap, child_of_list=is_list)
+    return out
+
+
+def _tied_output_users(module: torch.nn.Module) -> Dict[int, List[torch.nn.Module]]:
+    """id(weight) -> modules that use it without registering it: megatron-core's GPT with tied
+    embeddings passes the word-embedding weight to ``output_layer`` at call time."""
+    out: Dict[int, List[torch.nn.Module]] = {}
+    for mod in module.modules():
+        if getattr(mod, "share_embeddings_and_output_weights", False) and \
+                getattr(mod, "post_process", True) and hasattr(mod, "output_layer") and \
+                hasattr(mod, "shared_embedding_or_output_weight"):
+            w = mod.shared_embedding_or_output_weight()
+            if w is not None:
+                out.setdefault(id(w), []).append(mod.output_layer)
+    return out
+
+
 class ParoDataParallel(torch.nn.Module):
     """Data parallelism with PaRO partition levels for parameters, gradients and optimizer input.
 
@@ -119,14 +212,16 @@ class ParoDataParallel(torch.nn.Module):
     :class:`~megatron.distributed.quant.topology.TwoLevelGroups` from
     :func:`.paro.build_paro_groups` (DP rank r = group * m + local). ``grad_dtype`` is the dtype of
     gradient accumulation and reduction (fp32 for bf16 training, like megatron-core's
-    ``grad_reduce_in_fp32``). The object mimics what megatron-core's schedule and our trainer read
-    from a DDP chunk: ``module``, ``config``, ``no_sync``, ``zero_grad_buffer`` and
-    ``finalize_model_grads`` (to be set as ``config.finalize_model_grads_func``).
+    ``grad_reduce_in_fp32``). ``bucket_numel`` caps a bucket: a unit module larger than that is
+    split into its children (default: one bucket per unit module, see :func:`_units`). The object
+    mimics what megatron-core's schedule and our trainer read from a DDP chunk: ``module``,
+    ``config``, ``no_sync``, ``zero_grad_buffer`` and ``finalize_model_grads`` (to be set as
+    ``config.finalize_model_grads_func``).
     """
 
     def __init__(self, config: Any, module: torch.nn.Module, strategy: PaRoStrategy, groups: Any,
                  grad_dtype: Optional[torch.dtype] = None, quant_config: Any = None,
-                 seed: int = 1234) -> None:
+                 seed: int = 1234, bucket_numel: Optional[int] = None) -> None:
         super().__init__()
         self.config = config
         self.module = module
@@ -153,14 +248,7 @@ class ParoDataParallel(torch.nn.Module):
             raise NotImplementedError(f"the PaRO engine needs one parameter dtype, got {dtypes}")
         self.param_dtype = dtypes.pop()
         self.grad_dtype = grad_dtype or self.param_dtype
-        self.params: List[torch.nn.Parameter] = [p for _, p in named]
-        slots, offset = [], 0
-        for name, p in named:
-            slots.append(_Slot(name, offset, p.numel(), p.shape))
-            offset += p.numel()
-        self.slots: List[_Slot] = slots
-        self.num_params = offset
-        device = self.params[0].device
+        device = named[0][1].device
         self.quant = quant_config if (quant_config is not None and quant_config.enabled) else None
         unit = self.n
         if self.quant is not None:
@@ -173,22 +261,86 @@ class ParoDataParallel(torch.nn.Module):
             self._tl_groups = self._single_level_groups()
             self.quant_generator = torch.Generator(device=device).manual_seed(
                 seed * 1009 + groups.dp_rank)  # own stream per rank: rounding errors decorrelate
-        self.padded_numel = -(-offset // unit) * unit
-        S = self.padded_numel
+        self.padding_unit = unit
 
-        # Full flat parameter buffer; the parameters become views into it.
-        self.param_buffer = torch.zeros(S, dtype=self.param_dtype, device=device)
-        with torch.no_grad():
-            for slot, p in zip(slots, self.params):
-                view = self.param_buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
-                view.copy_(p.data)
-                p.data = view
+        # Buckets: unit modules in module order; a parameter used by several units (or passed to
+        # a module at call time, tied embeddings) gets a bucket of its own owned by all of them.
+        names = {id(p): name for name, p in named}
+        units = _units(module, bucket_numel)
+        extra_users = _tied_output_users(module)
+        users: Dict[int, List[torch.nn.Module]] = {}
+        for mod, ps in units:
+            for p in ps:
+                users.setdefault(id(p), []).append(mod)
+        for pid, mods in extra_users.items():
+            users.setdefault(pid, []).extend(mods)
+        groups_of_params: List[Tuple[List[torch.nn.Module], List[torch.nn.Parameter]]] = []
+        placed = set()
+        for mod, ps in units:
+            own = []
+            for p in ps:
+                if id(p) in placed:
+                    continue
+                placed.add(id(p))
+                if len(users[id(p)]) > 1:
+                    groups_of_params.append((list(users[id(p)]), [p]))
+                else:
+                    own.append(p)
+            if own:
+                groups_of_params.append(([mod], own))
+        assert len(placed) == len(named), "every parameter belongs to one bucket"
+        self.params: List[torch.nn.Parameter] = []
+        self.slots: List[_Slot] = []
+        self.buckets: List[_Bucket] = []
+        start = 0
+        for owners, ps in groups_of_params:
+            idx, offset = [], start
+            for p in ps:
+                idx.append(len(self.params))
+                self.params.append(p)
+                self.slots.append(_Slot(names[id(p)], offset, p.numel(), p.shape))
+                offset += p.numel()
+            numel = offset - start
+            size = -(-numel // unit) * unit
+            self.buckets.append(_Bucket(len(self.buckets), start, size, idx, owners, numel=numel))
+            start += size
+        self.num_params = sum(s.numel for s in self.slots)
+        self.padded_numel = start
+        """Sum of the padded bucket sizes: what the engine allocates and sends."""
+        S = self.padded_numel
+        self._bucket_of = [0] * len(self.params)
+        for b in self.buckets:
+            for i in b.params:
+                self._bucket_of[i] = b.index
+
+        # Parameters: p = N: one persistent flat buffer, the buckets are views of it;
+        # p = I / G: the persistent shard (concatenation of the buckets' shards) plus, per bucket,
+        # a full buffer with its own storage that exists only while the bucket is gathered.
         p_level = strategy.params
+        self.param_buffer: Optional[torch.Tensor] = None
+        if p_level == Level.N:
+            self.param_buffer = torch.zeros(S, dtype=self.param_dtype, device=device)
         self.param_shard: Optional[torch.Tensor] = None
         if p_level != Level.N:
-            a, b = self.level_range(p_level)
-            self.param_shard = self.param_buffer[a:b].clone()
-        self._gathered = True
+            self.param_shard = torch.zeros(S // self.level_ranks(p_level), dtype=self.param_dtype,
+                                           device=device)
+        with torch.no_grad():
+            for b in self.buckets:
+                if self.param_buffer is not None:
+                    b.full = self.param_buffer[b.start:b.start + b.size]
+                else:
+                    b.full = torch.zeros(b.size, dtype=self.param_dtype, device=device)
+                for i in b.params:
+                    slot, p = self.slots[i], self.params[i]
+                    view = b.full[slot.offset - b.start:slot.offset - b.start + slot.numel]
+                    view = view.view(slot.shape)
+                    view.copy_(p.data)
+                    p.data = view
+                if self.param_shard is not None:
+                    a, e = self._local_range(b, p_level)
+                    k = self.level_ranks(p_level)
+                    self.param_shard[b.shard_offset(k):b.shard_offset(k) + b.size // k].copy_(
+                        b.full[a:e])
         self.release_params()
 
         # Gradients: persistent full buffer (g = N) or persistent shard accumulator (g = I / G).
@@ -197,12 +349,11 @@ class ParoDataParallel(torch.nn.Module):
         if strategy.grads == Level.N:
             self.grad_buffer = torch.zeros(S, dtype=self.grad_dtype, device=device)
         else:
-            a, b = self.level_range(strategy.grads)
-            self.grad_shard = torch.zeros(b - a, dtype=self.grad_dtype, device=device)
-        self._tmp_grad: Optional[torch.Tensor] = None
+            self.grad_shard = torch.zeros(S // self.level_ranks(strategy.grads),
+                                          dtype=self.grad_dtype, device=device)
         self.peak_bytes = 0
-        """Largest parameter + gradient bytes resident at once (whole-model gathers and the
-        temporary full gradient of g = I / G raise it above the persistent figure)."""
+        """Largest parameter + gradient bytes resident at once (gathered buckets and the temporary
+        full gradients of g = I / G raise it above the persistent figure)."""
         self._track_peak()
         self.main_grad: Optional[torch.Tensor] = None
         """fp32 gradient at the optimizer-state level, DP-averaged (set by finalize_model_grads)."""
@@ -210,18 +361,50 @@ class ParoDataParallel(torch.nn.Module):
         self._pre_backward_done = False
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(self._make_grad_hook(i))
+        self._hook_handles = []
+        self._deferred: List[_Bucket] = []
+        if p_level != Level.N:
+            owned: Dict[int, Tuple[torch.nn.Module, List[_Bucket]]] = {}
+            for b in self.buckets:
+                for mod in b.owners:
+                    owned.setdefault(id(mod), (mod, []))[1].append(b)
+            for mod, bs in owned.values():
+                self._hook_handles.append(mod.register_forward_pre_hook(self._make_pre_hook(bs)))
+                self._hook_handles.append(mod.register_forward_hook(self._make_post_hook(mod, bs)))
 
     # ------------------------------------------------------------------ layout
-    def level_range(self, level: Level) -> Tuple[int, int]:
-        """[start, end) of this rank's shard at ``level`` in the flat buffer."""
-        S = self.padded_numel
+    def level_ranks(self, level: Level) -> int:
+        """Ranks sharing one element's state at ``level`` (1, m or n)."""
+        return {Level.N: 1, Level.I: self.m, Level.G: self.n}[level]
+
+    def _local_range(self, b: _Bucket, level: Level) -> Tuple[int, int]:
+        """[start, end) of this rank's shard at ``level`` inside bucket ``b`` (local-major:
+        I-shard l, and within it G sub-chunk k)."""
         if level == Level.N:
-            return 0, S
-        i_start = self.local * (S // self.m)
+            return 0, b.size
+        i_start = self.local * (b.size // self.m)
         if level == Level.I:
-            return i_start, i_start + S // self.m
-        g_start = i_start + self.group_index * (S // self.n)
-        return g_start, g_start + S // self.n
+            return i_start, i_start + b.size // self.m
+        g_start = i_start + self.group_index * (b.size // self.n)
+        return g_start, g_start + b.size // self.n
+
+    def level_indices(self, level: Level) -> torch.Tensor:
+        """Flat-buffer indices of this rank's shard at ``level``, in shard order (the buckets'
+        shards one after another)."""
+        parts = []
+        for b in self.buckets:
+            a, e = self._local_range(b, level)
+            parts.append(torch.arange(b.start + a, b.start + e))
+        return torch.cat(parts)
+
+    def _pieces(self, coarse: Level, fine: Level) -> Iterator[Tuple[int, int, int]]:
+        """Per bucket: (offset in the coarse-level shard, offset in the fine-level shard, length)
+        of the fine shard, fine at least as partitioned as coarse."""
+        kc, kf = self.level_ranks(coarse), self.level_ranks(fine)
+        for b in self.buckets:
+            ca, _ = self._local_range(b, coarse)
+            fa, fe = self._local_range(b, fine)
+            yield b.shard_offset(kc) + fa - ca, b.shard_offset(kf), fe - fa
 
     def weight_decay_mask(self) -> torch.Tensor:
         """Per element of the flat buffer: True where weight decay applies.
@@ -370,32 +553,116 @@ class ParoDataParallel(torch.nn.Module):
         self._ag(i_slice, g_shard, "inter")
         self._ag(full, i_slice, "intra")
 
+    # ------------------------------------------------------------------ level transitions
+    def _reduce_to(self, src: torch.Tensor, frm: Level, to: Level) -> torch.Tensor:
+        """Reduce-scatter a shard-space tensor at level ``frm`` to level ``to``, bucket by bucket
+        (N -> I: intra RS; I -> G: inter RS; N -> G: PaRO-CC global RS)."""
+        kf, kt = self.level_ranks(frm), self.level_ranks(to)
+        out = torch.empty(src.numel() * kf // kt, dtype=src.dtype, device=src.device)
+        for b in self.buckets:
+            x = src[b.shard_offset(kf):b.shard_offset(kf) + b.size // kf]
+            y = out[b.shard_offset(kt):b.shard_offset(kt) + b.size // kt]
+            if (frm, to) == (Level.N, Level.G):
+                y.copy_(self._global_rs(x))
+            else:
+                self._rs(y, x, "intra" if frm == Level.N else "inter")
+        return out
+
+    def _gather_to(self, dst: torch.Tensor, src: torch.Tensor, frm: Level, to: Level) -> None:
+        """All-gather a shard-space tensor at level ``frm`` into ``dst`` at level ``to``, bucket by
+        bucket (G -> I: inter AG; I -> N: intra AG; G -> N: PaRO-CC global AG)."""
+        kf, kt = self.level_ranks(frm), self.level_ranks(to)
+        for b in self.buckets:
+            x = src[b.shard_offset(kf):b.shard_offset(kf) + b.size // kf]
+            y = dst[b.shard_offset(kt):b.shard_offset(kt) + b.size // kt]
+            if (frm, to) == (Level.G, Level.N):
+                self._global_ag(y, x)
+            else:
+                self._ag(y, x, "inter" if frm == Level.G else "intra")
+
     # ------------------------------------------------------------------ parameters
-    def _materialize(self) -> None:
-        storage = self.param_buffer.untyped_storage()
-        need = self.padded_numel * self.param_buffer.element_size()
+    @torch.no_grad()
+    def _gather_bucket(self, b: _Bucket) -> None:
+        """Rebuild bucket ``b``'s full parameters from the shards (collective; p = I / G)."""
+        if b.gathered:
+            return
+        storage = b.full.untyped_storage()
+        need = b.size * b.full.element_size()
         if storage.nbytes() != need:
             storage.resize_(need)
-
-    @torch.no_grad()
-    def gather_params(self) -> None:
-        """Rebuild the full parameter buffer from the shards (collective; no-op for p = N)."""
-        if self._gathered:
-            return
-        self._materialize()
-        if self.strategy.params == Level.I:
-            self._ag(self.param_buffer, self.param_shard, "intra")
+        p = self.strategy.params
+        k = self.level_ranks(p)
+        shard = self.param_shard[b.shard_offset(k):b.shard_offset(k) + b.size // k]
+        if p == Level.I:
+            self._ag(b.full, shard, "intra")
         else:
-            self._global_ag(self.param_buffer, self.param_shard)
-        self._gathered = True
+            self._global_ag(b.full, shard)
+        b.gathered = True
         self._track_peak()
 
-    def release_params(self) -> None:
-        """Free the full parameter buffer's storage (p = I / G); the views stay valid."""
-        if self.strategy.params == Level.N or not self._gathered:
+    def _release_bucket(self, b: _Bucket) -> None:
+        """Free bucket ``b``'s full parameter storage (p = I / G); the views stay valid."""
+        if self.strategy.params == Level.N or not b.gathered:
             return
-        self.param_buffer.untyped_storage().resize_(0)
-        self._gathered = False
+        b.full.untyped_storage().resize_(0)
+        b.gathered = False
+
+    def gather_params(self) -> None:
+        """Gather every bucket (collective; no-op for p = N)."""
+        for b in self.buckets:
+            self._gather_bucket(b)
+
+    def release_params(self) -> None:
+        """Release every bucket (p = I / G)."""
+        for b in self.buckets:
+            self._release_bucket(b)
+
+    def _release_deferred(self, keep: Sequence[_Bucket] = ()) -> None:
+        still = []
+        for b in self._deferred:
+            if any(b is k for k in keep):
+                still.append(b)
+            else:
+                self._release_bucket(b)
+        self._deferred = still
+
+    def _make_pre_hook(self, buckets: List[_Bucket]):
+        def pre_hook(module: torch.nn.Module, args: Any) -> None:
+            self._release_deferred(keep=buckets)
+            for b in buckets:
+                self._gather_bucket(b)
+        return pre_hook
+
+    def _make_post_hook(self, module: torch.nn.Module, buckets: List[_Bucket]):
+        def post_hook(mod: torch.nn.Module, args: Any, output: Any) -> None:
+            outs = list(_tensors(output))
+            if torch.is_grad_enabled():  # regather right before this module's backward
+                tensors = [t for t in outs if t.requires_grad and t.grad_fn is not None]
+                if not tensors:  # no handle on its backward: keep its buckets until then
+                    return
+                hook = self._make_output_grad_hook(buckets)
+                for t in tensors:
+                    t.register_hook(hook)
+            if self._in_backward:  # re-run forward (activation recomputation) inside backward
+                return
+            # A parameter returned for the caller to apply (megatron's skip_bias_add: linear_proj /
+            # linear_fc2 return their bias): release at the next owner's forward instead.
+            returned = {t.untyped_storage().data_ptr() for t in outs}
+            for b in buckets:
+                if b.owners[-1] is module:
+                    if b.full.untyped_storage().data_ptr() in returned:
+                        self._deferred.append(b)
+                    else:
+                        self._release_bucket(b)
+        return post_hook
+
+    def _make_output_grad_hook(self, buckets: List[_Bucket]):
+        def hook(grad: torch.Tensor) -> None:
+            self._begin_backward()
+            for b in buckets:
+                if not b.reduced:
+                    self._gather_bucket(b)
+        return hook
 
     @contextlib.contextmanager
     def full_params(self, writeback: bool = False) -> Iterator[None]:
@@ -406,8 +673,12 @@ class ParoDataParallel(torch.nn.Module):
             yield
         finally:
             if writeback and self.param_shard is not None:
-                a, b = self.level_range(self.strategy.params)
-                self.param_shard.copy_(self.param_buffer[a:b])
+                p = self.strategy.params
+                k = self.level_ranks(p)
+                for b in self.buckets:
+                    a, e = self._local_range(b, p)
+                    self.param_shard[b.shard_offset(k):b.shard_offset(k) + e - a].copy_(
+                        b.full[a:e])
             self.release_params()
 
     def param_level_storage(self) -> torch.Tensor:
@@ -415,46 +686,49 @@ class ParoDataParallel(torch.nn.Module):
         return self.param_buffer if self.param_shard is None else self.param_shard
 
     def params_at_level(self, level: Level) -> torch.Tensor:
-        """This rank's parameters at ``level`` >= p (a view, no communication)."""
-        a, b = self.level_range(level)
-        pa, _ = self.level_range(self.strategy.params)
-        return self.param_level_storage()[a - pa:b - pa]
+        """This rank's parameters at ``level`` >= p, in shard order (a copy, no communication)."""
+        src = self.param_level_storage()
+        out = torch.empty(self.padded_numel // self.level_ranks(level), dtype=src.dtype,
+                          device=src.device)
+        for c, f, length in self._pieces(self.strategy.params, level):
+            out[f:f + length].copy_(src[c:c + length])
+        return out
 
     @torch.no_grad()
     def sync_params(self, os_params: torch.Tensor) -> None:
         """After the optimizer step: spread the updated os-level shard to the p level (spec §3,
-        phase 4 -- copy, inter AG, intra AG or global AG)."""
+        phase 4 -- copy, inter AG, intra AG or global AG), bucket by bucket."""
         o, p = self.strategy.optim, self.strategy.params
         if o != p and self.quant is not None and self.quant.quantized_weights:
-            hops, target, offset = {
-                (Level.G, Level.I): (["inter"], self.param_shard, self.group_index * (self.padded_numel // self.n)),
-                (Level.G, Level.N): (["inter", "intra"], self.param_buffer, self.level_range(Level.G)[0]),
-                (Level.I, Level.N): (["intra"], self.param_buffer, self.level_range(Level.I)[0]),
-            }[(o, p)]
-            self._quantized_param_sync(os_params, target, offset, hops)
+            hops = {(Level.G, Level.I): ["inter"], (Level.G, Level.N): ["inter", "intra"],
+                    (Level.I, Level.N): ["intra"]}[(o, p)]
+            ko, kp = self.level_ranks(o), self.level_ranks(p)
+            target_all = self.param_level_storage()
+            for b in self.buckets:
+                src = os_params[b.shard_offset(ko):b.shard_offset(ko) + b.size // ko]
+                target = target_all[b.shard_offset(kp):b.shard_offset(kp) + b.size // kp]
+                offset = self._local_range(b, o)[0] - self._local_range(b, p)[0]
+                self._quantized_param_sync(src, target, offset, hops)
             return
         src = os_params.to(self.param_dtype)
         if o == p:
             self.param_level_storage().copy_(src)
-        elif (o, p) == (Level.G, Level.I):
-            self._ag(self.param_shard, src, "inter")
-        elif (o, p) == (Level.G, Level.N):
-            self._global_ag(self.param_buffer, src)
-        elif (o, p) == (Level.I, Level.N):
-            self._ag(self.param_buffer, src, "intra")
+        elif (o, p) in ((Level.G, Level.I), (Level.G, Level.N), (Level.I, Level.N)):
+            self._gather_to(self.param_level_storage(), src, o, p)
         else:  # pragma: no cover - excluded by the validity rule
             raise AssertionError(f"os level {o.name} coarser than p level {p.name}")
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.gather_params()
+        """The buckets are gathered and released by the owner modules' forward hooks; the hook on
+        the model output marks the start of this chunk's backward."""
         out = self.module(*args, **kwargs)
-        if self.strategy.params != Level.N and torch.is_grad_enabled():
+        self._release_deferred()
+        if torch.is_grad_enabled():
             self._pre_backward_done = False
-            for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                if torch.is_tensor(t) and t.requires_grad:
+            for t in _tensors(out):
+                if t.requires_grad:
                     t.register_hook(self._pre_backward_hook)
-        self.release_params()
         return out
 
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
@@ -462,44 +736,68 @@ class ParoDataParallel(torch.nn.Module):
         if not self._pre_backward_done:
             self._pre_backward_done = True
             self._begin_backward()
-            self.gather_params()
 
     def _begin_backward(self) -> None:
         if self._in_backward:
             return
         self._in_backward = True
-        if self.grad_buffer is None:  # g = I / G: full gradients only for this backward
-            self._tmp_grad = torch.zeros(self.padded_numel, dtype=self.grad_dtype,
-                                         device=self.param_buffer.device)
-            self._track_peak()
+        for b in self.buckets:
+            b.pending, b.reduced = len(b.params), False
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _make_grad_hook(self, index: int):
         slot = self.slots[index]
+        b = self.buckets[self._bucket_of[index]]
 
         def hook(param: torch.Tensor) -> None:
             if param.grad is None:
                 return
             self._begin_backward()
-            full = self.grad_buffer if self.grad_buffer is not None else self._tmp_grad
-            full[slot.offset:slot.offset + slot.numel].view(slot.shape).add_(param.grad)
+            if self.grad_buffer is not None:
+                self.grad_buffer[slot.offset:slot.offset + slot.numel].view(slot.shape).add_(
+                    param.grad)
+            else:
+                if b.tmp_grad is None:  # g = I / G: this bucket's full gradient, this backward
+                    b.tmp_grad = torch.zeros(b.size, dtype=self.grad_dtype, device=param.device)
+                    self._track_peak()
+                o = slot.offset - b.start
+                b.tmp_grad[o:o + slot.numel].view(slot.shape).add_(param.grad)
             param.grad = None
+            b.pending -= 1
+            if b.pending == 0:  # the bucket's backward is over
+                self._finish_bucket(b)
 
         return hook
 
     @torch.no_grad()
-    def _end_backward(self) -> None:
-        """End of one micro-step's backward: reduce-scatter g = I / G gradients, free buffers."""
-        if self.grad_buffer is None:
-            full = self._tmp_grad
-            self._tmp_grad = None
+    def _finish_bucket(self, b: _Bucket) -> None:
+        """All of ``b``'s gradients of this micro-step are in: reduce-scatter them (g = I / G)
+        into the shard accumulator, free the temporary and release the parameters (p = I / G)."""
+        if b.reduced:
+            return
+        b.reduced = True
+        if self.grad_shard is not None:
+            full = b.tmp_grad
+            if full is None:  # no gradient arrived (unused parameters): contribute zeros
+                full = torch.zeros(b.size, dtype=self.grad_dtype, device=self.grad_shard.device)
+            b.tmp_grad = None
+            k = self.level_ranks(self.strategy.grads)
+            acc = self.grad_shard[b.shard_offset(k):b.shard_offset(k) + b.size // k]
             if self.strategy.grads == Level.I:
-                shard = torch.empty_like(self.grad_shard)
+                shard = torch.empty_like(acc)
                 self._rs(shard, full, "intra")
             else:
                 shard = self._global_rs(full)
             del full
-            self.grad_shard.add_(shard)
+            acc.add_(shard)
+        self._release_bucket(b)
+
+    @torch.no_grad()
+    def _end_backward(self) -> None:
+        """End of one micro-step's backward (safety net): every bucket not finished yet is reduced
+        and released, in bucket order, so every rank issues the same collectives."""
+        for b in self.buckets:
+            self._finish_bucket(b)
         self.release_params()
         self._in_backward = False
 
@@ -529,17 +827,15 @@ class ParoDataParallel(torch.nn.Module):
             out = src.clone()
             hierarchical_all_reduce(out, self.intra_group, self.inter_group, counter=self.counter)
         elif (g, o) == (Level.N, Level.I):
-            out = torch.empty(src.numel() // self.m, dtype=src.dtype, device=src.device)
-            self._rs(out, src, "intra")
+            out = self._reduce_to(src, Level.N, Level.I)
             self._ar(out, "inter")
         elif (g, o) == (Level.N, Level.G):
-            out = self._global_rs(src)
+            out = self._reduce_to(src, Level.N, Level.G)
         elif (g, o) == (Level.I, Level.I):
             out = src.clone()
             self._ar(out, "inter")
         elif (g, o) == (Level.I, Level.G):
-            out = torch.empty(src.numel() // self.g, dtype=src.dtype, device=src.device)
-            self._rs(out, src, "inter")
+            out = self._reduce_to(src, Level.I, Level.G)
         else:  # G -> G: already reduced every micro-step
             out = src.clone()
         out = out.float()
@@ -553,14 +849,27 @@ class ParoDataParallel(torch.nn.Module):
 
     def model_state_bytes(self) -> Dict[str, int]:
         """Bytes of the parameter and gradient tensors resident right now (storage sizes)."""
-        params = self.param_buffer.untyped_storage().nbytes()
-        if self.param_shard is not None:
-            params += self.param_shard.untyped_storage().nbytes()
+        params = 0
+        for t in (self.param_buffer, self.param_shard):
+            if t is not None:
+                params += t.untyped_storage().nbytes()
+        if self.param_buffer is None:  # p = I / G: the gathered buckets
+            params += sum(b.full.untyped_storage().nbytes() for b in self.buckets)
         grads = 0
-        for t in (self.grad_buffer, self.grad_shard, getattr(self, "_tmp_grad", None)):
+        for t in [self.grad_buffer, self.grad_shard] + [b.tmp_grad for b in self.buckets]:
             if t is not None:
                 grads += t.untyped_storage().nbytes()
         return {"params": params, "grads": grads}
+
+    def bucket_bytes(self) -> List[Dict[str, int]]:
+        """Per bucket: elements (padded), owner modules, and the parameter / gradient bytes it adds
+        above the persistent figure while it is in use (full parameters for p = I / G, a full
+        temporary gradient for g = I / G)."""
+        pe = torch.empty(0, dtype=self.param_dtype).element_size()
+        ge = torch.empty(0, dtype=self.grad_dtype).element_size()
+        return [{"size": b.size, "owners": len(b.owners),
+                 "params": b.size * pe * (self.strategy.params != Level.N),
+                 "grads": b.size * ge * (self.strategy.grads != Level.N)} for b in self.buckets]
 
 
 class ParoOptimizer:
@@ -588,9 +897,8 @@ class ParoOptimizer:
         self.config = config
         self.is_stub_optimizer = False
         o = engine.strategy.optim
-        a, b = engine.level_range(o)
         self.master = torch.nn.Parameter(engine.params_at_level(o).detach().float().clone())
-        self.decay_mask = engine.weight_decay_mask()[a:b].to(self.master.device)
+        self.decay_mask = engine.weight_decay_mask()[engine.level_indices(o)].to(self.master.device)
         if config.optimizer == "adam":
             self.exp_avg = torch.zeros_like(self.master.data)
             self.exp_avg_sq = torch.zeros_like(self.master.data)
@@ -719,3 +1027,14 @@ def model_state_bytes(engine: ParoDataParallel, optimizer: ParoOptimizer) -> Dic
     out["optimizer_states"] = optimizer.state_bytes()
     out["total"] = out["params"] + out["grads"] + out["optimizer_states"]
     return out
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a module output (tensor, or tuples / lists / dicts of them)."""
+    if torch.is_tensor(x):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)

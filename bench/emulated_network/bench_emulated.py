@@ -60,7 +60,16 @@ SDP4BIT_FLAGS = [
     "--gq-group-size-inter", "128", "--hadamard-transform",
 ]
 TRAIN_VARIANTS: Dict[str, List[str]] = {"baseline": [], "sdp4bit": SDP4BIT_FLAGS,
-                                         "sdp4bit-torch": SDP4BIT_FLAGS}
+                                         "sdp4bit-torch": SDP4BIT_FLAGS,
+                                         "baseline-a2a": [], "baseline-ring": []}
+# Benchmark-only baselines: the same exact fp32 training as "baseline", but megatron-core's gradient
+# reduce-scatter (an all-reduce on gloo, 2x NCCL's ring bytes) is replaced for gloo groups by an
+# exact reduce-scatter with ring volume, (P-1)/P*N elements sent per rank (ring_volume_rs.py):
+# baseline-a2a = all_to_all_single + local sum in rank order, baseline-ring = P2P ring.
+VARIANT_SCRIPT: Dict[str, List[str]] = {
+    "baseline-a2a": [os.path.join(HERE, "pretrain_a2a_rs.py"), "--rs-algo", "a2a"],
+    "baseline-ring": [os.path.join(HERE, "pretrain_a2a_rs.py"), "--rs-algo", "ring"],
+}
 # per-variant environment of the ranks: sdp4bit-torch = SDP4Bit with the pure-PyTorch reference
 # quantizer (the state before the C++ CPU kernels), for before/after comparisons in one invocation
 VARIANT_ENV: Dict[str, Dict[str, str]] = {"sdp4bit-torch": {"QUANT_KERNELS": "torch"}}
@@ -126,7 +135,7 @@ def train_args(model: Dict[str, int], variant: str, iters: int, jsonl: str,
         raise ValueError(f"unknown variant {variant!r}; choose from {sorted(TRAIN_VARIANTS)}")
     m = model
     args = [
-        os.path.join(REPO, "pretrain_gpt.py"),
+        *VARIANT_SCRIPT.get(variant, [os.path.join(REPO, "pretrain_gpt.py")]),
         "--device", "cpu", "--distributed-backend", "gloo", "--mock-data",
         "--use-distributed-optimizer", "--bf16",
         "--num-layers", str(m["num_layers"]), "--hidden-size", str(m["hidden_size"]),
@@ -226,16 +235,22 @@ def fmt_bytes(n: Optional[float]) -> str:
     return f"{n:.0f} B"
 
 
-def markdown_table(rows: List[Dict[str, object]], unit: str = "ms/iter") -> str:
-    lines = [f"| variant | {unit} (median) | inter-node bytes / iter | speedup vs baseline | samples |",
-             "|---|---:|---:|---:|---:|"]
+def markdown_table(rows: List[Dict[str, object]], unit: str = "ms/iter",
+                   refs: Sequence[str] = ()) -> str:
+    """One row per variant; ``refs`` adds a "speedup vs REF" column per extra reference variant
+    (from each row's ``speedup_vs`` dict), e.g. the ring-volume baselines."""
+    head = f"| variant | {unit} (median) | inter-node bytes / iter | speedup vs baseline |"
+    head += "".join(f" speedup vs {ref} |" for ref in refs) + " samples |"
+    lines = [head, "|---|---:|---:|---:|" + "---:|" * len(refs) + "---:|"]
     for r in rows:
         ms = r.get("ms")
         sp = r.get("speedup")
+        spv = r.get("speedup_vs") or {}
+        cols = "".join(f" {(f'{spv[ref]:.2f}x' if spv.get(ref) else 'n/a')} |" for ref in refs)
         lines.append(f"| {r['variant']} | {ms:.1f} | {fmt_bytes(r.get('bytes'))} | "
-                     f"{(f'{sp:.2f}x' if sp else 'n/a')} | {r.get('n', '')} |"
+                     f"{(f'{sp:.2f}x' if sp else 'n/a')} |{cols} {r.get('n', '')} |"
                      if ms is not None else
-                     f"| {r['variant']} | FAILED | n/a | n/a | 0 |")
+                     f"| {r['variant']} | FAILED | n/a | n/a |" + " n/a |" * len(refs) + " 0 |")
     return "\n".join(lines)
 
 
@@ -254,6 +269,32 @@ def read_link_tx(topo: Topology) -> Optional[int]:
             total += int(out.strip())
         except (subprocess.SubprocessError, ValueError):
             return None
+    return total
+
+
+def parse_retrans_segs(snmp_text: str) -> Optional[int]:
+    """``RetransSegs`` from the text of ``/proc/net/snmp`` (a "Tcp:" header line, then values)."""
+    lines = [ln.split() for ln in snmp_text.splitlines() if ln.startswith("Tcp:")]
+    if len(lines) < 2 or "RetransSegs" not in lines[0]:
+        return None
+    return int(lines[1][lines[0].index("RetransSegs")])
+
+
+def read_tcp_retrans(topo: Topology) -> Optional[int]:
+    """TCP segments retransmitted so far in all namespaces (drops at the tbf queue show up here)."""
+    if not topo.use_netns:
+        return None
+    total = 0
+    for ns in topo.namespaces:
+        try:
+            out = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout
+        except subprocess.SubprocessError:
+            return None
+        v = parse_retrans_segs(out)
+        if v is None:
+            return None
+        total += v
     return total
 
 
@@ -469,7 +510,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             sampler = JsonlCounterSampler(topo, jsonl)
             sampler.start()
             t0 = time.time()
+            retrans0 = read_tcp_retrans(topo)
             rc = run_nodes(cmds, args.timeout, os.path.join(work, v))
+            retrans1 = read_tcp_retrans(topo)
             sampler.stop()
             recs = parse_jsonl(jsonl)
             summ = summarize_iterations(recs, args.warmup)
@@ -478,20 +521,33 @@ def main(argv: Optional[List[str]] = None) -> int:
             if rc != 0 or summ["ms_per_iter_median"] is None:
                 print(tail(os.path.join(work, f"{v}.node0.log"), 30), file=sys.stderr)
             logged = logged_inter_bytes(recs, args.warmup)
+            if v in VARIANT_SCRIPT:  # show that the replacement reduce-scatter was used
+                rs_lines = [ln.strip() for k in range(len(cmds))
+                            for ln in tail(os.path.join(work, f"{v}.node{k}.log"), 400).splitlines()
+                            if "[ring_volume_rs]" in ln]
+                print("[bench]   " + "\n[bench]   ".join(rs_lines or ["no [ring_volume_rs] line"]),
+                      flush=True)
             rows.append({"variant": v, "ms": summ["ms_per_iter_median"] if rc == 0 else None,
                          "bytes": sampler.bytes_per_iter(args.warmup), "n": summ["n"],
                          "extra": "; ".join(
                              ([f"trainer-logged inter-node payload (rank 0 accounting): "
                                f"{fmt_bytes(logged)}/iter"] if logged is not None else [])
                              + [f"per-iteration ms: {summ['ms_all']}"]
+                             + ([f"TCP segments retransmitted in both namespaces during the run "
+                                 f"(all iterations and start-up): {retrans1 - retrans0}"]
+                                if retrans0 is not None and retrans1 is not None else [])
                              + ([f"1-min load average during the timed iterations: "
                                  f"{sampler.load_summary(args.warmup)}"]
                                 if sampler.load_summary(args.warmup) else []))})
         if args.dry_run:
             return 0
-        sp = speedups({r["variant"]: r["ms"] for r in rows})
+        ms_by = {r["variant"]: r["ms"] for r in rows}
+        sp = speedups(ms_by)
+        refs = [v for v in variants if v in VARIANT_SCRIPT]  # the ring-volume baselines present
+        sp_refs = {ref: speedups(ms_by, baseline=ref) for ref in refs}
         for r in rows:
             r["speedup"] = sp[r["variant"]]
+            r["speedup_vs"] = {ref: sp_refs[ref][r["variant"]] for ref in refs}
         unit = "ms/iter"
         m = model
         what = (f"pretrain_gpt.py, GPT {args.model}: {m['num_layers']} layers, hidden "
@@ -499,7 +555,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"{m['vocab_size']} (~{nparams / 1e6:.1f}M params), micro-batch "
                 f"{args.micro_batch_size}, global batch {args.micro_batch_size * topo.world}")
 
-    table = markdown_table(rows, unit=unit)
+    table = markdown_table(rows, unit=unit,
+                           refs=[v for v in variants if v in VARIANT_SCRIPT] if args.mode == "train" else ())
     ok = any(r.get("ms") for r in rows)
     report = [f"# Emulated two-node benchmark ({args.mode})", "",
               f"- date: {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}",

@@ -13,6 +13,10 @@
 #   MODE       train (pretrain_gpt.py) | collectives (bench_collectives.py)   (default train)
 #   VARIANTS   default baseline,sdp4bit  (run in this order, same invocation); train mode also
 #              knows sdp4bit-torch = SDP4Bit with QUANT_KERNELS=torch (the torch reference quantizer)
+#              and two benchmark-only baselines whose exact fp32 gradient reduce-scatter moves
+#              NCCL-like volume instead of gloo's all-reduce (ring_volume_rs.py, pretrain_a2a_rs.py):
+#              baseline-a2a (all_to_all_single + local sum) and baseline-ring (P2P ring), e.g.
+#              VARIANTS=baseline,baseline-a2a,baseline-ring,sdp4bit
 #   ITERS      training iterations / timed steps (default 8);  WARMUP (default 2)
 #   NUMEL      collectives mode: elements (default: the MODEL's parameter count)
 #   TIMEOUT    seconds per variant (default 600);  THREADS per rank (default 1)

@@ -362,10 +362,7 @@ def dequantize_sum_requantize(q: QuantizedTensor, num_sources: int, bits_out: in
                               group_size_out: Optional[int] = None, stochastic: bool = True,
                               generator: Optional[torch.Generator] = None) -> QuantizedTensor:
     """C++ version of :func:`reference.dequantize_sum_requantize` (no fp32 intermediate)."""
-    n = _ref._check_sources(q, num_sources, "dequantize_sum_requantize")
-    gs = q.group_size if group_size_out is None else group_size_out
-    _ref._check_bits(bits_out)
-    _ref._check_group(n, gs, bits_out)
+    n, gs = _ref._check_dequantize_sum_requantize(q, num_sources, bits_out, group_size_out)
     if not _ok(q.scales) or q.codes.device.type != "cpu":
         return _ref.dequantize_sum_requantize(q, num_sources, bits_out, group_size_out=gs,
                                               stochastic=stochastic, generator=generator)

@@ -24,7 +24,7 @@ Numerics (SDP4Bit spec §2, with the deviations noted):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -347,6 +347,17 @@ def _check_sources(q: QuantizedTensor, num_sources: int, what: str) -> int:
     return n
 
 
+def _check_dequantize_sum_requantize(q: QuantizedTensor, num_sources: int, bits_out: int,
+                                    group_size_out: Optional[int]) -> Tuple[int, int]:
+    """Validation shared by every backend's ``dequantize_sum_requantize``; returns (chunk size,
+    output group size)."""
+    n = _check_sources(q, num_sources, "dequantize_sum_requantize")
+    gs = q.group_size if group_size_out is None else group_size_out
+    _check_bits(bits_out)
+    _check_group(n, gs, bits_out)
+    return n, gs
+
+
 def _check_dequantize_sum(q: QuantizedTensor, num_sources: int, hadamard: bool,
                           hadamard_block: int) -> int:
     """Validation shared by every backend's ``dequantize_sum``; returns the chunk size."""
@@ -371,10 +382,7 @@ def dequantize_sum_requantize(q: QuantizedTensor, num_sources: int, bits_out: in
                               group_size_out: Optional[int] = None, stochastic: bool = True,
                               generator: Optional[torch.Generator] = None) -> QuantizedTensor:
     """Dequantize ``num_sources`` chunks, fp32-sum them in order, requantize (middle hop)."""
-    n = _check_sources(q, num_sources, "dequantize_sum_requantize")
-    gs = q.group_size if group_size_out is None else group_size_out
-    _check_bits(bits_out)
-    _check_group(n, gs, bits_out)
+    n, gs = _check_dequantize_sum_requantize(q, num_sources, bits_out, group_size_out)
     acc = _sum_sources(q, num_sources, n)
     codes, scales = _quantize_groups(acc.view(-1, gs), bits_out, stochastic, generator)
     return QuantizedTensor(pack(codes, bits_out), scales, bits_out, gs, n)

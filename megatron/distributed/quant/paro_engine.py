@@ -158,6 +158,10 @@ class _Bucket:
         """Offset of this bucket's piece in a shard-space tensor with k ranks per element."""
         return self.start // k
 
+    def shard(self, t: torch.Tensor, k: int) -> torch.Tensor:
+        """This bucket's piece (a view) of ``t``, a shard-space tensor with k ranks per element."""
+        return t[self.start // k:(self.start + self.size) // k]
+
 
 def _has_module_list(mod: torch.nn.Module) -> bool:
     return any(isinstance(x, torch.nn.ModuleList) for x in mod.modules())
@@ -339,8 +343,7 @@ class ParoDataParallel(torch.nn.Module):
                 if self.param_shard is not None:
                     a, e = self._local_range(b, p_level)
                     k = self.level_ranks(p_level)
-                    self.param_shard[b.shard_offset(k):b.shard_offset(k) + b.size // k].copy_(
-                        b.full[a:e])
+                    b.shard(self.param_shard, k).copy_(b.full[a:e])
         self.release_params()
 
         # Gradients: persistent full buffer (g = N) or persistent shard accumulator (g = I / G).
@@ -419,9 +422,13 @@ class ParoDataParallel(torch.nn.Module):
         return mask
 
     # ------------------------------------------------------------------ collectives
+    def _scope(self, scope: str) -> Tuple[Any, int]:
+        """(process group, its size) of the 'intra' or 'inter' scope."""
+        return (self.intra_group, self.m) if scope == "intra" else (self.inter_group, self.g)
+
     def _ag(self, out: torch.Tensor, inp: torch.Tensor, scope: str) -> None:
         """All-gather at 'intra' / 'inter' scope ('inter' works on the 1/m slice), counted."""
-        group, k = (self.intra_group, self.m) if scope == "intra" else (self.inter_group, self.g)
+        group, k = self._scope(scope)
         if k == 1:
             out.copy_(inp)
             return
@@ -431,7 +438,7 @@ class ParoDataParallel(torch.nn.Module):
     def _rs(self, out: torch.Tensor, inp: torch.Tensor, scope: str) -> None:
         """Reduce-scatter of gradients at 'intra' / 'inter' scope (SUM), counted; TLq's one-hop
         path with --quantized-gradients."""
-        group, k = (self.intra_group, self.m) if scope == "intra" else (self.inter_group, self.g)
+        group, k = self._scope(scope)
         if k == 1:
             out.copy_(inp)
             return
@@ -442,7 +449,7 @@ class ParoDataParallel(torch.nn.Module):
         _count(self.counter, scope, "reduce_scatter", inp.numel(), inp, k)
 
     def _ar(self, t: torch.Tensor, scope: str) -> None:
-        group, k = (self.intra_group, self.m) if scope == "intra" else (self.inter_group, self.g)
+        group, k = self._scope(scope)
         if k == 1:
             return
         dist.all_reduce(t, group=group)
@@ -519,7 +526,7 @@ class ParoDataParallel(torch.nn.Module):
         per_element = qt.nbytes / numel
         codes, scales = qt.codes, qt.scales
         for scope in hops:
-            group, k = (self.intra_group, self.m) if scope == "intra" else (self.inter_group, self.g)
+            group, k = self._scope(scope)
             if k == 1:
                 continue
             c2 = torch.empty(codes.numel() * k, dtype=codes.dtype, device=codes.device)
@@ -560,8 +567,8 @@ class ParoDataParallel(torch.nn.Module):
         kf, kt = self.level_ranks(frm), self.level_ranks(to)
         out = torch.empty(src.numel() * kf // kt, dtype=src.dtype, device=src.device)
         for b in self.buckets:
-            x = src[b.shard_offset(kf):b.shard_offset(kf) + b.size // kf]
-            y = out[b.shard_offset(kt):b.shard_offset(kt) + b.size // kt]
+            x = b.shard(src, kf)
+            y = b.shard(out, kt)
             if (frm, to) == (Level.N, Level.G):
                 y.copy_(self._global_rs(x))
             else:
@@ -573,8 +580,8 @@ class ParoDataParallel(torch.nn.Module):
         bucket (G -> I: inter AG; I -> N: intra AG; G -> N: PaRO-CC global AG)."""
         kf, kt = self.level_ranks(frm), self.level_ranks(to)
         for b in self.buckets:
-            x = src[b.shard_offset(kf):b.shard_offset(kf) + b.size // kf]
-            y = dst[b.shard_offset(kt):b.shard_offset(kt) + b.size // kt]
+            x = b.shard(src, kf)
+            y = b.shard(dst, kt)
             if (frm, to) == (Level.G, Level.N):
                 self._global_ag(y, x)
             else:
@@ -592,7 +599,7 @@ class ParoDataParallel(torch.nn.Module):
             storage.resize_(need)
         p = self.strategy.params
         k = self.level_ranks(p)
-        shard = self.param_shard[b.shard_offset(k):b.shard_offset(k) + b.size // k]
+        shard = b.shard(self.param_shard, k)
         if p == Level.I:
             self._ag(b.full, shard, "intra")
         else:
@@ -677,8 +684,7 @@ class ParoDataParallel(torch.nn.Module):
                 k = self.level_ranks(p)
                 for b in self.buckets:
                     a, e = self._local_range(b, p)
-                    self.param_shard[b.shard_offset(k):b.shard_offset(k) + e - a].copy_(
-                        b.full[a:e])
+                    b.shard(self.param_shard, k).copy_(b.full[a:e])
             self.release_params()
 
     def param_level_storage(self) -> torch.Tensor:
@@ -705,8 +711,8 @@ class ParoDataParallel(torch.nn.Module):
             ko, kp = self.level_ranks(o), self.level_ranks(p)
             target_all = self.param_level_storage()
             for b in self.buckets:
-                src = os_params[b.shard_offset(ko):b.shard_offset(ko) + b.size // ko]
-                target = target_all[b.shard_offset(kp):b.shard_offset(kp) + b.size // kp]
+                src = b.shard(os_params, ko)
+                target = b.shard(target_all, kp)
                 offset = self._local_range(b, o)[0] - self._local_range(b, p)[0]
                 self._quantized_param_sync(src, target, offset, hops)
             return
@@ -782,7 +788,7 @@ class ParoDataParallel(torch.nn.Module):
                 full = torch.zeros(b.size, dtype=self.grad_dtype, device=self.grad_shard.device)
             b.tmp_grad = None
             k = self.level_ranks(self.strategy.grads)
-            acc = self.grad_shard[b.shard_offset(k):b.shard_offset(k) + b.size // k]
+            acc = b.shard(self.grad_shard, k)
             if self.strategy.grads == Level.I:
                 shard = torch.empty_like(acc)
                 self._rs(shard, full, "intra")

@@ -15,7 +15,13 @@ import json
 import sys
 from typing import List, Optional
 
-from megatron.training.arguments import parse_args
+import os
+
+from megatron.training.logging_utils import quiet_library_warnings
+
+quiet_library_warnings(int(os.environ.get("RANK", "0")))  # before megatron-core is imported
+
+from megatron.training.arguments import parse_args  # noqa: E402
 
 
 def dry_run(args) -> None:
@@ -32,11 +38,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.dry_run:
         dry_run(args)
         return 0
-    from megatron.training.training import pretrain
-
-    pretrain(args)
     import torch
 
+    from megatron.training.errors import StartupError
+    from megatron.training.training import pretrain
+
+    try:
+        pretrain(args)
+    except StartupError as exc:
+        # Every rank raises it (deterministic checks): one message, no per-rank tracebacks.
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        return 1
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -15,7 +15,7 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
 fi
 if ! "$PYTHON" - <<'PY' >/dev/null 2>&1
 import importlib.metadata as md
-import megatron.core, tokenizers, transformers, sentencepiece, datasets, pyarrow, tensorboard, matplotlib, pytest, numpy
+import megatron.core, tokenizers, transformers, sentencepiece, datasets, pyarrow, tensorboard, matplotlib, pytest, numpy, psutil
 assert md.version("megatron-core") == "0.16.1", md.version("megatron-core")
 PY
 then

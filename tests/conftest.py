@@ -31,11 +31,15 @@ def free_port() -> int:
 
 @pytest.fixture
 def run_pretrain() -> Callable[..., subprocess.CompletedProcess]:
-    """``run_pretrain(args, nproc=2, timeout=180)``: torchrun pretrain_gpt.py, capture output."""
+    """``run_pretrain(args, nproc=2, timeout=180, show_warnings=False)``: torchrun
+    pretrain_gpt.py, capture output (Python warnings off unless ``show_warnings``)."""
 
-    def run(args: List[str], nproc: int = 2, timeout: int = 180) -> subprocess.CompletedProcess:
+    def run(args: List[str], nproc: int = 2, timeout: int = 180,
+            show_warnings: bool = False) -> subprocess.CompletedProcess:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
                    PYTHONWARNINGS="ignore")
+        if show_warnings:  # what a user sees
+            del env["PYTHONWARNINGS"]
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                "--master-addr=127.0.0.1", f"--master-port={free_port_number()}",
                str(REPO / "pretrain_gpt.py"), *TINY_GPT, *args]

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import time
 import traceback
 import warnings
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+FINAL_BARRIER_TIMEOUT_S = 120.0
+"""How long a healthy rank waits at the final barrier for its peers (they may still be finishing
+local work after the last collective; a peer that never comes is reported by rank)."""
+COLLECTIVE_TIMEOUT_S = 300.0
+"""gloo timeout of every collective: a mismatched collective fails the test instead of hanging."""
+JOIN_TIMEOUT_S = float(os.environ.get("DIST_TEST_TIMEOUT_S", "600"))
+"""Deadline of one :func:`run_distributed` job."""
 
 
 def free_port() -> int:
@@ -19,29 +30,92 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def shutdown_process_group(healthy: bool = True,
+                           timeout_s: float = FINAL_BARRIER_TIMEOUT_S) -> None:
+    """Final barrier, then ``destroy_process_group`` -- the end of every spawned test rank.
+
+    Why the barrier: with ``init_method='tcp://...'`` rank 0 hosts the TCPStore. Without it,
+    rank 0 could finish and exit while a peer was still creating a group or finishing a
+    collective through the store, which then failed with "Broken pipe" / "Connection reset"
+    (seen under load). ``monitored_barrier`` (gloo) has a timeout and names the ranks that did
+    not arrive, so a stuck peer cannot hang the healthy ones.
+
+    Why ``healthy``: a rank that raised may have left its peers blocked in a collective it
+    never joined. It must not wait for them at a barrier (they would only arrive after the
+    collective timeout); it leaves at once, which closes its connections, so the peers' pending
+    collective fails fast and they report (and leave) too. Results are written *before* this
+    call, so nothing is lost either way.
+    """
+    try:
+        if healthy and dist.get_world_size() > 1:
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as exc:  # a peer failed or left: its own result says why
+        print(f"[rank {dist.get_rank()}] final barrier: {str(exc).splitlines()[0]}",
+              file=sys.stderr, flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def init_process_group(rank: int, world: int, port: int) -> None:
+    """gloo on 127.0.0.1 with a collective timeout (see :data:`COLLECTIVE_TIMEOUT_S`)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
 def _entry(rank: int, world: int, port: int, fn, out_dir: str, args: tuple) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)  # gloo *_tensor deprecation notes
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_process_group(rank, world, port)
+    healthy = False
     try:
         try:
             res = fn(rank, world, *args)
+            healthy = True
         except Exception:  # report instead of hanging the peers' assertions
             res = {"__error__": traceback.format_exc()}
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        shutdown_process_group(healthy)
 
 
 def run_distributed(world: int, fn, out_dir, *args) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result dict.
 
     A rank that raises reports its traceback through its result file, so the test fails with the
-    real error instead of the peers hanging in a collective.
+    real error instead of the peers hanging in a collective; every rank's error is shown (a peer
+    of the failing rank may fail second, e.g. with a closed connection). The job has a deadline
+    (:data:`JOIN_TIMEOUT_S`).
     """
-    mp.spawn(_entry, args=(world, free_port(), fn, str(out_dir), args), nprocs=world, join=True)
-    results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
-    for r, res in enumerate(results):
-        if "__error__" in res:
-            raise AssertionError(f"rank {r} failed:\n{res['__error__']}")
+    out_dir = str(out_dir)
+    ctx = mp.start_processes(_entry, args=(world, free_port(), fn, out_dir, args), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"distributed test did not finish in {JOIN_TIMEOUT_S:.0f}s")
+    except BaseException as exc:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        reported = _errors(_load(out_dir, world))
+        raise AssertionError("\n".join([f"{type(exc).__name__}: {exc}"] + reported)) from exc
+    results = _load(out_dir, world)
+    errors = _errors(results)
+    missing = [r for r, res in enumerate(results) if res is None]
+    if errors or missing:
+        raise AssertionError("\n".join(errors) or f"ranks {missing} wrote no result")
     return results
+
+
+def _load(out_dir: str, world: int) -> list:
+    """Each rank's result (None where the rank wrote none)."""
+    paths = [os.path.join(out_dir, f"rank{r}.pt") for r in range(world)]
+    return [torch.load(p, weights_only=False) if os.path.exists(p) else None for p in paths]
+
+
+def _errors(results: list) -> list:
+    return [f"rank {r} failed:\n{res['__error__']}" for r, res in enumerate(results)
+            if isinstance(res, dict) and "__error__" in res]

@@ -100,7 +100,8 @@ def test_quantization_config_built_from_args() -> None:
     (["--bf16", "--fp16"], "mutually exclusive"),
     (["--global-batch-size", "5"], "must be divisible by --micro-batch-size"),
     (["--overlap-param-gather", "--overlap-grad-reduce"], "needs --use-distributed-optimizer"),
-    (["--loco", "--use-distributed-optimizer"], "--loco compensates quantized gradients"),
+    (["--loco", "--use-distributed-optimizer"],
+     "--loco acts only with --quantized-gradients (or --quantized-grad-bits N)"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "only one of"),
     (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/nonexistent/vocab.json",
       "--merge-file", "/nonexistent/merges.txt"], "does not exist"),
@@ -111,6 +112,131 @@ def test_bad_combinations_fail_clearly(extra: List[str], message: str, capsys) -
         parse_args(BASE + extra)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,flags,switch", [
+    (["--hadamard-transform"], "--hadamard-transform", "--quantized-gradients"),
+    (["--gradient-quantization-bits-intra", "4"], "--gradient-quantization-bits-intra",
+     "--quantized-gradients"),
+    (["--gradient-quantization-bits-inter", "2"], "--gradient-quantization-bits-inter",
+     "--quantized-gradients"),
+    (["--gq-group-size-intra", "256"], "--gq-group-size-intra", "--quantized-gradients"),
+    (["--gq-group-size-inter", "64"], "--gq-group-size-inter", "--quantized-gradients"),
+    (["--gradients-quantization-start-iteration", "5"], "--gradients-quantization-start-iteration",
+     "--quantized-gradients"),
+    (["--loco"], "--loco", "--quantized-gradients"),
+    (["--quantized-weights", "--loco"], "--loco", "--quantized-gradients"),
+    (["--quantized-gradients", "--loco-error-beta", "0.5"], "--loco-error-beta", "--loco"),
+    (["--quantized-gradients", "--loco-reset-interval", "10"], "--loco-reset-interval", "--loco"),
+    (["--quantized-gradients", "--loco-error-bits", "32"], "--loco-error-bits", "--loco"),
+    (["--quantized-gradients", "--hadamard-block-size", "16"], "--hadamard-block-size",
+     "--hadamard-transform"),
+    (["--weight-quantization-bits", "8"], "--weight-quantization-bits", "--quantized-weights"),
+    (["--quantized-gradients", "--wq-group-size", "1024"], "--wq-group-size",
+     "--quantized-weights"),
+    (["--weight-quantization-mode", "direct"], "--weight-quantization-mode",
+     "--quantized-weights"),
+    (["--no-stochastic-rounding"], "--no-stochastic-rounding", "--quantized-weights or "),
+    # Given explicitly counts, even with the default value (the user meant to configure it).
+    (["--wq-group-size", "2048"], "--wq-group-size", "--quantized-weights"),
+    (["--hadamard-transform", "--gq-group-size-inter", "64"],
+     "--gq-group-size-inter, --hadamard-transform act only with", "--quantized-gradients"),
+])
+def test_sub_flag_without_its_switch_is_refused(extra: List[str], flags: str, switch: str) -> None:
+    """A sub-flag whose path is off used to be accepted and silently do nothing (a 'TLq-HS' run
+    that trained unquantized)."""
+    args = parse_args(BASE + ["--use-distributed-optimizer"] + extra, validate=False)
+    with pytest.raises(ArgumentError) as e:
+        validate_args(args)
+    assert flags in str(e.value) and switch in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--quantized-gradients", "--hadamard-transform", "--hadamard-block-size", "16",
+     "--gq-group-size-inter", "64", "--gradients-quantization-start-iteration", "3",
+     "--loco", "--loco-error-beta", "0.5", "--no-stochastic-rounding"],
+    ["--quantized-grad-bits", "4", "--gradient-quantization-bits-intra", "4"],
+    ["--quantized-grad-bits", "4", "--gradient-quantization-bits-inter", "4"],
+    ["--quantized-weights", "--weight-quantization-mode", "direct", "--weight-quantization-bits",
+     "8", "--wq-group-size", "1024", "--no-stochastic-rounding"],
+    ["--data-parallel-intra-node-size", "1", "--grad-accum-dtype", "fp32"],  # no switch needed
+])
+def test_sub_flags_with_their_switch_are_accepted(extra: List[str]) -> None:
+    a = parse_args(BASE + ["--use-distributed-optimizer"] + extra)
+    assert a.explicit_flags and "use_distributed_optimizer" in a.explicit_flags
+
+
+def test_short_form_contradicting_inter_bits_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--use-distributed-optimizer", "--quantized-grad-bits", "4",
+                           "--gradient-quantization-bits-inter", "8"])
+    assert "--quantized-grad-bits 4" in capsys.readouterr().err
+
+
+def test_explicit_flags_are_the_given_ones() -> None:
+    """parse_args records what was given (defaults excluded, default values given included);
+    flags_given falls back to 'differs from the default' for other namespaces."""
+    from megatron.training.arguments import flags_given
+
+    a = parse_args(BASE + ["--seed", "1234", "--use-distributed-optimizer"])
+    assert {"seed", "use_distributed_optimizer", "num_layers"} <= flags_given(a)
+    assert "wq_group_size" not in flags_given(a) and "bf16" not in flags_given(a)
+    assert a.seed == 1234 and a.wq_group_size == 2048  # the real parse keeps the defaults
+    ns = build_parser().parse_args(BASE + ["--seed", "1234", "--hadamard-transform"])
+    assert "hadamard_transform" in flags_given(ns) and "seed" not in flags_given(ns)
+
+
+@pytest.mark.parametrize("world,local,extra,intra,message", [
+    ("4", None, ["--quantized-gradients"], "3",
+     "--data-parallel-intra-node-size 3 does not divide the data-parallel size 4 (= world size 4 "
+     "/ (--tensor-model-parallel-size 1 x --pipeline-model-parallel-size 1))"),
+    # Stated explicitly it must fit whatever the path.
+    ("4", None, [], "3", "--data-parallel-intra-node-size 3 does not divide the data-parallel size 4"),
+    ("12", None, ["--quantized-weights", "--pipeline-model-parallel-size", "2", "--num-layers", "4"],
+     "4", "--data-parallel-intra-node-size 4 does not divide the data-parallel size 6 (= world size "
+     "12 / (--tensor-model-parallel-size 1 x --pipeline-model-parallel-size 2))"),
+    # The default comes from the launcher (LOCAL_WORLD_SIZE // TP).
+    ("24", "8", ["--quantized-gradients", "--pipeline-model-parallel-size", "2"], None,
+     "the intra-node data-parallel size 8 (LOCAL_WORLD_SIZE 8 // --tensor-model-parallel-size 1; "
+     "set --data-parallel-intra-node-size to override) does not divide the data-parallel size 12"),
+])
+def test_intra_node_size_must_divide_dp_size(monkeypatch, world, local, extra, intra,
+                                             message) -> None:
+    """Was a ValueError traceback at model build, on every rank."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    base = BASE + ["--use-distributed-optimizer", "--global-batch-size", "48"] + extra
+    bad = base + (["--data-parallel-intra-node-size", intra] if intra else [])
+    with pytest.raises(ArgumentError) as e:
+        validate_args(parse_args(bad, validate=False))
+    assert message in str(e.value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", world)  # one node: the default fits
+    assert validate_args(parse_args(base, validate=False)).data_parallel_size == int(world) // (
+        2 if "--pipeline-model-parallel-size" in extra else 1)
+
+
+@pytest.mark.parametrize("argv_extra", [["--no-such-flag"], ["--bf16", "--fp16"],
+                                        ["--hadamard-transform"]])
+def test_errors_are_printed_by_rank_0_only(monkeypatch, capsys, argv_extra) -> None:
+    """Every rank parses the same line: rank 0 prints usage + message; other ranks exit with
+    the same status and at most one short line (torchrun stops them first in practice)."""
+    from megatron.training import arguments
+
+    monkeypatch.setattr(arguments, "NONZERO_RANK_ERROR_GRACE_S", 0.0)
+    with pytest.raises(SystemExit) as e:
+        parse_args(BASE + argv_extra)
+    err0 = capsys.readouterr().err
+    assert e.value.code == 2 and err0.startswith("usage:") and "error:" in err0
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(SystemExit) as e:
+        parse_args(BASE + argv_extra)
+    err3 = capsys.readouterr().err
+    assert e.value.code == 2 and "usage" not in err3
+    assert err3.count("\n") == 1 and "error (rank 3):" in err3
+    assert err3.split("error (rank 3): ")[1] == err0.split("error: ")[-1]  # same message
 
 
 def test_missing_data_source_is_an_error() -> None:
@@ -176,6 +302,11 @@ def test_paro_strategy_flags():
         validated("--paro-strategy", "NIG", "--fp16")
     with pytest.raises(ArgumentError):
         validated("--paro-strategy", "XYZ")
+    # The PaRO engine has no sharded state dict: torch_dist is refused before anything is built.
+    with pytest.raises(ArgumentError, match="--ckpt-format torch_dist .* --paro-strategy NIG"):
+        validated("--paro-strategy", "NIG", "--ckpt-format", "torch_dist")
+    assert validated("--paro-strategy", "NNG", "--use-distributed-optimizer", "--ckpt-format",
+                     "torch_dist").ckpt_format == "torch_dist"
 
 
 def test_data_blend_forms():

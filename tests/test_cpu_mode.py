@@ -22,15 +22,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron.training import cpu_mode
-from dist_harness import free_port
+from dist_harness import free_port, init_process_group, shutdown_process_group
 
 
 def _train_worker(rank: int, world: int, port: int, out_dir: str, steps: int) -> None:
     """One rank: build the tiny model stack, train `steps` steps on a repeated batch."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    init_process_group(rank, world, port)
     cpu_mode.enable_cpu_mode()
     cpu_mode.enable_cpu_mode()  # idempotent
 
@@ -117,7 +116,7 @@ def _train_worker(rank: int, world: int, port: int, out_dir: str, steps: int) ->
         "num_buckets": len(ddp.bucket_groups),
         "proxied": len(cpu_mode.proxied_modules()),
     }))
-    dist.destroy_process_group()
+    shutdown_process_group()  # final barrier: rank 0 hosts the store, it must not leave first
 
 
 def test_cpu_mode_ddp_distributed_optimizer_trains(tmp_path: Path) -> None:

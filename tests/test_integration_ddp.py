@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from dist_harness import free_port
+from dist_harness import free_port, init_process_group, shutdown_process_group
 
 SEQ = 16
 VOCAB = 128
@@ -39,8 +39,7 @@ JOIN_TIMEOUT_S = int(os.environ.get("QUANT_TEST_TIMEOUT_S", "170"))
 def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable[[int, int], Dict[str, Any]]) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    init_process_group(rank, world, port)
     try:
         from megatron.training.cpu_mode import enable_cpu_mode
 
@@ -53,7 +52,7 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable[[int, in
         torch.save({"__error__": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
         raise
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    shutdown_process_group()  # final barrier: rank 0 hosts the store, it must not leave first
 
 
 def run_distributed(fn: Callable[[int, int], Dict[str, Any]], world: int) -> List[Dict[str, Any]]:

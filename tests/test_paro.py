@@ -21,7 +21,7 @@ from megatron.distributed.quant.config import QuantizationConfig
 from megatron.distributed.quant.paro import (PaRoStrategy, StateBytes, choose_strategy_auto,
                                              communication_volume, model_state_memory,
                                              parse_paro_strategy, resolve_group_size)
-from dist_harness import free_port
+from dist_harness import free_port, init_process_group, shutdown_process_group
 
 SPEC_VALID = ["NNN", "NNI", "NII", "INI", "III", "NNG", "NIG", "NGG", "ING", "IIG", "IGG", "GNG",
               "GIG", "GGG"]
@@ -311,8 +311,8 @@ def _check_collectives(groups, rank: int, world: int) -> None:
 def _worker(rank: int, world: int, port: int) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    init_process_group(rank, world, port)
+    healthy = False
     try:
         for m in (2, 4, 1):  # 2 x 2, then one group of 4, then 4 groups of 1
             groups = paro.build_paro_groups(m)
@@ -320,8 +320,9 @@ def _worker(rank: int, world: int, port: int) -> None:
             _check_collectives(groups, rank, world)
         with pytest.raises(ValueError, match="does not divide"):
             paro.build_paro_groups(3)
+        healthy = True
     finally:
-        dist.destroy_process_group()
+        shutdown_process_group(healthy)
 
 
 def test_hierarchical_collectives_on_four_ranks():

@@ -15,10 +15,11 @@ import argparse
 import importlib.util
 import os
 import sys
+import time
 import warnings
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, FrozenSet, List, NoReturn, Optional, Tuple
 
-from megatron.distributed.quant.arguments import add_quantization_args
+from megatron.distributed.quant.arguments import add_quantization_args, check_flag_dependencies
 from megatron.distributed.quant.paro import AUTO as PARO_AUTO
 from megatron.distributed.quant.paro import add_paro_args, check_trainable, resolve_group_size
 from megatron.distributed.quant.paro_engine import quantization_support_error, uses_paro_engine
@@ -29,6 +30,39 @@ NOOP = "(no-op in this trainer; accepted for Megatron-LM script compatibility)"
 
 class ArgumentError(ValueError):
     """A bad flag combination; the message says what to change."""
+
+
+NONZERO_RANK_ERROR_GRACE_S = 5.0
+"""How long a rank other than 0 waits before it exits on a bad command line (see
+:meth:`RankAwareParser.error`)."""
+
+
+def launcher_rank() -> int:
+    """This process's global rank as the launcher set it (``RANK``; 0 without a launcher)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+class RankAwareParser(argparse.ArgumentParser):
+    """ArgumentParser whose errors are reported once per job, not once per rank.
+
+    Every rank parses the same command line, so every rank finds the same error. Rank 0 prints
+    argparse's usage and message and exits with status 2. The other ranks wait
+    :data:`NONZERO_RANK_ERROR_GRACE_S` first: torchrun stops the remaining ranks as soon as one
+    fails, so rank 0 failing first is what keeps its message from being cut off (rank 0 exiting
+    after another rank would be killed possibly before it printed). A rank still alive after the
+    grace (no launcher that stops it, e.g. one srun task per rank) prints a one-line message and
+    exits with the same status 2.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        rank = launcher_rank()
+        if rank == 0:
+            super().error(message)
+        time.sleep(NONZERO_RANK_ERROR_GRACE_S)
+        self.exit(2, f"{self.prog}: error (rank {rank}): {message}\n")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -183,6 +217,14 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--finetune", action="store_true",
                    help="Load model weights only; restart iteration count and data at 0.")
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch",
+                   help="Format --save writes (--load reads either): 'torch' = one file per rank, "
+                        "resumes on the same TP/PP/DP layout only; 'torch_dist' = megatron-core "
+                        "dist_checkpointing, resumes on another DP (and TP/PP) size and with "
+                        "quantization switched on or off.")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="With --load: stop with an error when there is no checkpoint to resume "
+                        "from, instead of training from iteration 0.")
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -207,9 +249,9 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
     """All trainer flags plus the quantization flags (plus the caller's extra ones)."""
-    parser = argparse.ArgumentParser(description="Megatron-compatible GPT trainer (megatron-core "
-                                                 "0.16.1) with quantized communication",
-                                     allow_abbrev=False)
+    parser = RankAwareParser(description="Megatron-compatible GPT trainer (megatron-core "
+                                         "0.16.1) with quantized communication",
+                             allow_abbrev=False)
     _add_model_args(parser)
     _add_optimizer_args(parser)
     _add_mixed_precision_args(parser)
@@ -228,15 +270,48 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
 def parse_args(argv: Optional[List[str]] = None,
                extra_args_provider: Optional[Callable] = None,
                validate: bool = True) -> argparse.Namespace:
-    """Parse (``sys.argv[1:]`` by default) and validate; bad combinations exit with a message."""
+    """Parse (``sys.argv[1:]`` by default) and validate; bad combinations exit with a message
+    (status 2, printed by rank 0 only: :class:`RankAwareParser`).
+
+    Also records ``args.explicit_flags``, the dests given on the command line (see
+    :func:`flags_given`)."""
     parser = build_parser(extra_args_provider)
     args = parser.parse_args(argv)
+    args.explicit_flags = _explicit_dests(parser, argv)
     if validate:
         try:
             validate_args(args)
         except ArgumentError as e:
             parser.error(str(e))
     return args
+
+
+def _explicit_dests(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> List[str]:
+    """Dests of the flags present in ``argv``: parse again with every default suppressed, so
+    exactly the given flags land in the namespace (a flag given with its default value counts
+    as given)."""
+    saved = [(action, action.default) for action in parser._actions]
+    try:
+        for action, _ in saved:
+            action.default = argparse.SUPPRESS
+        return sorted(vars(parser.parse_args(argv)))
+    finally:
+        for action, default in saved:
+            action.default = default
+
+
+def flags_given(args: argparse.Namespace) -> FrozenSet[str]:
+    """The one answer to "was this flag given on the command line?" (as dests).
+
+    ``args.explicit_flags`` when :func:`parse_args` recorded it; for a namespace built another
+    way (e.g. ``build_parser().parse_args(...)``), the dests whose value differs from the parser
+    default.
+    """
+    recorded = getattr(args, "explicit_flags", None)
+    if recorded is not None:
+        return frozenset(recorded)
+    defaults = {a.dest: a.default for a in build_parser()._actions}
+    return frozenset(k for k, v in vars(args).items() if k in defaults and v != defaults[k])
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -271,9 +346,9 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     args.rank = int(os.environ.get("RANK", "0"))
     mp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     _require(args.world_size % mp == 0,
-             f"world size {args.world_size} is not divisible by tensor-model-parallel-size "
-             f"({args.tensor_model_parallel_size}) x pipeline-model-parallel-size "
-             f"({args.pipeline_model_parallel_size})")
+             f"world size {args.world_size} (WORLD_SIZE) is not divisible by "
+             f"--tensor-model-parallel-size {args.tensor_model_parallel_size} x "
+             f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
     args.data_parallel_size = args.world_size // mp
     if args.pipeline_model_parallel_size > 1:
         _require(args.num_layers % args.pipeline_model_parallel_size == 0,
@@ -308,8 +383,11 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         _require(args.overlap_grad_reduce,
                  "--overlap-param-gather needs --overlap-grad-reduce (as in megatron-core)")
 
-    # Quantization (the one place flags become a QuantizationConfig).
+    # Quantization: sub-flags need their switch (one table: quant.arguments.REQUIRES), then the
+    # one place flags become a QuantizationConfig.
+    given = flags_given(args)
     try:
+        check_flag_dependencies(args, given)
         args.quant_config = QuantizationConfig.from_args(args)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
@@ -347,10 +425,28 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
                          f"--paro-group-size {args.paro_group_size}; the engine quantizes inside "
                          f"the PaRO groups")
 
+    _require(not (args.ckpt_format == "torch_dist" and (
+        args.paro_strategy == PARO_AUTO or uses_paro_engine(args.paro_strategy))),
+        f"--ckpt-format torch_dist saves megatron-core's sharded state dicts; --paro-strategy "
+        f"{args.paro_strategy} may train on the PaRO engine, which saves --ckpt-format torch")
+
     if args.quant_config.enabled and not uses_paro_engine(args.paro_strategy):
         _require(args.use_distributed_optimizer,
                  "quantized communication (--quantized-weights / --quantized-gradients / "
                  "--quantized-grad-bits) needs --use-distributed-optimizer")
+    # Two-level topology: checked here, once, instead of failing at model build on every rank.
+    # The megatron-core quantized path builds its groups from it; an explicit value must make
+    # sense whatever the path (the PaRO engine's groups come from --paro-group-size, above).
+    if ((args.quant_config.enabled and not uses_paro_engine(args.paro_strategy))
+            or "data_parallel_intra_node_size" in given):
+        try:
+            args.quant_config.intra_node_size(args.data_parallel_size,
+                                              args.tensor_model_parallel_size)
+        except ValueError as e:
+            raise ArgumentError(
+                f"{e} (= world size {args.world_size} / (--tensor-model-parallel-size "
+                f"{args.tensor_model_parallel_size} x --pipeline-model-parallel-size "
+                f"{args.pipeline_model_parallel_size}))") from None
 
     # Model shape defaults.
     if args.max_position_embeddings is None:
@@ -414,7 +510,8 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         _require(args.save_interval > 0, "--save-interval must be positive")
         _require(args.save is not None, "--save-interval needs --save DIR")
     if args.wandb_project and importlib.util.find_spec("wandb") is None:
-        warnings.warn("--wandb-project given but wandb is not installed: W&B logging is off")
+        if launcher_rank() == 0:  # every rank decides the same; one notice per job
+            warnings.warn("--wandb-project given but wandb is not installed: W&B logging is off")
         args.wandb_project = ""
     return args
 

@@ -1,24 +1,30 @@
-"""Checkpoint save/load: per-rank ``torch.save`` files, written atomically.
+"""Checkpoint save/load, written atomically, in two formats (``--ckpt-format``).
 
 Layout::
 
     {save}/latest_checkpointed_iteration.txt      # "N", replaced atomically
-    {save}/iter_{N:07d}/mp_rank_{tp:02d}_{pp:03d}_dp_{dp:03d}.pt
+    {save}/iter_{N:07d}/mp_rank_{tp:02d}_{pp:03d}_dp_{dp:03d}.pt      # torch (default)
+    {save}/iter_{N:07d}/metadata.json, *.distcp, common.pt, rank_state/  # torch_dist
 
-Every rank writes its own file: optimizer state (for the distributed optimizer its local shard
-via megatron-core's ``dp_reshardable`` parameter state -- no communication, works on gloo CPU;
-for the PaRO engine its fp32 master shard, Adam moments and step),
-scheduler, RNG (python/numpy/torch/cuda + the TP RNG tracker), quantization state (error
-buffers are per rank), iteration and consumed samples.  The model weights are identical over
-data-parallel ranks, so only DP rank 0 of each (TP, PP) stores them (PaRO strategies that
-partition parameters gather them first).
+``torch``: every rank writes its own file: optimizer state (for the distributed optimizer its
+local shard via megatron-core's ``dp_reshardable`` parameter state -- no communication, works on
+gloo CPU; for the PaRO engine its fp32 master shard, Adam moments and step), scheduler, RNG
+(python/numpy/torch/cuda + the TP RNG tracker), quantization state (error buffers are per rank),
+iteration and consumed samples.  The model weights are identical over data-parallel ranks, so
+only DP rank 0 of each (TP, PP) stores them (PaRO strategies that partition parameters gather
+them first).  Resuming needs the same TP/PP/DP layout and bucket padding; another layout is
+refused at load naming what differs.
+
+``torch_dist``: megatron-core's dist_checkpointing (:mod:`.dist_checkpoint`), reshardable to
+another DP size and with quantization switched on or off; the megatron-core path only.
+
+``--load`` reads either format (detected from the directory).  Nothing to load is said once
+(:func:`find_checkpoint_to_load`), or is an error with ``--exit-on-missing-checkpoint``.
 
 Why atomic: a job killed while saving must never leave a directory that ``--load`` would pick
 up.  Ranks write into ``{save}/.tmp_iter_{N:07d}``; after a barrier rank 0 renames it to
 ``iter_{N:07d}`` and then replaces the tracker file (temp file + ``os.replace``).  A crash
-before the rename leaves only a hidden temp dir, which the next save of that iteration removes.
-
-Limitation: resuming needs the same TP/PP/DP layout (the optimizer shards are per DP rank).
+before the rename leaves only a hidden temp dir, which the next save removes.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ import numpy as np
 import torch
 
 from megatron.distributed.quant import integration, paro_engine
+
+from . import dist_checkpoint, fault_injection
+from .errors import StartupError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -198,7 +207,10 @@ def _model_state_dicts(model: List[torch.nn.Module], keep: bool) -> List[Dict[st
 
 def save_checkpoint(args: argparse.Namespace, iteration: int, model: List[torch.nn.Module],
                     optimizer: Any, scheduler: Any, train_state: Dict[str, Any]) -> str:
-    """Collective: every rank calls it.  Returns the final directory."""
+    """Collective: every rank calls it.  Returns the final directory.
+
+    ``--ckpt-format torch`` (default): one ``torch.save`` file per rank; ``torch_dist``:
+    megatron-core's dist_checkpointing (:mod:`.dist_checkpoint`), reshardable on load."""
     from megatron.core import parallel_state as ps
 
     root = args.save
@@ -207,30 +219,37 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model: List[torch.
     rank = torch.distributed.get_rank()
     if rank == 0:
         os.makedirs(root, exist_ok=True)
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)  # left over from a crashed save
+        for name in os.listdir(root):  # left over from a crashed save (one save at a time)
+            if name.startswith((".tmp_iter_", ".old_iter_")):
+                shutil.rmtree(os.path.join(root, name))
         os.makedirs(tmp)
     torch.distributed.barrier()
 
     _sync_params_for_save(model)
-    state: Dict[str, Any] = {
+    common: Dict[str, Any] = {
         "iteration": iteration,
         "train_state": dict(train_state),
         "args": argparse.Namespace(**{k: v for k, v in vars(args).items()}),
         "checkpoint_version": 1,
-        "quantization": integration.quantization_state_dict(model),
     }
-    model_sd = _model_state_dicts(model, keep=ps.get_data_parallel_rank() == 0)
-    if ps.get_data_parallel_rank() == 0:
-        state["model"] = model_sd
     if not args.no_save_optim:
-        state["optimizer"] = _optimizer_state(optimizer)
-        state["opt_param_scheduler"] = scheduler.state_dict()
+        common["opt_param_scheduler"] = scheduler.state_dict()
+    per_rank: Dict[str, Any] = {"quantization": integration.quantization_state_dict(model)}
     if not args.no_save_rng:
-        state["rng_state"] = get_rng_state()
-    path = os.path.join(tmp, _rank_filename())
-    torch.save(state, path + ".part")
-    os.replace(path + ".part", path)
+        per_rank["rng_state"] = get_rng_state()
+    if args.ckpt_format == "torch_dist":
+        dist_checkpoint.save(tmp, args, model, optimizer, common, per_rank)
+    else:
+        state = {**common, **per_rank}
+        model_sd = _model_state_dicts(model, keep=ps.get_data_parallel_rank() == 0)
+        if ps.get_data_parallel_rank() == 0:
+            state["model"] = model_sd
+        if not args.no_save_optim:
+            state["optimizer"] = _optimizer_state(optimizer)
+        path = os.path.join(tmp, _rank_filename())
+        torch.save(state, path + ".part")
+        os.replace(path + ".part", path)
+    fault_injection.point("checkpoint-written", iteration)
     torch.distributed.barrier()
 
     if rank == 0:
@@ -250,33 +269,115 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model: List[torch.
     return final
 
 
+def _no_checkpoint_reason(root: str) -> Optional[str]:
+    """Why ``--load root`` has nothing to resume from, or None when it has a checkpoint."""
+    if not os.path.isdir(root):
+        return "the directory does not exist"
+    if read_tracker(root) is None:
+        partial = sorted(n for n in os.listdir(root) if n.startswith((".tmp_iter_", "iter_")))
+        return (f"it has no {TRACKER} (no complete checkpoint"
+                + (f"; found {', '.join(partial[:3])}" if partial else "") + ")")
+    return None
+
+
+def find_checkpoint_to_load(args: argparse.Namespace) -> Optional[int]:
+    """The iteration ``--load`` resumes from, or None (training starts from scratch).
+
+    Nothing loadable is said once on rank 0, and is an error with ``--exit-on-missing-checkpoint``
+    (Megatron-LM's flag) -- a typo in ``--load`` must not silently restart a long run.  Starting
+    from scratch while ``--save`` already holds a later checkpoint is refused: the first save of
+    this run would move that directory's tracker backwards."""
+    from .logging_utils import print_rank_0
+
+    if not args.load:
+        return None
+    reason = _no_checkpoint_reason(args.load)
+    if reason is None:
+        return read_tracker(args.load)
+    if getattr(args, "exit_on_missing_checkpoint", False):
+        raise StartupError(f"--load {args.load}: no checkpoint to resume from ({reason}) and "
+                           "--exit-on-missing-checkpoint is set")
+    existing = read_tracker(args.save) if args.save and os.path.isdir(args.save) else None
+    if existing:
+        raise StartupError(f"--load {args.load} has no checkpoint ({reason}), so this run would "
+                           f"start at iteration 0, but --save {args.save} holds a checkpoint at "
+                           f"iteration {existing} whose tracker the first save would move "
+                           "backwards: fix --load, or --save to a new directory")
+    print_rank_0(f" > --load {args.load}: no checkpoint found ({reason}); training starts from "
+                 "iteration 0 (--exit-on-missing-checkpoint makes this an error)")
+    return None
+
+
+def _check_same_layout(path: str, saved: Optional[argparse.Namespace],
+                       args: argparse.Namespace) -> None:
+    """The ``torch`` format loads only into the layout it was written by: name what differs."""
+    if saved is None:
+        return
+    diffs = []
+    for flag, name in (("--tensor-model-parallel-size", "tensor_model_parallel_size"),
+                       ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
+                       ("data-parallel size", "data_parallel_size"),
+                       ("--use-distributed-optimizer", "use_distributed_optimizer"),
+                       ("--paro-strategy", "paro_strategy")):
+        old, new = getattr(saved, name, None), getattr(args, name, None)
+        if old != new:
+            diffs.append(f"{flag} {old} -> {new}")
+    if args.use_distributed_optimizer:  # the optimizer shards follow the bucket padding
+        old_q = _padding_fields(getattr(saved, "quant_config", None))
+        new_q = _padding_fields(args.quant_config)
+        diffs += [f"{k.replace('_', '-')} {old_q.get(k)} -> {new_q.get(k)}"
+                  for k in sorted(set(old_q) | set(new_q)) if old_q.get(k) != new_q.get(k)]
+    if diffs:
+        raise StartupError(f"checkpoint {path} (--ckpt-format torch) was written with another "
+                           f"layout: {'; '.join(diffs)}. Resume with the same layout, or save with "
+                           "--ckpt-format torch_dist, which reshards on load")
+
+
+def _padding_fields(cfg: Any) -> Dict[str, Any]:
+    """The quantization settings that decide the buckets' padding (so the optimizer shards)."""
+    if cfg is None or not cfg.enabled:
+        return {"quantized_communication": False}
+    return {"quantized_communication": True, "quantized_gradients": cfg.quantized_gradients,
+            "quantized_weights": cfg.quantized_weights,
+            "gq_group_size_intra": cfg.gq_group_size_intra if cfg.quantized_gradients else None,
+            "gq_group_size_inter": cfg.gq_group_size_inter if cfg.quantized_gradients else None,
+            "wq_group_size": cfg.wq_group_size if cfg.quantized_weights else None,
+            "data_parallel_intra_node_size": cfg.data_parallel_intra_node_size}
+
+
 def load_checkpoint(args: argparse.Namespace, model: List[torch.nn.Module], optimizer: Any,
                     scheduler: Any) -> Tuple[int, Dict[str, Any]]:
-    """Restore from ``args.load``; returns (iteration, train_state).  (0, {}) if nothing there."""
-    root = args.load
-    iteration = read_tracker(root) if root else None
+    """Restore from ``args.load``; returns (iteration, train_state).  (0, {}) if nothing there.
+
+    The format is read from the directory (``torch`` or ``torch_dist``), whatever
+    ``--ckpt-format`` (the save format) says."""
+    from .logging_utils import print_rank_0
+
+    iteration = find_checkpoint_to_load(args)
     if iteration is None:
         return 0, {}
-    ckpt = checkpoint_dir(root, iteration)
-    own_path = os.path.join(ckpt, _rank_filename())
-    if not os.path.isfile(own_path):
-        raise RuntimeError(f"{own_path} is missing: the checkpoint was written with a different "
-                           f"parallel layout (TP/PP/DP must match) or is incomplete")
-    state = torch.load(own_path, map_location="cpu", weights_only=False)
-    model_state = state if "model" in state else torch.load(
-        os.path.join(ckpt, _model_filename()), map_location="cpu", weights_only=False)
-    for chunk, sd in zip(model, model_state["model"]):
-        if hasattr(chunk, "full_params"):  # PaRO engine: load into the gathered buffer, re-shard
-            with chunk.full_params(writeback=True):
-                chunk.module.load_state_dict(sd, strict=True)
-        else:
-            chunk.module.load_state_dict(sd, strict=True)
-    del model_state
-
+    ckpt = checkpoint_dir(args.load, iteration)
+    if not os.path.isdir(ckpt):
+        raise StartupError(f"--load {args.load}: {TRACKER} names iteration {iteration} but {ckpt} "
+                           "does not exist")
     finetune = getattr(args, "finetune", False)
-    if not finetune and not args.no_load_optim and "optimizer" in state:
-        _load_optimizer_state(optimizer, state["optimizer"])
-        scheduler.load_state_dict(state["opt_param_scheduler"])
+    load_optim = not finetune and not args.no_load_optim
+    if dist_checkpoint.is_torch_dist_checkpoint(ckpt):
+        if paro_engine.uses_paro_engine(getattr(args, "paro_strategy", None)):
+            raise StartupError(f"{ckpt} is a torch_dist checkpoint; PaRO engine strategies "
+                               f"(--paro-strategy {args.paro_strategy}) load --ckpt-format torch")
+        state = dist_checkpoint.load(ckpt, args, model, optimizer, load_optim, print_rank_0)
+        optimizer_loaded = state["optimizer_loaded"]
+        if optimizer_loaded:
+            for opt in _sub_optimizers(optimizer):
+                _unalias_step_tensors(opt)
+        same_layout = state["same_layout"]
+    else:
+        state, optimizer_loaded = _load_torch_format(ckpt, args, model, optimizer, load_optim)
+        same_layout = True
+    if optimizer_loaded:
+        if "opt_param_scheduler" in state:
+            scheduler.load_state_dict(state["opt_param_scheduler"])
     elif args.use_distributed_optimizer or args.bf16 or args.fp16 or paro_engine.uses_paro_engine(
             getattr(args, "paro_strategy", None)):
         # Main (fp32) params must follow the freshly loaded model weights.
@@ -285,9 +386,60 @@ def load_checkpoint(args: argparse.Namespace, model: List[torch.nn.Module], opti
                 opt.reload_model_params()
     if not finetune and not args.no_load_rng and "rng_state" in state:
         set_rng_state(state["rng_state"])
-    if state.get("quantization"):
-        integration.load_quantization_state_dict(model, state["quantization"])
+    _load_quantization_state(args, model, state, iteration, same_layout, print_rank_0)
     torch.distributed.barrier()
     if finetune:
         return 0, {}
     return iteration, state.get("train_state", {})
+
+
+def _load_torch_format(ckpt: str, args: argparse.Namespace, model: List[torch.nn.Module],
+                       optimizer: Any, load_optim: bool) -> Tuple[Dict[str, Any], bool]:
+    """Per-rank ``torch.save`` files (same layout only).  Returns (state, optimizer loaded)."""
+    own_path = os.path.join(ckpt, _rank_filename())
+    any_path = os.path.join(ckpt, _model_filename())
+    if not os.path.isfile(own_path):
+        probe = any_path if os.path.isfile(any_path) else None
+        if probe is not None:
+            saved = torch.load(probe, map_location="cpu", weights_only=False).get("args")
+            _check_same_layout(ckpt, saved, args)
+        raise StartupError(f"{own_path} is missing: the checkpoint was written with a different "
+                           "parallel layout (TP/PP/DP must match with --ckpt-format torch) or is "
+                           "incomplete")
+    state = torch.load(own_path, map_location="cpu", weights_only=False)
+    _check_same_layout(ckpt, state.get("args"), args)
+    model_state = state if "model" in state else torch.load(
+        any_path, map_location="cpu", weights_only=False)
+    for chunk, sd in zip(model, model_state["model"]):
+        if hasattr(chunk, "full_params"):  # PaRO engine: load into the gathered buffer, re-shard
+            with chunk.full_params(writeback=True):
+                chunk.module.load_state_dict(sd, strict=True)
+        else:
+            chunk.module.load_state_dict(sd, strict=True)
+    del model_state
+    if load_optim and "optimizer" in state:
+        _load_optimizer_state(optimizer, state["optimizer"])
+        return state, True
+    return state, False
+
+
+def _load_quantization_state(args: argparse.Namespace, model: List[torch.nn.Module],
+                             state: Dict[str, Any], iteration: int, same_layout: bool,
+                             log: Any) -> None:
+    """Restore the quantization state where it still applies, else say why it starts afresh."""
+    saved = state.get("quantization") or {}
+    if not args.quant_config.enabled:
+        if saved:
+            log(" > the checkpoint holds quantization state; this run does not quantize: ignored")
+        return
+    if not saved:
+        log(" > the checkpoint has no quantization state (written without quantization): "
+            "stochastic-rounding generators start from --seed, LoCo error buffers from zero")
+        integration.reset_quantization_state(model, iteration)
+    elif not same_layout:
+        log(" > quantization state re-derived for the new layout: stochastic-rounding generators "
+            "restart from --seed, qWD references are the loaded weights, LoCo error buffers "
+            "restart from zero (they belong to the old ranks' gradient streams)")
+        integration.reset_quantization_state(model, iteration)
+    else:
+        integration.load_quantization_state_dict(model, saved)

@@ -23,6 +23,34 @@ def print_rank_0(msg: str) -> None:
         print(msg, flush=True)
 
 
+def quiet_library_warnings(rank: int) -> None:
+    """One copy of each library notice per job, on rank 0; none repeated per rank.
+
+    Why: without Transformer Engine/Apex every rank printed megatron-core's fallback warnings at
+    import (a dozen lines per rank), and megatron-core's own calls of since-renamed torch
+    collectives (``reduce_scatter_tensor``, ``all_gather_into_tensor``) warned on every rank: a
+    2-rank CPU run opened with 40 lines of noise before its first log line.  Now rank 0 says each
+    fallback once; deprecation notices addressed to megatron-core's developers (its internal
+    imports, its collective names, its config defaults) and megatron-core's per-rank log chatter
+    are dropped.  Call it before megatron-core is imported.  Our own warnings
+    (``megatron.distributed``, ``megatron.training``) are untouched, and our own collectives use
+    the current torch names.
+    """
+    import logging
+
+    noisy = r"(megatron\.core|torch\.distributed|transformer_engine|apex)(\.|$)"
+    if rank != 0:
+        for category in (UserWarning, FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category, module=noisy)
+        logging.getLogger("megatron.core").setLevel(logging.ERROR)
+        return
+    warnings.filterwarnings("once", category=UserWarning, module=noisy)
+    for message in (r"Transformer Engine and Apex are not installed. Falling back to local",
+                    r"full scope is deprecated",  # megatron-core's own cuda_graph_scope default
+                    r"`torch\.distributed\.\w+` is deprecated"):
+        warnings.filterwarnings("ignore", message=message)
+
+
 def _jsonable(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)  # JSON has no NaN/Inf; keep the information as a string

@@ -29,7 +29,7 @@ import torch
 from megatron.distributed.quant import integration, paro, paro_engine
 
 from . import checkpointing
-from .arguments import data_blend, padded_vocab_size
+from .arguments import padded_vocab_size
 from .logging_utils import MetricsLogger, print_rank_0
 from .tokenizer import build_tokenizer
 
@@ -258,25 +258,11 @@ def get_optimizer_and_scheduler(args: argparse.Namespace, model: List[torch.nn.M
 
 # ----------------------------------------------------------------------------- data
 def build_datasets(args: argparse.Namespace, tokenizer: Any):
-    """train/valid/test GPT datasets sized for the whole run (Megatron-LM's formula)."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    """(train, validation, None) for the whole run: see :mod:`megatron.training.data`, which
+    checks the .bin/.idx files and the --split before megatron-core builds (no hang, clear error)."""
+    from .data import build_datasets as build_checked_datasets
 
-    gbs = args.global_batch_size
-    eval_runs = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 1
-    sizes = [args.train_iters * gbs, eval_runs * args.eval_iters * gbs, args.eval_iters * gbs]
-    blend = None
-    if args.data_path:
-        blend = data_blend(args.data_path)
-    config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
-        split=args.split, tokenizer=tokenizer, reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=False, path_to_cache=args.data_cache_path,
-        mmap_bin_files=True)
-    cls = MockGPTDataset if args.mock_data else GPTDataset
-    train, valid, test = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
-    return train, valid, test
+    return build_checked_datasets(args, tokenizer)
 
 
 class PretrainingSampler:
@@ -381,11 +367,20 @@ def optimizer_step(optimizer: Any) -> Tuple[bool, Optional[float], str]:
 
     Returns (update_successful, grad_norm, reason) with reason in {'', 'overflow', 'nan'}.
     Mirrors megatron-core's MixedPrecisionOptimizer/ChainedOptimizer.step, plus the NaN check.
+
+    The reason is the same on every path for the same event (every rank agrees on it: the
+    verdicts below are all-reduced): 'overflow' only under fp16 loss scaling (the grad scaler
+    found Inf/NaN and lowered the scale -- Megatron-LM's skipped-not-NaN case); any other
+    non-finite gradient is 'nan' -- a non-finite global norm (megatron-core baseline, PaRO
+    engine), or, without a loss scaler, ``prepare_grads`` reporting ``found_inf``, which then
+    only the quantized reduce-scatter can have raised (it met NaN/Inf and did not sum).
     """
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     if optimizer.prepare_grads():
-        return False, None, "overflow"
+        if _has_loss_scaler(optimizer):
+            return False, None, "overflow"
+        return False, float("nan"), "nan"
     grad_norm = optimizer.get_grad_norm()
     grad_norm = float(grad_norm) if grad_norm is not None else None
     if grad_norm is not None and not math.isfinite(grad_norm):
@@ -402,6 +397,23 @@ def optimizer_step(optimizer: Any) -> Tuple[bool, Optional[float], str]:
                                        "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
     ok = optimizer.step_with_ready_grads()
     return bool(ok), grad_norm, ""
+
+
+def _has_loss_scaler(optimizer: Any) -> bool:
+    """True when a (leaf) optimizer scales the loss (fp16): its ``found_inf`` is an overflow."""
+    leaves = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return any(getattr(opt, "grad_scaler", None) is not None for opt in leaves)
+
+
+def step_outcome(ok: bool, reason: str, loss: float) -> Tuple[bool, bool]:
+    """(skipped, nan) of one iteration: the one rule behind Megatron's two counters.
+
+    skipped: the optimizer did not update (NaN/Inf gradients or an fp16 overflow); nan: the
+    gradients were non-finite (``reason == 'nan'``, identical on every engine and quantization
+    mode, see :func:`optimizer_step`) or the loss was -- a NaN step counts in both, as in
+    Megatron-LM.
+    """
+    return (not ok), (reason == "nan" or not math.isfinite(loss))
 
 
 def _loss_scale(optimizer: Any) -> float:
@@ -504,6 +516,8 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
         forward_step_func = partial(forward_step, args)
 
     tokenizer = build_tokenizer(args)
+    # Data first: a truncated file or an empty split stops the run before the model is built.
+    train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
     config = build_transformer_config(args)
     model = get_model(args, config, args.padded_vocab_size)
@@ -521,7 +535,6 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
     skipped_total = int(train_state.get("skipped_iterations", 0))
     nan_total = int(train_state.get("nan_iterations", 0))
 
-    train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     train_iter = build_data_iterator(train_ds, consumed_train, args)
     valid_iter = build_data_iterator(valid_ds, consumed_valid, args, cyclic=True)
 
@@ -582,8 +595,8 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
         run_iters += 1
         run_time += dt
         consumed_train += args.global_batch_size
-        is_nan = reason == "nan" or not math.isfinite(loss)
-        if not ok:
+        skipped, is_nan = step_outcome(ok, reason, loss)
+        if skipped:
             skipped_total += 1
             interval["skipped"] += 1
         if is_nan:
@@ -646,7 +659,18 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
                              iteration, "validation (end of training)")
     save(iteration)
 
-    _communication_report(model, paro_totals)  # bytes since the last log line
+    # What happened after the last log line is reported as a final (partial) interval, so the
+    # log intervals add up to the summary's totals: the iterations since then, and traffic no
+    # log line saw -- with --overlap-param-gather the last update's parameter all-gather only
+    # runs at the next forward (end-of-run evaluation) or at the checkpoint's forced sync.
+    tail = _communication_report(model, paro_totals)
+    since_log = min(run_iters, iteration % args.log_interval)
+    if since_log or any(v for k, v in tail.items() if k.endswith(("_bytes", "_calls"))):
+        final = {"iterations": since_log, "skipped_iterations": interval["skipped"],
+                 "nan_iterations": interval["nan"], **tail}
+        print_rank_0(f" final interval (after the last log line, to iteration {iteration}) | "
+                     + " | ".join(f"{k}: {v:g}" for k, v in final.items()) + " |")
+        metrics.record({"type": "final_interval", "iteration": iteration, **final})
     comm_total = {**integration.communication_report(model, totals=True), **paro_totals}
     summary = {"type": "summary", "iterations": iteration, "iterations_this_run": run_iters,
                "exit_reason": exit_reason, "final_lm_loss": last_loss, "final_val_loss": last_val,

@@ -64,7 +64,11 @@ class QuantizationConfig:
         return self.quantized_weights or self.quantized_gradients
 
     def validate(self) -> None:
-        """Raise ValueError with a reason for any unsupported combination."""
+        """Raise ValueError with a reason for any value the layer cannot run with.
+
+        Which flag needs which switch (``--loco`` / ``--hadamard-transform`` without
+        ``--quantized-gradients``, ...) is decided on the command line, where "given" is known:
+        :func:`megatron.distributed.quant.arguments.check_flag_dependencies`."""
         for name in ("weight_quantization_bits", "gradient_quantization_bits_intra",
                      "gradient_quantization_bits_inter"):
             bits = getattr(self, name)
@@ -78,23 +82,20 @@ class QuantizationConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive multiple of 8, got {gs}")
         hb = self.hadamard_block_size
         if hb <= 0 or hb & (hb - 1):
-            raise ValueError(f"Hadamard block size must be a power of two, got {hb}")
+            raise ValueError(f"--hadamard-block-size must be a power of two, got {hb}")
         if self.hadamard_transform:
             for name in ("gq_group_size_intra", "gq_group_size_inter"):
                 if getattr(self, name) % hb:
                     raise ValueError(
                         f"--hadamard-transform needs --{name.replace('_', '-')} to be a multiple of "
-                        f"the Hadamard block size {hb}, got {getattr(self, name)}")
+                        f"--hadamard-block-size {hb}, got {getattr(self, name)}")
         if self.weight_quantization_mode not in ("diff", "direct"):
-            raise ValueError(f"weight quantization mode must be 'diff' or 'direct', got "
+            raise ValueError(f"--weight-quantization-mode must be 'diff' or 'direct', got "
                              f"{self.weight_quantization_mode!r}")
         if not 0.0 <= self.loco_error_beta < 1.0:
             raise ValueError(f"--loco-error-beta must be in [0, 1), got {self.loco_error_beta}")
         if self.loco_reset_interval <= 0:
             raise ValueError("--loco-reset-interval must be positive")
-        if self.loco and not self.quantized_gradients:
-            raise ValueError("--loco compensates quantized gradients: add --quantized-gradients "
-                             "(or --quantized-grad-bits N)")
         if self.grad_accum_dtype not in (None, "fp32", "bf16"):
             raise ValueError(f"--grad-accum-dtype must be fp32 or bf16, got {self.grad_accum_dtype}")
         if self.data_parallel_intra_node_size is not None and self.data_parallel_intra_node_size <= 0:
@@ -103,16 +104,24 @@ class QuantizationConfig:
             raise ValueError("--gradients-quantization-start-iteration must be >= 0")
 
     def intra_node_size(self, data_parallel_size: int, tensor_model_parallel_size: int = 1) -> int:
-        """DP ranks that share a node: the explicit setting, else LOCAL_WORLD_SIZE // TP."""
+        """DP ranks that share a node: the explicit setting, else LOCAL_WORLD_SIZE // TP (at most
+        the DP size: a DP group inside one node is one "node").
+
+        The one resolver of this number: ``validate_args`` calls it at parse time (so a size
+        that does not divide the DP size stops the launch with one message) and the runtime
+        calls it again to build the two-level groups. Raises ValueError naming the flag."""
         if self.data_parallel_intra_node_size is not None:
             d = self.data_parallel_intra_node_size
+            source = f"--data-parallel-intra-node-size {d}"
         else:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", data_parallel_size * tensor_model_parallel_size))
             d = max(1, local // tensor_model_parallel_size)
+            source = (f"the intra-node data-parallel size {d} (LOCAL_WORLD_SIZE {local} // "
+                      f"--tensor-model-parallel-size {tensor_model_parallel_size}; set "
+                      f"--data-parallel-intra-node-size to override)")
         d = min(d, data_parallel_size)
         if data_parallel_size % d:
-            raise ValueError(f"data-parallel size {data_parallel_size} is not divisible by the "
-                             f"intra-node data-parallel size {d}")
+            raise ValueError(f"{source} does not divide the data-parallel size {data_parallel_size}")
         return d
 
     @classmethod

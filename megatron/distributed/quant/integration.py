@@ -20,6 +20,7 @@ from .grad_accum import apply_grad_accum_dtype, resolve_grad_dtypes  # noqa: F40
 __all__ = [
     "wrap_model_with_ddp", "on_optimizer_built", "set_iteration", "on_step_skipped",
     "on_loss_scale_changed", "quantization_state_dict", "load_quantization_state_dict",
+    "reset_quantization_state",
     "communication_report", "resolve_grad_dtypes",
 ]
 
@@ -115,6 +116,15 @@ def load_quantization_state_dict(model_chunks: List[torch.nn.Module], state: Dic
         raise ValueError(f"checkpoint holds {len(saved)} quantization runtimes, model has {len(rts)}")
     for rt, sd in zip(rts, saved):
         rt.load_state_dict(sd)
+
+
+def reset_quantization_state(model_chunks: List[torch.nn.Module], iteration: int) -> None:
+    """Start the quantization state afresh at ``iteration`` when a checkpoint's cannot be used
+    (written under another layout, or without quantization): the freshly built runtime already
+    has generators seeded from ``--seed``, zero LoCo error buffers and no qWD reference (the
+    loaded model weights are the reference); only the iteration counters follow the checkpoint."""
+    for rt in _runtimes(model_chunks):
+        rt.set_iteration(iteration)
 
 
 def _flatten(report: Dict[str, Any]) -> Dict[str, float]:

@@ -63,6 +63,7 @@ TLq for global) and the post-step parameter sync as qWD with the codes forwarded
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -76,6 +77,8 @@ from .topology import TwoLevelGroups
 
 __all__ = ["ParoDataParallel", "ParoOptimizer", "uses_paro_engine", "model_state_bytes",
            "quantization_support_error"]
+
+logger = logging.getLogger(__name__)
 
 ENGINE_UNNEEDED = ("NNN", "NNG")
 """Strategies the trainer runs on megatron-core's DDP / DistributedOptimizer instead."""
@@ -240,6 +243,8 @@ class ParoDataParallel(torch.nn.Module):
             raise ValueError(f"groups cover {self.n} ranks but the DP group has {groups.dp_size}")
         self.local, self.group_index = groups.local, groups.node
         self.counter = CommCounter()
+        self.nonfinite_events = 0
+        """Quantized gradient reduce-scatters of this rank that met NaN/Inf (and wrote NaN)."""
 
         named = [(name, p) for name, p in module.named_parameters()]
         frozen = [name for name, p in named if not p.requires_grad]
@@ -478,9 +483,17 @@ class ParoDataParallel(torch.nn.Module):
 
         For 'global' the local-major buffer is first permuted into DP-rank order (chunk of rank
         k*m + l = our chunk (l, k)): one local copy, the layout two_level_reduce_scatter expects.
+
+        A NaN / Inf in any member's input: every member of the scope's group agrees on it before
+        any payload moves and raises :class:`~.collectives.NonFiniteError`; we write NaN into
+        ``out`` instead of letting it escape the backward pass (it used to kill the ranks of one
+        group while the others waited for them in the next hop). The NaN then travels like an
+        exact sum would carry it: the next hop's members agree on it in turn, every
+        optimizer-state shard ends up NaN, the global grad norm is NaN on every rank, and the
+        trainer skips the step everywhere (counted as a nan iteration).
         """
         from .accounting import CommAccounting
-        from .collectives import two_level_reduce_scatter
+        from .collectives import NonFiniteError, two_level_reduce_scatter
 
         q = self.quant
         groups = self._tl_groups[scope]
@@ -491,12 +504,20 @@ class ParoDataParallel(torch.nn.Module):
         if scope == "global":
             x = x.view(self.m, self.g, -1).transpose(0, 1).contiguous().view(-1)
         acc = CommAccounting()
-        two_level_reduce_scatter(
-            x.contiguous(), out, groups, bits_intra=q.gradient_quantization_bits_intra,
-            group_size_intra=q.gq_group_size_intra, bits_inter=q.gradient_quantization_bits_inter,
-            group_size_inter=q.gq_group_size_inter, hadamard=q.hadamard_transform,
-            hadamard_block=q.hadamard_block_size, generator=self.quant_generator,
-            stochastic=q.stochastic_rounding, accounting=acc)
+        try:
+            two_level_reduce_scatter(
+                x.contiguous(), out, groups, bits_intra=q.gradient_quantization_bits_intra,
+                group_size_intra=q.gq_group_size_intra,
+                bits_inter=q.gradient_quantization_bits_inter,
+                group_size_inter=q.gq_group_size_inter, hadamard=q.hadamard_transform,
+                hadamard_block=q.hadamard_block_size, generator=self.quant_generator,
+                stochastic=q.stochastic_rounding, accounting=acc)
+        except NonFiniteError as exc:
+            out.fill_(float("nan"))
+            self.nonfinite_events += 1
+            logger.warning("PaRO engine: quantized %s gradient reduce-scatter met non-finite "
+                           "values (%s); the step will be skipped", scope, exc)
+            return
         rep = acc.interval_report()["grad"]
         for link in ("intra", "inter"):
             self.counter.bytes[link] += float(rep[link]["bytes"])

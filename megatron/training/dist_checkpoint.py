@@ -1,0 +1,239 @@
+"""``--ckpt-format torch_dist``: checkpoints that resume on another data-parallel size.
+
+Why a second format: the default ``torch`` format stores each rank's distributed-optimizer shard
+as that rank's slice of megatron-core's flat buffers, so it only loads into the same TP/PP/DP
+layout and the same bucket padding (quantization pads buckets differently).  This format uses
+megatron-core's ``dist_checkpointing`` exactly as Megatron-LM does: the model's and the
+distributed optimizer's *sharded state dicts* (``fully_sharded_model_space``: every parameter's
+fp32 master weight and Adam moments saved as a slice of that parameter), written by all ranks in
+parallel with the ``torch_dist`` strategy and resharded on load to whatever layout the loading
+run has.
+
+What is not a tensor of the model's global space is per rank, and lives beside megatron-core's
+files in ``{iter_dir}/rank_state/rank_{global_rank:05d}.pt``: RNG states and the quantization
+state (stochastic-rounding generators, LoCo error buffers), each with the layout it was written
+under.  On load, :func:`load` compares that layout with the run's:
+
+* same layout: everything is restored as written (a resume is bit-exact, as with ``torch``);
+* another DP size: RNG states come from DP rank 0 of the same (TP, PP) rank (Megatron seeds
+  every DP rank of a (TP, PP) rank identically), and the quantization state is re-derived:
+  generators restart from ``--seed`` (deterministic, so a rerun reproduces), qWD reference
+  weights are the loaded model weights (they always are after a completed step), LoCo error
+  buffers restart from zero -- each logged once with its reason.
+
+Quantization may also be switched on or off at resume: the sharded tensors do not depend on the
+bucket padding, and the quantization state is then started fresh or ignored (logged).
+The same atomic temp-dir + rename + tracker protocol as the ``torch`` format applies
+(:mod:`.checkpointing` owns it); this module only fills and reads one iteration directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from megatron.distributed.quant import integration
+
+RANK_STATE_DIR = "rank_state"
+# Every parameter's optimizer state saved in the parameter's own shape (Megatron-LM's
+# --dist-ckpt-optim-fully-reshardable): independent of DP size and bucket padding.
+OPTIMIZER_SHARDING = "fully_reshardable"
+
+
+def is_torch_dist_checkpoint(path: str) -> bool:
+    """True when ``path`` is an iteration directory written in this format."""
+    return os.path.isfile(os.path.join(path, "metadata.json"))
+
+
+def run_layout() -> Dict[str, int]:
+    """The parallel layout of this run (what a per-rank state depends on)."""
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(),
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "dp_rank": ps.get_data_parallel_rank()}
+
+
+def _dist_checkpointing():
+    """megatron-core's dist_checkpointing, imported lazily; in CPU mode its CUDA touch points
+    are redirected like the rest of megatron-core's (modules imported after the first call)."""
+    from megatron.core import dist_checkpointing
+    # The torch_dist strategy's modules are otherwise imported at the first save, after the
+    # CPU-mode redirection below would have run.
+    from megatron.core.dist_checkpointing.strategies import torch as _torch_strategy  # noqa: F401
+
+    from .cpu_mode import enable_cpu_mode, is_cpu_mode
+
+    if is_cpu_mode():
+        enable_cpu_mode()
+    return dist_checkpointing
+
+
+def _sharded_state_dict(model: List[torch.nn.Module], optimizer: Any, is_loading: bool,
+                        save_optim: bool) -> Dict[str, Any]:
+    """Model (and optimizer) sharded state dicts, keyed as Megatron-LM keys them."""
+    state: Dict[str, Any] = {}
+    metadata = {"distrib_optim_sharding_type": OPTIMIZER_SHARDING}
+    if len(model) == 1:
+        state["model"] = model[0].module.sharded_state_dict()
+    else:
+        for i, chunk in enumerate(model):
+            state[f"model{i}"] = chunk.module.sharded_state_dict()
+    if save_optim:
+        model_sd = {k: v for k, v in state.items() if k.startswith("model")}
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                          metadata=metadata)
+    return state
+
+
+def save(directory: str, args: argparse.Namespace, model: List[torch.nn.Module], optimizer: Any,
+         common: Dict[str, Any], per_rank: Dict[str, Any]) -> None:
+    """Collective: write one iteration into the empty ``directory``.
+
+    ``common`` (iteration, scheduler, args, ...) is written once by rank 0 through
+    dist_checkpointing's common state; ``per_rank`` (RNG, quantization) into this rank's file.
+    """
+    dcp = _dist_checkpointing()
+    state = _sharded_state_dict(model, optimizer, is_loading=False,
+                                save_optim=not args.no_save_optim)
+    # common.pt is read back with torch.load(weights_only=True): plain values only.
+    state.update({**common, "args": _plain_args(common["args"])})
+    dcp.save(state, directory)  # default sharded strategy: torch_dist
+    rank_dir = os.path.join(directory, RANK_STATE_DIR)
+    os.makedirs(rank_dir, exist_ok=True)
+    path = os.path.join(rank_dir, f"rank_{torch.distributed.get_rank():05d}.pt")
+    torch.save({"layout": run_layout(), **per_rank}, path + ".part")
+    os.replace(path + ".part", path)
+
+
+def _per_rank_state(directory: str, layout: Dict[str, int]) -> Tuple[Dict[str, Any], bool]:
+    """This rank's file if the layout is unchanged, else DP rank 0's of the same (TP, PP).
+
+    Returns (state, same_layout)."""
+    rank_dir = os.path.join(directory, RANK_STATE_DIR)
+    own = os.path.join(rank_dir, f"rank_{torch.distributed.get_rank():05d}.pt")
+    if os.path.isfile(own):
+        state = torch.load(own, map_location="cpu", weights_only=False)
+        if state.get("layout") == layout:
+            return state, True
+    dims = ("tp", "pp", "tp_rank", "pp_rank")
+    for name in sorted(os.listdir(rank_dir)) if os.path.isdir(rank_dir) else []:
+        state = torch.load(os.path.join(rank_dir, name), map_location="cpu", weights_only=False)
+        saved = state.get("layout", {})
+        if saved.get("dp_rank") == 0 and all(saved.get(k) == layout[k] for k in dims):
+            return state, False
+    return {}, False
+
+
+def load(directory: str, args: argparse.Namespace, model: List[torch.nn.Module], optimizer: Any,
+         load_optim: bool, log: Callable[[str], None]) -> Dict[str, Any]:
+    """Collective: load ``directory`` into ``model`` / ``optimizer`` (resharding as needed).
+
+    Returns the common state (iteration, train_state, scheduler, args) with the per-rank state
+    under ``"rng_state"`` / ``"quantization"`` (absent where it does not apply) and
+    ``"same_layout"``."""
+    dcp = _dist_checkpointing()
+    common = dcp.load_common_state_dict(directory)
+    saved_args = common.get("args")
+    load_optim = load_optim and "optimizer" in _saved_top_keys(dcp, directory)
+    if load_optim:
+        _allocate_optimizer_states(optimizer)
+    state = _sharded_state_dict(model, optimizer, is_loading=True, save_optim=load_optim)
+    loaded = dcp.load(state, directory)
+    if len(model) == 1:
+        model[0].module.load_state_dict(loaded["model"], strict=True)
+    else:
+        for i, chunk in enumerate(model):
+            chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
+    out = dict(common)
+    out["optimizer_loaded"] = load_optim
+    if load_optim:
+        _load_optimizer(optimizer, loaded["optimizer"])
+
+    layout = run_layout()
+    per_rank, same = _per_rank_state(directory, layout)
+    out["same_layout"] = same
+    if not same:
+        old = per_rank.get("layout") or {}
+        log(f" > checkpoint {directory} was written with TP={_get(saved_args, 'tensor_model_parallel_size')}"
+            f", PP={_get(saved_args, 'pipeline_model_parallel_size')}, "
+            f"DP={_get(saved_args, 'data_parallel_size')}; this run has TP={layout['tp']}, "
+            f"PP={layout['pp']}, DP={layout['dp']}: model and optimizer states resharded"
+            + ("; RNG states from DP rank 0" if old else "; RNG states not restored (no rank "
+               "of the same TP/PP layout in the checkpoint)"))
+    if "rng_state" in per_rank:
+        out["rng_state"] = per_rank["rng_state"]
+    if per_rank.get("quantization"):
+        out["quantization"] = per_rank["quantization"]
+    return out
+
+
+def _allocate_optimizer_states(optimizer: Any) -> None:
+    """Give a fresh distributed optimizer its Adam states before a sharded load.
+
+    Why: without Apex/TE, megatron-core 0.16.1's ``DistributedOptimizer.state_dict()`` (which its
+    ``sharded_state_dict(is_loading=True)`` calls) asserts one common ``step`` over existing
+    states, and a new optimizer has none.  megatron-core's own remedy (used by its
+    ``fully_sharded_model_space`` path) is one optimizer step on zero gradients; every value it
+    writes is then overwritten by the load (master weights and moments, step from the param
+    groups)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def _load_optimizer(optimizer: Any, state: Any) -> None:
+    """``optimizer.load_state_dict`` for the loaded sharded state, chained or not."""
+    subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    states = [state] if len(subs) == 1 else [v for _, v in sorted(state.items())]
+    for opt, sd in zip(subs, states):
+        _load_one_optimizer(opt, sd)
+
+
+def _load_one_optimizer(opt: Any, sd: Dict[str, Any]) -> None:
+    """Load one (distributed) optimizer's state.
+
+    Why not ``opt.load_state_dict(sd)`` alone: megatron-core 0.16.1's
+    ``load_parameter_state_from_fully_reshardable`` copies every key of the torch optimizer's
+    per-parameter state from the checkpoint, including torch Adam's ``step``, which that format
+    (correctly) keeps in the param groups instead -- a ``KeyError: 'step'`` without Apex/TE.
+    So the param groups, ``step`` and grad scaler are loaded first, and the parameter states with
+    ``step`` set aside; every parameter gets its own ``step`` tensor back."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not isinstance(opt, DistributedOptimizer) or sd.get("param_state_sharding_type") != \
+            OPTIMIZER_SHARDING:
+        opt.load_state_dict(sd)
+        return
+    sd = dict(sd)
+    param_state = sd.pop("param_state")
+    sd.pop("param_state_sharding_type")
+    opt.load_state_dict(sd)
+    steps = {p: st.pop("step") for p, st in opt.optimizer.state.items() if "step" in st}
+    opt.load_parameter_state_from_fully_reshardable(param_state)
+    for p, step in steps.items():
+        opt.optimizer.state[p]["step"] = step.detach().clone()
+
+
+def _saved_top_keys(dcp: Any, directory: str) -> set:
+    """Top-level keys of the sharded tensors in a checkpoint (to know whether it has optimizer
+    state without failing on a missing key)."""
+    return {key.split(".", 1)[0] for key in dcp.load_tensors_metadata(directory)}
+
+
+def _plain_args(args: argparse.Namespace) -> Dict[str, Any]:
+    """The run's flags as plain values (objects such as dtypes become their string)."""
+    plain = (int, float, str, bool, type(None))
+    return {k: v if isinstance(v, plain) else str(v) for k, v in vars(args).items()}
+
+
+def _get(saved_args: Optional[Dict[str, Any]], name: str) -> Any:
+    return (saved_args or {}).get(name, "?")

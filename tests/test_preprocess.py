@@ -2,6 +2,8 @@
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 
@@ -237,3 +239,118 @@ def test_split_document_preserves_text():
     chunks = make_quickstart_corpus.split_document(text, 200)
     assert "".join(chunks) == text and len(chunks) > 10
     assert all(c.startswith(("import", "def", "class")) for c in chunks)
+
+
+def _write_lines(path, lines):
+    with open(path, "wb") as f:
+        f.write(b"".join(line + b"\n" for line in lines))
+
+
+def test_bad_utf8_reports_file_and_line(env, capsys):
+    good = [t for t in NONEMPTY[:4]]
+    lines = [json.dumps({"text": t}).encode() for t in good]
+    lines.insert(2, b'{"text": "caf\xe9 au lait"}')  # latin-1 byte: line 3
+    path = env["dir"] / "latin1.jsonl"
+    _write_lines(path, lines)
+    prefix = env["dir"] / "latin1"
+    for workers in ("1", "2"):
+        assert _run(env, path, prefix, "--workers", workers, "--chunk-size", "1") == 1
+        err = capsys.readouterr().err
+        assert (f"error: {path}: line 3: not valid UTF-8 (byte 0xe9 at byte 14 of the line: "
+                f"invalid continuation byte); fix it, or pass --skip-bad-records") in err, err
+        assert not os.path.exists(f"{prefix}_text_document.bin")  # partial output removed
+
+
+def test_skip_bad_records_writes_the_good_ones(env, capsys):
+    good = NONEMPTY[:6]
+    lines = [json.dumps({"text": t}).encode() for t in good]
+    lines.insert(1, b'{"text": "\xff\xfe bad bytes"}')  # line 2
+    lines.insert(4, b'{"text": broken json')  # line 5
+    lines.insert(6, b'["not", "an", "object"]')  # line 7
+    path = env["dir"] / "mixed.jsonl"
+    _write_lines(path, lines)
+    tok = env["tok"]
+    for workers in ("1", "2"):
+        prefix = env["dir"] / f"skipped_{workers}"
+        argv = ["--input", str(path), "--output-prefix", str(prefix), "--tokenizer-type",
+                "GPT2BPETokenizer", "--vocab-file", env["vocab"], "--merge-file", env["merges"],
+                "--append-eod", "--skip-bad-records", "--workers", workers, "--chunk-size", "2"]
+        summary = pp.preprocess(pp.get_args(argv))
+        docs, _ = _read(f"{prefix}_text_document")
+        assert docs == [tok.tokenize(t) + [tok.eod] for t in good]
+        assert summary["records"] == len(good)
+        assert summary["bad_records_skipped"] == 3
+        assert summary["bad_record_numbers"] == [2, 5, 7]
+        err = capsys.readouterr().err
+        assert ("warning: skipped 3 bad record(s) (--skip-bad-records), at lines 2, 5, 7; first: "
+                "line 2: not valid UTF-8 (byte 0xff at byte 11 of the line: invalid start byte)") in err
+
+
+def test_skip_bad_records_still_fails_when_every_record_is_bad(env, capsys):
+    path = env["dir"] / "all_bad.jsonl"
+    _write_lines(path, [b'{"body": "wrong key"}', b'{"body": "again"}'])
+    prefix = env["dir"] / "all_bad"
+    assert _run(env, path, prefix, "--skip-bad-records") == 1
+    err = capsys.readouterr().err
+    assert f"error: {path}: all 2 records are bad, e.g. line 1: record has no key 'text'" in err
+    assert not os.path.exists(f"{prefix}_text_document.bin")
+
+
+def test_bad_parquet_record_is_numbered(env, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = env["dir"] / "ints.parquet"  # typed columns: a bad column makes every record bad
+    pq.write_table(pa.table({"text": ["a b c", "d e", "f g"], "n": [1, 2, 3]}), str(path))
+    assert _run(env, path, env["dir"] / "ints", "--json-keys", "n") == 1
+    assert "record 1: value of 'n' is int, not a string" in capsys.readouterr().err
+    assert _run(env, path, env["dir"] / "ints", "--json-keys", "n", "--skip-bad-records") == 1
+    assert ("all 3 records are bad, e.g. record 1: value of 'n' is int, not a string"
+            in capsys.readouterr().err)
+
+
+SDP4BIT_README_COMMAND = (
+    "python tools/preprocess_data.py --input pile.jsonl --split train --columns text "
+    "--output-prefix pile --vocab-file vocab.json --merge-file merges.txt --dataset-impl mmap "
+    "--tokenizer-type GPT2BPETokenizer --append-eod --torch-backend mpi")
+
+
+def test_sdp4bit_readme_command_verbatim(env, tmp_path):
+    """The SDP4Bit reference README's command runs as written (only the interpreter and the
+    script's location are made absolute; every flag and relative path is verbatim)."""
+    shutil.copy(env["vocab"], tmp_path / "vocab.json")
+    shutil.copy(env["merges"], tmp_path / "merges.txt")
+    _write_jsonl(tmp_path / "pile.jsonl", [{"text": t, "meta": {"pile_set_name": "x"}} for t in TEXTS])
+    argv = shlex.split(SDP4BIT_README_COMMAND)
+    assert argv[:2] == ["python", "tools/preprocess_data.py"]
+    argv[:2] = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py")]
+    r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": REPO})
+    assert r.returncode == 0, r.stderr
+    notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note: ")]
+    assert len(notes) == 2, r.stderr  # one line per legacy flag, printed once
+    assert notes[0].startswith("note: --dataset-impl mmap is the only format")
+    assert notes[1].startswith("note: --torch-backend mpi is ignored")
+    assert "--split" not in r.stderr  # train is the only split of a single file: nothing to say
+    assert sorted(p.name for p in tmp_path.glob("pile_*")) == ["pile_text_document.bin",
+                                                               "pile_text_document.idx"]
+    docs, _ = _read(tmp_path / "pile_text_document")
+    tok = env["tok"]
+    assert docs == [tok.tokenize(t) + [tok.eod] for t in NONEMPTY]  # --columns text, --append-eod
+
+
+def test_legacy_flags_refuse_or_note(env, capsys):
+    base = ["--input", env["corpus"], "--output-prefix", str(env["dir"] / "legacy"),
+            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", env["vocab"], "--merge-file", env["merges"]]
+    for impl in ("lazy", "cached"):  # the other old formats are not written: refuse, naming the flag
+        with pytest.raises(SystemExit) as e:
+            pp.get_args(base + ["--dataset-impl", impl])
+        assert e.value.code == 2
+        assert f"--dataset-impl {impl}: only the mmap format" in capsys.readouterr().err
+    assert pp.get_args(base).legacy_notes == []  # no legacy flag, no note
+    args = pp.get_args(base + ["--torch-backend", "gloo", "--split", "validation"])
+    assert [n.split(" is ")[0] for n in args.legacy_notes] == ["note: --torch-backend gloo"]
+    pp.preprocess(args)
+    err = capsys.readouterr().err
+    assert err.count("note: --torch-backend gloo is ignored") == 1
+    assert "note: --split validation is ignored: a jsonl file has one split" in err

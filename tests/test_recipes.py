@@ -260,6 +260,42 @@ def test_dry_run_prints_expected_config():
             assert value in found[key], f"{script} {env}: {key}={found[key]}, expected {value!r}"
 
 
+README_DRY_RUN = "DRY_RUN=1 bash examples/sdp4bit/run_6.7b.sh"
+DRY_RUN_MOCK_NOTE = "[recipe] note: DRY_RUN=1 without DATA_PATH: using DATA_PATH=mock"
+
+
+@pytest.mark.parametrize("script", list(SDP) + list(LOCO))
+def test_dry_run_without_data_path_uses_mock_data(script):
+    """DRY_RUN=1 needs no corpus or tokenizer files: with DATA_PATH unset it means mock data."""
+    r = _run(script, DRY_RUN=1, ECHO_ONLY=1)  # _env() drops DATA_PATH from the environment
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count(DRY_RUN_MOCK_NOTE) == 1, r.stderr
+    cmd = shlex.split(r.stdout.strip().splitlines()[-1])
+    assert "--mock-data" in cmd and "--data-path" not in cmd
+    # an explicit DATA_PATH is kept, and without DRY_RUN nothing changes
+    explicit = _run(script, DRY_RUN=1, ECHO_ONLY=1, DATA_PATH="/data/corpus_text_document")
+    assert explicit.returncode == 0 and DRY_RUN_MOCK_NOTE not in explicit.stderr
+    assert _opt(shlex.split(explicit.stdout.strip().splitlines()[-1]), "--data-path") == "/data/corpus_text_document"
+    real = _run(script, ECHO_ONLY=1)
+    assert real.returncode == 0 and DRY_RUN_MOCK_NOTE not in real.stderr
+    assert "--data-path" in shlex.split(real.stdout.strip().splitlines()[-1])
+
+
+def test_readme_dry_run_command_runs_without_data_path():
+    """The README's command, verbatim, with no DATA_PATH in the environment: the real
+    ``pretrain_gpt.py --dry-run`` must succeed (it failed on the missing GPT-2 vocab file)."""
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    assert README_DRY_RUN in readme
+    env = _env()
+    assert "DATA_PATH" not in env
+    r = subprocess.run(["bash", "-c", README_DRY_RUN], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count(DRY_RUN_MOCK_NOTE) == 1
+    found = _dry_run_config(r.stdout + "\n" + r.stderr)
+    assert 32 in found.get("num_layers", []) and 4096 in found.get("hidden_size", []), r.stdout[-2000:]
+
+
 # ------------------------------------------------------------------------------------------------
 # quickstart.sh up to the training call
 # ------------------------------------------------------------------------------------------------

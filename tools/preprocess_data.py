@@ -17,6 +17,24 @@ Inputs: a JSON-lines file (``.jsonl``/``.json``, optionally ``.gz``), a ``.parqu
 directory written by HF ``datasets``' ``save_to_disk`` (a ``DatasetDict`` uses its ``train``
 split unless ``--split`` names another).
 
+The SDP4Bit reference's command line (from Megatron-DeepSpeed) is accepted as written::
+
+    python tools/preprocess_data.py --input pile.jsonl --split train --columns text \
+        --output-prefix pile --vocab-file vocab.json --merge-file merges.txt --dataset-impl mmap \
+        --tokenizer-type GPT2BPETokenizer --append-eod --torch-backend mpi
+
+``--columns`` is ``--json-keys``; ``--split`` picks a HF ``DatasetDict`` split (a single file has
+one split, so ``train`` is a no-op there).  ``--dataset-impl mmap`` and ``--torch-backend`` no
+longer mean anything and parse with a one-line note each, so that old scripts keep working:
+the mmap ``.bin/.idx`` pair is the only format megatron-core reads (any other
+``--dataset-impl`` is refused rather than silently written as mmap), and tokenization runs in
+this process plus its ``--workers`` without torch.distributed.
+
+A bad record (a line that is not UTF-8 or not a JSON object, a missing or non-string
+``--json-keys`` field) stops the run with the file and its 1-based line number (record number
+for parquet / HF inputs) and what is wrong; ``--skip-bad-records`` skips such records instead
+and reports how many, and the first few numbers, at the end.
+
 Tokenizers (all loaded from local files, no network access needed):
 
 * ``GPT2BPETokenizer``: GPT-2 byte-level BPE from ``--vocab-file`` (vocab.json) and
@@ -45,6 +63,7 @@ import multiprocessing
 import os
 import sys
 import time
+from typing import List
 
 # Run as a script, sys.path[0] is tools/: make the repository root importable for megatron.training.
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,8 +93,10 @@ def build_tokenizer(tokenizer_type, vocab_file=None, merge_file=None, tokenizer_
 
 
 # --------------------------------------------------------------------------------------------
-# Input readers: each yields (record_number, payload) where payload is a raw JSON line (str)
-# or an already-decoded dict.  Record numbers are 1-based (= line numbers for JSON lines).
+# Input readers: each yields (record_number, payload) where payload is a raw JSON line (bytes,
+# decoded in the worker so that a bad byte is reported with its line number instead of failing
+# the whole stream) or an already-decoded dict.  Record numbers are 1-based (= line numbers for
+# JSON lines).
 # --------------------------------------------------------------------------------------------
 
 
@@ -97,14 +118,17 @@ def detect_input_format(path):
 
 
 def _iter_jsonl(path):
+    """Lines as bytes: text mode would raise on the first non-UTF-8 byte with a position inside
+    its read buffer and no line number; the Encoder decodes each line and names it instead."""
     opener = gzip.open if path.endswith(".gz") else open
+    lineno = 0
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rb") as f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
                     yield lineno, line
-    except (UnicodeDecodeError, OSError) as e:
-        raise PreprocessError(f"cannot read input {path!r}: {e}") from None
+    except (OSError, EOFError) as e:  # unreadable, or a corrupt / truncated .gz
+        raise PreprocessError(f"cannot read input {path!r} after line {lineno}: {e}") from None
 
 
 def _iter_parquet(path, keys):
@@ -119,10 +143,13 @@ def _iter_parquet(path, keys):
     if missing:
         raise PreprocessError(f"parquet input {path!r} has no column {missing[0]!r} (columns: {sorted(names)})")
     n = 0
-    for batch in pf.iter_batches(columns=list(keys), batch_size=1024):
-        for row in batch.to_pylist():
-            n += 1
-            yield n, row
+    try:
+        for batch in pf.iter_batches(columns=list(keys), batch_size=1024):
+            for row in batch.to_pylist():
+                n += 1
+                yield n, row
+    except Exception as e:  # noqa: BLE001 -- arrow raises many types for a corrupt file
+        raise PreprocessError(f"cannot read parquet input {path!r} after record {n}: {e}") from None
 
 
 def _iter_hf(path, keys, split):
@@ -143,10 +170,13 @@ def _iter_hf(path, keys, split):
         raise PreprocessError(f"HF dataset {path!r} has no column {missing[0]!r} (columns: {ds.column_names})")
     ds = ds.select_columns(list(keys))
     n = 0
-    for batch in ds.iter(batch_size=1024):
-        for i in range(len(batch[keys[0]])):
-            n += 1
-            yield n, {k: batch[k][i] for k in keys}
+    try:
+        for batch in ds.iter(batch_size=1024):
+            for i in range(len(batch[keys[0]])):
+                n += 1
+                yield n, {k: batch[k][i] for k in keys}
+    except Exception as e:  # noqa: BLE001 -- arrow raises many types for a corrupt file
+        raise PreprocessError(f"cannot read HF dataset {path!r} after record {n}: {e}") from None
 
 
 def iter_records(path, keys, split=None):
@@ -181,8 +211,17 @@ class Encoder:
         recno, payload = item
         if self.tokenizer is None:
             self.initializer()
-        if isinstance(payload, str):
-            nbytes = len(payload.encode("utf-8"))
+        if isinstance(payload, (bytes, str)):
+            if isinstance(payload, bytes):
+                nbytes = len(payload)
+                try:
+                    payload = payload.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    return recno, None, nbytes, (
+                        f"{self.unit} {recno}: not valid UTF-8 (byte 0x{payload[e.start]:02x} at byte "
+                        f"{e.start + 1} of the line: {e.reason})")
+            else:
+                nbytes = len(payload.encode("utf-8"))
             try:
                 rec = json.loads(payload)
             except json.JSONDecodeError as e:
@@ -238,7 +277,8 @@ def get_args(argv=None):
     g.add_argument("--input", required=True, help="JSON-lines file, .parquet file, or HF save_to_disk directory")
     g.add_argument("--json-keys", "--columns", dest="json_keys", nargs="+", default=["text"],
                    help="fields/columns to tokenize (default: text); one output dataset per key")
-    g.add_argument("--split", default=None, help="split of a HF DatasetDict (default: train)")
+    g.add_argument("--split", default=None,
+                   help="split of a HF DatasetDict (default: train); a single file has one split")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json")
@@ -251,6 +291,15 @@ def get_args(argv=None):
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes (output is identical for any value)")
     g.add_argument("--chunk-size", type=int, default=32, help="records per task sent to a worker")
     g.add_argument("--log-interval", type=int, default=1000, help="report progress every N documents (stderr)")
+    g.add_argument("--skip-bad-records", action="store_true",
+                   help="skip records that are not valid UTF-8 / JSON objects or lack a --json-keys "
+                        "string, and report how many (and which) at the end; default: stop at the "
+                        "first one with its line (record) number")
+    g = p.add_argument_group("legacy flags (accepted for old Megatron-LM / SDP4Bit scripts; no effect)")
+    g.add_argument("--dataset-impl", default=None, metavar="mmap",
+                   help="only mmap (.bin/.idx) is written; any other value is an error")
+    g.add_argument("--torch-backend", default=None, metavar="BACKEND",
+                   help="ignored: no torch.distributed here (use --workers for parallelism)")
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error("--workers must be >= 1")
@@ -258,7 +307,29 @@ def get_args(argv=None):
         p.error("--log-interval must be >= 1")
     if len(set(args.json_keys)) != len(args.json_keys):
         p.error("--json-keys contains duplicates")
+    if args.dataset_impl is not None and args.dataset_impl != "mmap":
+        p.error(f"--dataset-impl {args.dataset_impl}: only the mmap format (megatron-core .bin/.idx, "
+                f"what pretrain_gpt.py reads) is written; pass --dataset-impl mmap or drop the flag")
+    args.legacy_notes = legacy_flag_notes(args)
     return args
+
+
+def legacy_flag_notes(args: argparse.Namespace) -> List[str]:
+    """One line per legacy flag given, saying why it has no effect.
+
+    Why a note instead of silence: a user copying an old recipe should learn that the flag can go
+    (and that ``--torch-backend mpi`` does not make ``mpirun`` split the work) without the tool
+    refusing a command line that produces exactly the files they expect.
+    """
+    notes = []
+    if args.dataset_impl == "mmap":
+        notes.append("note: --dataset-impl mmap is the only format (megatron-core .bin/.idx) and the "
+                     "default; the flag can be dropped")
+    if args.torch_backend is not None:
+        notes.append(f"note: --torch-backend {args.torch_backend} is ignored: tokenization runs in this "
+                     f"process and its --workers, without torch.distributed (launch it once, not with "
+                     f"mpirun); the flag can be dropped")
+    return notes
 
 
 def _log(msg):
@@ -280,12 +351,16 @@ def preprocess(args):
             get_idx_path,
         )
 
+    for note in getattr(args, "legacy_notes", ()):
+        _log(note)
     keys = list(args.json_keys)
     tok_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                       merge_file=args.merge_file, tokenizer_model=args.tokenizer_model)
     tokenizer = build_tokenizer(**tok_kwargs)  # fail fast in the parent on bad tokenizer args
     fmt, records = iter_records(args.input, keys, args.split)
     unit = "line" if fmt == "jsonl" else "record"
+    if fmt != "hf" and args.split not in (None, "train"):
+        _log(f"note: --split {args.split} is ignored: a {fmt} file has one split, all of which is read")
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
 
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
@@ -307,13 +382,20 @@ def preprocess(args):
          f"dtype={numpy.dtype(dtype).name} workers={args.workers}")
     stats = {k: {"documents": 0, "tokens": 0, "empty": 0} for k in keys}
     empty_examples = {k: [] for k in keys}
+    n_bad, bad = 0, []  # skipped bad records (--skip-bad-records): count, first 5 (number, message)
     n_records = total_bytes = 0
     start = time.time()
     ok = False
     try:
         for recno, out, nbytes, err in encoded:
             if err is not None:
-                raise PreprocessError(f"{args.input}: {err}")
+                if not args.skip_bad_records:
+                    raise PreprocessError(f"{args.input}: {err}; fix it, or pass --skip-bad-records "
+                                          f"to skip bad records")
+                n_bad += 1
+                if len(bad) < 5:
+                    bad.append((recno, err))
+                continue
             n_records += 1
             total_bytes += nbytes
             for key, ids in out.items():
@@ -329,6 +411,8 @@ def preprocess(args):
                 el = max(time.time() - start, 1e-9)
                 _log(f"processed {n_records} documents ({n_records / el:.1f} docs/s, "
                      f"{total_bytes / el / 1e6:.2f} MB/s)")
+        if n_bad and n_records == 0:
+            raise PreprocessError(f"{args.input}: all {n_bad} records are bad, e.g. {bad[0][1]}")
         ok = True
     finally:
         if pool is not None:
@@ -346,6 +430,10 @@ def preprocess(args):
     elapsed = max(time.time() - start, 1e-9)
     if n_records == 0:
         _log(f"warning: input {args.input!r} contained no records")
+    if n_bad:
+        _log(f"warning: skipped {n_bad} bad record(s) (--skip-bad-records), at {unit}s "
+             f"{', '.join(str(r) for r, _ in bad)}{', ...' if n_bad > len(bad) else ''}; first: "
+             f"{bad[0][1]}")
     for key in keys:
         if stats[key]["empty"]:
             _log(f"warning: skipped {stats[key]['empty']} empty document(s) for key {key!r} "
@@ -356,6 +444,8 @@ def preprocess(args):
         "input": args.input,
         "format": fmt,
         "records": n_records,
+        "bad_records_skipped": n_bad,
+        "bad_record_numbers": [r for r, _ in bad],  # the first 5
         "bytes": total_bytes,
         "seconds": round(elapsed, 3),
         "docs_per_s": round(n_records / elapsed, 1),

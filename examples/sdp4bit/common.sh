@@ -12,7 +12,8 @@
 # Environment (all optional):
 #   Launcher : GPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT (else taken from SLURM_*,
 #              falling back to a single local node)
-#   Data     : DATA_PATH (path prefix(es) of .bin/.idx, or "mock" for --mock-data)
+#   Data     : DATA_PATH (path prefix(es) of .bin/.idx, or "mock" for --mock-data; DRY_RUN=1
+#              without DATA_PATH uses mock)
 #              TOKENIZER_TYPE VOCAB_FILE MERGE_FILE TOKENIZER_MODEL VOCAB_SIZE (NullTokenizer/mock)
 #   Outputs  : RUN_DIR (runs/<family>/<name>)  SAVE_INTERVAL  LOG_INTERVAL  EVAL_INTERVAL  EVAL_ITERS
 #   Modes    : DRY_RUN=1  ECHO_ONLY=1  PYTHON (python)
@@ -54,6 +55,12 @@ sdp4bit_variant_args() {
 #   DEFAULT_DATA_PATH DEFAULT_TOKENIZER_TYPE DEFAULT_VOCAB_FILE DEFAULT_MERGE_FILE
 #   DEFAULT_TOKENIZER_MODEL DEFAULT_VOCAB_SIZE
 recipe_data_args() {
+    # A dry run only parses and builds configs: without an explicit DATA_PATH it must not need the
+    # default corpus or tokenizer files on disk, so it uses mock data (and NullTokenizer, below).
+    if [[ -z "${DATA_PATH:-}" && "${DRY_RUN:-0}" == 1 ]]; then
+        DATA_PATH=mock
+        echo "[recipe] note: DRY_RUN=1 without DATA_PATH: using DATA_PATH=mock (set DATA_PATH to dry-run real data)" >&2
+    fi
     DATA_PATH=${DATA_PATH:-$DEFAULT_DATA_PATH}
     TOKENIZER_TYPE=${TOKENIZER_TYPE:-$DEFAULT_TOKENIZER_TYPE}
     VOCAB_FILE=${VOCAB_FILE:-${DEFAULT_VOCAB_FILE:-}}

@@ -16,7 +16,8 @@ LOG_RE = re.compile(
     r" iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \| elapsed time per iteration "
     r"\(ms\): [\d.]+ \| learning rate: [\d.E+-]+ \| global batch size:\s+8 \| lm loss: "
     r"([\d.E+-]+) \| loss scale: [\d.]+ \| grad norm: [\d.]+ \| number of skipped iterations:"
-    r"\s+0 \| number of nan iterations:\s+0 \| throughput \(tokens/s\): [\d.]+ \|")
+    r"\s+0 \| number of nan iterations:\s+0 \| throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| "
+    r"throughput \(tokens/s\): [\d.]+ \|")
 
 
 def test_two_rank_cpu_training_loss_falls(tmp_path: Path, run_pretrain) -> None:
@@ -95,3 +96,24 @@ def test_nan_gradient_step_is_skipped(tmp_path: Path, free_port: int) -> None:
     r = json.loads(out.read_text())
     assert (r["ok"], r["reason"], r["norm"], r["unchanged"]) == (False, "nan", "nan", True)
     assert (r["ok2"], r["reason2"], r["changed"]) == (True, "", True)
+
+
+def test_tflops_per_gpu_counts_every_matmul() -> None:
+    """Megatron-LM's model-FLOPs convention, checked against its paper's closed form
+    72 B s L h^2 (1 + s/(6h) + V/(12 L h)) (multi-head attention, 4h MLP), and the gated-MLP
+    term by hand."""
+    import argparse
+
+    from megatron.training.throughput import tflops_per_gpu, training_flops_per_iteration
+
+    args = argparse.Namespace(hidden_size=2048, seq_length=2048, num_layers=24,
+                              num_attention_heads=16, ffn_hidden_size=None, swiglu=False,
+                              padded_vocab_size=50304, global_batch_size=512, world_size=64)
+    b, s, l, h, v = 512, 2048, 24, 2048, 50304
+    expected = 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    assert abs(training_flops_per_iteration(args) - expected) <= 1e-9 * expected
+    # SwiGLU with ffn f: the MLP costs 3 h f instead of 2 h f multiply-adds per token.
+    gated = argparse.Namespace(**{**vars(args), "swiglu": True, "ffn_hidden_size": 5504})
+    extra = 6 * b * s * l * (3 - 2) * h * 5504 + 6 * b * s * l * 2 * h * (5504 - 4 * h)
+    assert abs(training_flops_per_iteration(gated) - expected - extra) <= 1e-9 * expected
+    assert abs(tflops_per_gpu(args, 10.0) - expected / (10.0 * 64 * 1e12)) <= 1e-9

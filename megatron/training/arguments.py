@@ -142,6 +142,10 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron sequence parallelism: LayerNorm/dropout activations split along "
+                        "the sequence over the tensor-parallel ranks (needs TP > 1; ignored with "
+                        "a note at TP = 1, as in Megatron-LM).")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Shard the optimizer state over data-parallel ranks (ZeRO-1).")
     g.add_argument("--overlap-grad-reduce", action="store_true",
@@ -350,6 +354,11 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
              f"--tensor-model-parallel-size {args.tensor_model_parallel_size} x "
              f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
     args.data_parallel_size = args.world_size // mp
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        if args.rank == 0:
+            print(" > --sequence-parallel has no effect with --tensor-model-parallel-size 1: "
+                  "disabled", flush=True)
+        args.sequence_parallel = False
     if args.pipeline_model_parallel_size > 1:
         _require(args.num_layers % args.pipeline_model_parallel_size == 0,
                  "--num-layers must be divisible by --pipeline-model-parallel-size")

@@ -31,19 +31,12 @@ from megatron.distributed.quant import integration, paro, paro_engine
 from . import checkpointing
 from .arguments import padded_vocab_size
 from .logging_utils import MetricsLogger, print_rank_0
+from .layer_specs import gpt_layer_spec, uses_transformer_engine
+from .throughput import tflops_per_gpu
 from .tokenizer import build_tokenizer
 
 
 # ----------------------------------------------------------------------------- configs
-def _have_te() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-
-        return True
-    except Exception:
-        return False
-
-
 def build_transformer_config(args: argparse.Namespace):
     """Megatron-LM flags -> megatron-core TransformerConfig (fusions off in CPU mode)."""
     from megatron.core.transformer import TransformerConfig
@@ -53,6 +46,7 @@ def build_transformer_config(args: argparse.Namespace):
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
@@ -117,20 +111,16 @@ def config_summary(args: argparse.Namespace) -> Dict[str, Any]:
     return {"transformer": as_dict(build_transformer_config(args)),
             "ddp": as_dict(build_ddp_config(args)),
             "optimizer": as_dict(build_optimizer_config(args)),
-            "layer_spec": "transformer_engine" if (args.device == "cuda" and _have_te()) else "local"}
+            "layer_spec": "transformer_engine" if uses_transformer_engine(args) else "local"}
 
 
 # ----------------------------------------------------------------------------- model
 def model_provider(args: argparse.Namespace, config: Any, vocab_size: int,
                    pre_process: bool, post_process: bool) -> torch.nn.Module:
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if args.device == "cuda" and _have_te():
-        spec = specs.get_gpt_layer_with_transformer_engine_spec()
-    else:
-        spec = specs.get_gpt_layer_local_spec(normalization=args.normalization)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
+    return GPTModel(config=config, transformer_layer_spec=gpt_layer_spec(args, config),
+                    vocab_size=vocab_size,
                     max_sequence_length=args.max_position_embeddings,
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -488,6 +478,8 @@ def _fmt_log_line(iteration: int, args, consumed: int, ms_per_iter: float, lr: f
     parts += [f"number of skipped iterations: {skipped:3d}",
               f"number of nan iterations: {nans:3d}"]
     if args.log_throughput:
+        parts.append(f"throughput per GPU (TFLOP/s/GPU): "
+                     f"{tflops_per_gpu(args, ms_per_iter / 1000.0):.3f}")
         parts.append(f"throughput (tokens/s): {tokens_per_s:.1f}")
     for k, v in comm.items():
         parts.append(f"{k}: {v:.3f}")
@@ -634,7 +626,8 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
                             "grad_norm": grad_norm, "loss_scale": _loss_scale(optimizer),
                             "skipped_iterations": interval["skipped"],
                             "nan_iterations": interval["nan"], "ms_per_iteration": ms,
-                            "tokens_per_s": tps, **comm})
+                            "tokens_per_s": tps,
+                            "tflops_per_gpu": tflops_per_gpu(args, ms / 1000.0), **comm})
             if comm:
                 metrics.scalars({f"comm/{k}": v for k, v in comm.items()}, iteration)
             interval = {"loss": 0.0, "n": 0, "time": 0.0, "skipped": 0, "nan": 0}
@@ -677,6 +670,7 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
                "skipped_iterations": skipped_total, "nan_iterations": nan_total,
                "ms_per_iteration": 1000.0 * run_time / max(1, run_iters),
                "tokens_per_s": tokens_per_iter * run_iters / run_time if run_time > 0 else 0.0,
+               "tflops_per_gpu": tflops_per_gpu(args, run_time / max(1, run_iters)),
                "quantization": args.quant_config.enabled, **comm_total}
     fmt = lambda v: f"{v:.4E}" if isinstance(v, float) else str(v)  # noqa: E731
     print_rank_0(" training summary | " + " | ".join(f"{k}: {fmt(v)}" for k, v in summary.items()

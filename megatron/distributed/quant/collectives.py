@@ -33,7 +33,7 @@ and stop them from averaging out.
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -110,6 +110,22 @@ def required_padding_multiple_from_config(cfg, dp_size: int, intra_size: int) ->
 # ------------------------------------------------------------------------------------------------
 # small internals
 # ------------------------------------------------------------------------------------------------
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = False):
+    """Equal-size all-gather of flat tensors under torch's current name (``all_gather_single``;
+    ``all_gather_into_tensor`` on a torch that predates it, which newer ones deprecate)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, op: Any = None,
+                        async_op: bool = False):
+    """Equal-size reduce-scatter of flat tensors under torch's current name
+    (``reduce_scatter_single``; ``reduce_scatter_tensor`` before it)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, op=dist.ReduceOp.SUM if op is None else op, group=group,
+              async_op=async_op)
+
 
 def _agree_finite(x: torch.Tensor, group, what: str) -> None:
     """Raise NonFiniteError on every rank of ``group`` if any rank's ``x`` is non-finite."""
@@ -338,8 +354,8 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
 
     codes = torch.empty(q.codes.numel() * world, dtype=q.codes.dtype, device=q.codes.device)
     scales = torch.empty(q.scales.numel() * world, dtype=q.scales.dtype, device=q.scales.device)
-    dist.all_gather_into_tensor(codes, q.codes, group=group)
-    dist.all_gather_into_tensor(scales, q.scales, group=group)
+    all_gather_flat(codes, q.codes, group)
+    all_gather_flat(scales, q.scales, group)
     full = QuantizedTensor(codes, scales, bits, group_size, s * world)
 
     if accounting is not None:

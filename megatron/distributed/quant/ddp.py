@@ -53,6 +53,7 @@ from megatron.core.transformer import TransformerConfig
 from .accounting import CommAccounting
 from .collectives import (
     NonFiniteError,
+    all_gather_flat,
     quantized_all_gather,
     required_padding_multiple_from_config,
     two_level_reduce_scatter,
@@ -550,7 +551,7 @@ class QuantizedBucketGroup(_ParamAndGradBucketGroup):
                 # Non-finite master weights: behave like megatron-core (exact gather of them).
                 shard.copy_(new)
                 rt.mark_nonfinite("weight all-gather", exc)
-                dist.all_gather_into_tensor(bucket.param_data, shard, group=group)
+                all_gather_flat(bucket.param_data, shard, group)
             self._reference_shards[idx] = None
             self._updated[idx] = False
 

@@ -45,6 +45,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from .collectives import all_gather_flat, reduce_scatter_flat
+
 __all__ = [
     "Level", "PaRoStrategy", "VALID_STRATEGIES", "STRATEGY_ALIASES", "AUTO",
     "parse_paro_strategy", "resolve_group_size", "add_paro_args",
@@ -796,13 +798,11 @@ def _size(group: Any) -> int:
 
 
 def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any, op: Any) -> None:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp, op=op, group=group)
+    reduce_scatter_flat(out, inp, group, op=op)
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
+    all_gather_flat(out, inp, group)
 
 
 def _count(counter: Optional[CommCounter], link: str, op: str, numel: int, t: torch.Tensor,

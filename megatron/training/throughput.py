@@ -1,0 +1,43 @@
+"""Model FLOPs of one training iteration, for the ``TFLOP/s/GPU`` of ``--log-throughput``.
+
+Why this count: Megatron-LM and the SDP4Bit paper (Table 2) report throughput as model FLOPs per
+second per GPU, so users compare runs across sizes and clusters with it, not with tokens/s.  The
+count is the standard one for a GPT decoder: every matrix multiply of a token's forward pass costs
+2 FLOPs per multiply-add, the backward pass twice the forward (gradients of activations and of
+weights), i.e. 3x the forward in all; activation recomputation is not counted (model FLOPs, not
+hardware FLOPs).  Per layer and token, with hidden size h, query width q = heads x head size,
+key/value width k, MLP width f and sequence length s, the forward pass multiplies:
+
+* the QKV projection, h x (q + 2k), and the output projection, q x h;
+* the attention scores and their weighted sum of values, 2 x s x q (the full s x s square, causal
+  masking not discounted, as Megatron-LM counts it);
+* the MLP, 2 x h x f, or 3 x h x f when gated (SwiGLU: gate, up and down projections);
+
+plus, once per token, the logits, h x V over the padded vocabulary V.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def training_flops_per_iteration(args: argparse.Namespace) -> float:
+    """Model FLOPs of one iteration of ``--global-batch-size`` sequences (forward + backward)."""
+    h, s, layers = args.hidden_size, args.seq_length, args.num_layers
+    head_size = h // args.num_attention_heads
+    q = head_size * args.num_attention_heads
+    kv = q  # multi-head attention (the trainer has no grouped-query flag)
+    ffn = args.ffn_hidden_size or 4 * h
+    mlp_matrices = 3 if args.swiglu else 2
+    per_layer = h * (q + 2 * kv) + q * h + 2 * s * q + mlp_matrices * h * ffn
+    logits = h * args.padded_vocab_size
+    multiply_adds_per_token = layers * per_layer + logits
+    tokens = args.global_batch_size * s
+    return 3 * 2 * multiply_adds_per_token * tokens
+
+
+def tflops_per_gpu(args: argparse.Namespace, seconds_per_iteration: float) -> float:
+    """TFLOP/s per GPU (per rank) at ``seconds_per_iteration``."""
+    if seconds_per_iteration <= 0:
+        return 0.0
+    return training_flops_per_iteration(args) / (seconds_per_iteration * args.world_size * 1e12)

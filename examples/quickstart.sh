@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
-# Quickstart: end-to-end GPT pre-training on CPU, no internet needed.
+# Quickstart: end-to-end GPT pre-training on CPU, no internet needed -- the baseline, then SDP4Bit
+# on the same data, side by side.
 #
-#   bash examples/quickstart.sh                       # baseline
-#   bash examples/quickstart.sh --quantized-weights --quantized-gradients --hadamard-transform
+#   bash examples/quickstart.sh                       # baseline, then SDP4Bit; table + loss-curve PNG
+#   bash examples/quickstart.sh --quantized-weights --quantized-gradients   # one run with your flags
 #
 # Steps (each is skipped when its output already exists, so the script can be rerun):
 #   1. corpus     : Python standard-library sources -> data/quickstart/corpus.jsonl (~4 MB)
 #   2. tokenizer  : byte-level BPE (vocab 8192)     -> data/quickstart/tokenizer/{vocab.json,merges.txt}
 #   3. preprocess : megatron-core .bin/.idx          -> data/quickstart/stdlib_text_document.{bin,idx}
 #   4. train      : torchrun, 2 CPU processes (gloo), tiny GPT -> runs/quickstart/<run name>/
+#                   without arguments: "baseline" (megatron-core, bf16 wire), then "sdp4bit"
+#                   (--quantized-weights --quantized-gradients --hadamard-transform, the 2 ranks
+#                   as two one-GPU nodes: every byte crosses the "inter-node" link)
+#   5. compare    : final losses and inter-node bits per element of both runs, and
+#                   runs/quickstart/loss.png (tools/plot_logs.py)
 #
-# Extra arguments are passed through to pretrain_gpt.py.  Environment overrides:
+# Extra arguments are passed through to pretrain_gpt.py (one run).  Environment overrides:
 #   DATA_DIR (data/quickstart)  RUN_DIR (runs/quickstart/<name>)  RUN_NAME (baseline, or derived
 #   from the extra args)  NPROC (2)  TRAIN_ITERS (100)  CORPUS_BYTES (4000000)  VOCAB_SIZE (8192)
-#   PYTHON (python)  TORCHRUN ("$PYTHON -m torch.distributed.run")
+#   PYTHON (python)  TORCHRUN ("$PYTHON -m torch.distributed.run")  RUNS_ROOT (runs/quickstart)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,15 +37,7 @@ CORPUS_BYTES=${CORPUS_BYTES:-4000000}
 VOCAB_SIZE=${VOCAB_SIZE:-8192}
 PREPROCESS_WORKERS=${PREPROCESS_WORKERS:-2}
 
-# One run directory per flag combination, so that reruns resume the right checkpoint.
-if [[ -z "${RUN_NAME:-}" ]]; then
-    if [[ $# -eq 0 ]]; then
-        RUN_NAME=baseline
-    else
-        RUN_NAME=$(printf '%s_' "$@" | sed -e 's/^--//' -e 's/_--/_/g' -e 's/[^A-Za-z0-9._=-]/-/g' -e 's/_$//' | cut -c1-120)
-    fi
-fi
-RUN_DIR=${RUN_DIR:-runs/quickstart/$RUN_NAME}
+RUNS_ROOT=${RUNS_ROOT:-runs/quickstart}
 
 CORPUS="$DATA_DIR/corpus.jsonl"
 TOK_DIR="$DATA_DIR/tokenizer"
@@ -53,7 +51,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 log() { echo "[quickstart] $*" >&2; }
 
-mkdir -p "$DATA_DIR" "$RUN_DIR"
+mkdir -p "$DATA_DIR"
 
 # 1. corpus ------------------------------------------------------------------------------------
 if [[ -s "$CORPUS" ]]; then
@@ -98,27 +96,51 @@ DATA_ARGS=(
     --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE"
 )
 OUTPUT_ARGS=(
-    --log-interval 10 --eval-interval 50 --eval-iters 5
-    --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 50
-    --tensorboard-dir "$RUN_DIR/tensorboard"
+    --log-interval 10 --eval-interval 50 --eval-iters 5 --save-interval 50
 )
 
-log "training: $NPROC CPU processes, run dir $RUN_DIR"
-set +e
-$TORCHRUN --standalone --nproc-per-node "$NPROC" pretrain_gpt.py \
-    --device cpu --distributed-backend gloo \
-    "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" \
-    "$@" 2>&1 | tee "$RUN_DIR/train.log"
-rc=${PIPESTATUS[0]}
-set -e
+SDP4BIT_ARGS=(--quantized-weights --quantized-gradients --hadamard-transform
+              --data-parallel-intra-node-size 1)
 
-log "corpus:      $CORPUS"
-log "tokenizer:   $VOCAB_FILE $MERGE_FILE"
-log "data:        $DATA_PATH.{bin,idx}"
-log "checkpoints: $RUN_DIR/checkpoints"
-log "tensorboard: $RUN_DIR/tensorboard"
-log "log:         $RUN_DIR/train.log"
-if [[ $rc -ne 0 ]]; then
-    log "training failed (exit code $rc)"
+# train NAME RUN_DIR [pretrain_gpt.py flags...]: one run, its log and metrics in RUN_DIR.
+train() {
+    local name=$1 run_dir=$2
+    shift 2
+    if grep -qs "\"type\": \"summary\", \"iterations\": $TRAIN_ITERS," "$run_dir/metrics.jsonl"; then
+        log "$name: finished run exists in $run_dir (skipping)"
+        return
+    fi
+    mkdir -p "$run_dir"
+    log "training $name: $NPROC CPU processes, run dir $run_dir"
+    set +e
+    $TORCHRUN --standalone --nproc-per-node "$NPROC" pretrain_gpt.py \
+        --device cpu --distributed-backend gloo \
+        "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" \
+        --save "$run_dir/checkpoints" --load "$run_dir/checkpoints" \
+        --tensorboard-dir "$run_dir/tensorboard" --jsonl-log "$run_dir/metrics.jsonl" \
+        "$@" 2>&1 | tee "$run_dir/train.log"
+    local rc=${PIPESTATUS[0]}
+    set -e
+    log "$name: log $run_dir/train.log, checkpoints $run_dir/checkpoints, tensorboard $run_dir/tensorboard"
+    if [[ $rc -ne 0 ]]; then
+        log "$name: training failed (exit code $rc)"
+        exit "$rc"
+    fi
+}
+
+log "data: $DATA_PATH.{bin,idx} (tokenizer $VOCAB_FILE $MERGE_FILE)"
+if [[ $# -gt 0 ]]; then
+    # One run with the user's flags, in a directory named after them (reruns resume it).
+    if [[ -z "${RUN_NAME:-}" ]]; then
+        RUN_NAME=$(printf '%s_' "$@" | sed -e 's/^--//' -e 's/_--/_/g' -e 's/[^A-Za-z0-9._=-]/-/g' -e 's/_$//' | cut -c1-120)
+    fi
+    train "$RUN_NAME" "${RUN_DIR:-$RUNS_ROOT/$RUN_NAME}" "$@"
+    exit 0
 fi
-exit "$rc"
+
+train baseline "$RUNS_ROOT/baseline"
+train sdp4bit "$RUNS_ROOT/sdp4bit" "${SDP4BIT_ARGS[@]}"
+log "baseline vs SDP4Bit (same data, seed and model):"
+$PYTHON tools/plot_logs.py baseline="$RUNS_ROOT/baseline/metrics.jsonl" \
+    sdp4bit="$RUNS_ROOT/sdp4bit/metrics.jsonl" --output "$RUNS_ROOT/loss.png" \
+    --title "quickstart: baseline vs SDP4Bit (2 CPU ranks as 2 nodes)"

@@ -55,3 +55,26 @@ def test_bad_inputs_are_reported(tmp_path):
     empty.write_text('{"iteration": 1, "other": 1.0}\n')
     with pytest.raises(ValueError, match="no values"):
         plot_logs.read_run(str(empty), "lm loss")
+
+
+def test_communication_table_puts_runs_side_by_side(tmp_path, capsys):
+    """The quickstart's closing table: final losses and inter-node bits per element; the
+    unquantized run shows what the quantized run reports the unquantized wire would carry."""
+    base, quant = tmp_path / "base.jsonl", tmp_path / "quant.jsonl"
+    _write_jsonl(base, [5.0, 4.0])
+    _write_jsonl(quant, [5.0, 4.1])
+    with open(base, "a") as f:  # a resumed run appends a second summary: the last one counts
+        f.write(json.dumps({"type": "summary", "iterations": 20, "final_lm_loss": 4.0,
+                            "final_val_loss": 4.2, "ms_per_iteration": 100.0}) + "\n")
+    with open(quant, "a") as f:
+        f.write(json.dumps({"type": "summary", "iterations": 20, "final_lm_loss": 4.1,
+                            "final_val_loss": 4.3, "ms_per_iteration": 120.0,
+                            "grad_inter_bits_per_element": 4.25,
+                            "grad_inter_baseline_bits_per_element": 32.0,
+                            "weight_inter_bits_per_element": 4.0156,
+                            "weight_inter_baseline_bits_per_element": 16.0}) + "\n")
+    assert plot_logs.main([f"baseline={base}", f"sdp4bit={quant}", "--output",
+                           str(tmp_path / "loss.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| baseline | 4.0000 | 4.2000 | 100.0 | 32.00 (unquantized) | 16.00 (unquantized) |" in out
+    assert "| sdp4bit | 4.1000 | 4.3000 | 120.0 | 4.25 | 4.02 |" in out

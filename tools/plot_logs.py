@@ -106,6 +106,49 @@ def summary_table(runs: Dict[str, Series], metric: str) -> str:
     return "\n".join(lines)
 
 
+def read_summary(path: str) -> Dict[str, object]:
+    """The end-of-run ``summary`` record of a ``--jsonl-log`` file ({} if it has none)."""
+    if not os.path.isfile(path):
+        return {}
+    summary: Dict[str, object] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if line.startswith("{") and '"summary"' in line:
+                record = json.loads(line)
+                if record.get("type") == "summary":
+                    summary = record  # the last one: a resumed run appends another
+    return summary
+
+
+def communication_table(summaries: Dict[str, Dict[str, object]]) -> str:
+    """Markdown table of each run's final losses and the bits per element it sent between nodes.
+
+    An unquantized run logs no bit counts; its row shows what a quantized run of the table
+    reports the unquantized wire would carry (``*_inter_baseline_bits_per_element``)."""
+    def bits(summary: Dict[str, object], kind: str) -> str:
+        value = summary.get(f"{kind}_inter_bits_per_element")
+        if value is not None:
+            return f"{float(value):.2f}"
+        for other in summaries.values():
+            base = other.get(f"{kind}_inter_baseline_bits_per_element")
+            if base is not None:
+                return f"{float(base):.2f} (unquantized)"
+        return "n/a"
+
+    def num(value: object) -> str:
+        return f"{float(value):.4f}" if isinstance(value, (int, float)) else "n/a"
+
+    lines = ["| run | final train loss | final validation loss | ms/iteration | inter-node bits/"
+             "element, gradients | inter-node bits/element, weights |", "|---|---|---|---|---|---|"]
+    for label, summary in summaries.items():
+        lines.append(f"| {label} | {num(summary.get('final_lm_loss'))} | "
+                     f"{num(summary.get('final_val_loss'))} | "
+                     f"{float(summary.get('ms_per_iteration', math.nan)):.1f} | "
+                     f"{bits(summary, 'grad')} | {bits(summary, 'weight')} |")
+    return "\n".join(lines)
+
+
 def plot(runs: Dict[str, Series], metric: str, output: str, title: str | None = None,
          logy: bool = False) -> None:
     import matplotlib
@@ -149,6 +192,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     plot(runs, args.metric, args.output, args.title, args.logy)
     print(summary_table(runs, args.metric))
+    summaries = {label: read_summary(parse_run_spec(spec)[1])
+                 for label, spec in zip(runs, args.runs)}
+    if any(summaries.values()):
+        print()
+        print(communication_table({k: v for k, v in summaries.items() if v}))
     print(f"wrote {args.output}")
     return 0
 

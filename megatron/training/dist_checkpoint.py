@@ -229,10 +229,16 @@ def _saved_top_keys(dcp: Any, directory: str) -> set:
     return {key.split(".", 1)[0] for key in dcp.load_tensors_metadata(directory)}
 
 
+PER_RANK_ARGS = ("rank", "local_rank")
+"""Args that differ between ranks: left out of the common state, which megatron-core checks is
+the same on every rank (it warns otherwise)."""
+
+
 def _plain_args(args: argparse.Namespace) -> Dict[str, Any]:
     """The run's flags as plain values (objects such as dtypes become their string)."""
     plain = (int, float, str, bool, type(None))
-    return {k: v if isinstance(v, plain) else str(v) for k, v in vars(args).items()}
+    return {k: v if isinstance(v, plain) else str(v) for k, v in vars(args).items()
+            if k not in PER_RANK_ARGS}
 
 
 def _get(saved_args: Optional[Dict[str, Any]], name: str) -> Any:

@@ -20,10 +20,17 @@ sum divided by the node count as in DeepSpeed's qgZ/LoCo path. Hadamard is appli
 the first quantization and inverted once at the very end; the middle hop works in the
 transformed domain.
 
-Non-finite inputs: with ``check_finite=True`` (default) every rank tests its own input, the
-verdict is agreed with a one-element all-reduce over the DP group, and then *all* ranks raise
-:class:`NonFiniteError` before any payload moves. Raising on one rank only would leave the others
-blocked inside the all-to-all.
+Non-finite inputs, two contracts:
+
+* ``check_finite=True`` (default, standalone use): every rank tests its own input, the verdict is
+  agreed with a one-element all-reduce over the DP group, and then *all* ranks raise
+  :class:`NonFiniteError` before any payload moves. Raising on one rank only would leave the others
+  blocked inside the all-to-all. It costs an all-reduce and a host sync per call.
+* ``nonfinite_flag=<device tensor>`` (the trainer's path): no agreement and no host sync here; the
+  rank ORs "my input holds NaN/Inf" into the flag on the device and the payload moves anyway (a
+  poisoned group dequantizes to NaN, never to finite values). The caller agrees on the flag once
+  per training step and skips the step -- one host sync per step instead of one per bucket and
+  hop, which would stall the CUDA stream and serialize the overlap.
 
 Stochastic rounding uses the ``generator`` passed in (reproducible). Give each rank a different
 seed (e.g. ``seed + global_rank``): identical draws on all ranks correlate the rounding errors
@@ -127,6 +134,12 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, op: An
               async_op=async_op)
 
 
+def note_nonfinite(x: torch.Tensor, flag: torch.Tensor) -> None:
+    """``flag = max(flag, 1 if x holds NaN/Inf else 0)`` on ``x``'s device: no host sync."""
+    bad = torch.isfinite(x).all().logical_not().to(flag.dtype)
+    torch.maximum(flag, bad, out=flag)
+
+
 def _agree_finite(x: torch.Tensor, group, what: str) -> None:
     """Raise NonFiniteError on every rank of ``group`` if any rank's ``x`` is non-finite."""
     bad = torch.zeros(1, dtype=torch.float32, device=x.device)
@@ -200,6 +213,7 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
                              generator: Optional[torch.Generator] = None, stochastic: bool = True,
                              accounting: Optional[CommAccounting] = None, error_feedback=None,
                              async_op: bool = False, check_finite: bool = True,
+                             nonfinite_flag: Optional[torch.Tensor] = None,
                              name: str = GRAD_COLLECTIVE) -> Optional[PendingReduceScatter]:
     """Quantized reduce-scatter: ``output`` (N/P elements) = sum over DP ranks of ``input``'s
     shard ``dp_rank`` — the layout of ``dist.reduce_scatter_tensor(output, input, dp_group)``.
@@ -211,10 +225,13 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
     caller's own shard of ``input`` (SDP4Bit writes in place into the grad bucket): the input is
     fully consumed by the first quantization before anything is written.
 
-    ``generator`` must live on ``input``'s device (the stochastic rounding draws from it:
-    ``torch.rand`` in the torch reference, one seed per kernel call in the C++ / Triton kernels).
+    ``generator`` lives on the host or on ``input``'s device (the stochastic rounding draws from
+    it: ``torch.rand`` in the torch reference, one seed per kernel call in the C++ / Triton
+    kernels; the trainer's are host generators, so a draw never syncs the device).
     ``check_finite`` costs a one-element all-reduce over the DP group (and a host sync) per call;
     it is what lets every rank raise :class:`NonFiniteError` together instead of deadlocking.
+    ``nonfinite_flag`` replaces it with the deferred contract (module docstring): no check here,
+    the flag records this rank's verdict for the caller's once-per-step agreement.
 
     Returns None, or with ``async_op=True`` a :class:`PendingReduceScatter` whose ``wait()``
     completes the collective.
@@ -242,7 +259,9 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
         output.copy_(x.view(output.shape))
         return None
 
-    if check_finite:
+    if nonfinite_flag is not None:
+        note_nonfinite(x, nonfinite_flag)
+    elif check_finite:
         _agree_finite(x, groups.dp_group, "two_level_reduce_scatter")
 
     two_level = d > 1 and m > 1
@@ -313,8 +332,11 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
                          group_size: int, generator: Optional[torch.Generator] = None,
                          stochastic: bool = True, accounting: Optional[CommAccounting] = None,
                          link_of_peer: Optional[Callable[[int], str]] = None,
-                         check_finite: bool = True, name: str = WEIGHT_COLLECTIVE) -> torch.Tensor:
+                         check_finite: bool = True, nonfinite_flag: Optional[torch.Tensor] = None,
+                         name: str = WEIGHT_COLLECTIVE) -> torch.Tensor:
     """Quantized all-gather of parameter shards into ``output`` (P * shard elements).
+
+    Non-finite shards: ``check_finite`` / ``nonfinite_flag`` as in :func:`two_level_reduce_scatter`.
 
     ``mode='diff'`` (qWD, SDP4Bit): send Q(reference.dtype(shard) - full_reference[my shard]) and
     rebuild ``output = full_reference + deQ(all differences)`` on every rank, the owner included,
@@ -341,7 +363,9 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
     if mode == "diff":
         if full_reference is None or full_reference.numel() != output.numel():
             raise ValueError("mode='diff' needs full_reference with as many elements as output")
-    if check_finite:
+    if nonfinite_flag is not None:
+        note_nonfinite(shard, nonfinite_flag)
+    elif check_finite:
         _agree_finite(shard, group, "quantized_all_gather")
 
     if mode == "diff":

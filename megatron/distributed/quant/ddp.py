@@ -52,8 +52,6 @@ from megatron.core.transformer import TransformerConfig
 
 from .accounting import CommAccounting
 from .collectives import (
-    NonFiniteError,
-    all_gather_flat,
     quantized_all_gather,
     required_padding_multiple_from_config,
     two_level_reduce_scatter,
@@ -104,8 +102,10 @@ class QuantizationRuntime:
         self.loco: Optional[LoCoErrorFeedback] = (
             LoCoErrorFeedback.from_config(config) if config.loco else None)
         self.generators: Dict[str, torch.Generator] = {}
-        self.nonfinite_pending = False
-        """Set by a bucket whose quantized reduce-scatter met NaN/Inf; consumed by prepare_grads."""
+        self._nonfinite_flag: Optional[torch.Tensor] = None
+        """1.0 on the device once a quantized collective of this step met NaN/Inf on this rank
+        (:func:`~.collectives.note_nonfinite`); agreed and reset once per step by
+        :meth:`agree_nonfinite`, so no bucket waits for the host."""
         self.nonfinite_events = 0
         self.nonfinite_events_interval = 0
         self.bucket_groups: List["QuantizedBucketGroup"] = []
@@ -122,11 +122,15 @@ class QuantizationRuntime:
         return self.config.quantized_weights
 
     # -- generators ---------------------------------------------------------------------------
-    def generator(self, key: str, seed: int, device: torch.device) -> torch.Generator:
-        """The stochastic-rounding generator registered under ``key`` (created seeded once)."""
+    def generator(self, key: str, seed: int) -> torch.Generator:
+        """The stochastic-rounding generator registered under ``key`` (created seeded once).
+
+        A host (CPU) generator whatever the buckets' device: the C++ and Triton kernels draw one
+        seed per call from it, and a draw from a CUDA generator would be a host sync per bucket
+        and hop (the host-sync budget, tests/test_host_sync_budget.py)."""
         gen = self.generators.get(key)
         if gen is None:
-            gen = torch.Generator(device=device)
+            gen = torch.Generator(device="cpu")
             gen.manual_seed(int(seed) % (2 ** 63))
             self.generators[key] = gen
         return gen
@@ -145,12 +149,27 @@ class QuantizationRuntime:
                                           shard_elements=shard, peers_intra=d - 1,
                                           peers_inter=p - d)
 
-    def mark_nonfinite(self, what: str, exc: BaseException) -> None:
-        self.nonfinite_pending = True
+    # -- non-finite agreement (once per step) ---------------------------------------------------
+    def nonfinite_flag(self, device: torch.device) -> torch.Tensor:
+        """This step's device-side "met NaN/Inf" flag (created on first use)."""
+        if self._nonfinite_flag is None:
+            self._nonfinite_flag = torch.zeros(1, dtype=torch.float32, device=device)
+        return self._nonfinite_flag
+
+    def agree_nonfinite(self, device: torch.device) -> bool:
+        """True on every rank if any rank's quantized collectives met NaN/Inf since the last call:
+        one all-reduce (over all ranks, as megatron-core agrees on ``found_inf``) and the step's
+        one host sync. Resets the flag; counts the event."""
+        flag = self.nonfinite_flag(device).clone()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self._nonfinite_flag.zero_()
+        if not flag.item() > 0:
+            return False
         self.nonfinite_events += 1
         self.nonfinite_events_interval += 1
-        logger.warning("quantized %s met non-finite values at iteration %d (%s); the step will be "
-                       "skipped", what, self.iteration, exc)
+        logger.warning("quantized communication met non-finite values at iteration %d; the step "
+                       "is skipped", self.iteration)
+        return True
 
     # -- iteration / skip hooks ---------------------------------------------------------------
     def set_iteration(self, iteration: int) -> None:
@@ -168,7 +187,8 @@ class QuantizationRuntime:
         """A skipped step may have polluted the error buffers with NaN/Inf: drop them (as
         DeepSpeed does on an fp16 overflow). A pure loss-scale change without skip is handled by
         :meth:`rescale_errors`."""
-        self.nonfinite_pending = False
+        if self._nonfinite_flag is not None:
+            self._nonfinite_flag.zero_()
         if self.loco is not None:
             self.loco.drop()
 
@@ -398,13 +418,11 @@ class QuantizedBucketGroup(_ParamAndGradBucketGroup):
                 + _SEED_BUCKET_STRIDE * (self._bucket_index_base + idx + 1))
 
     def _grad_generator(self, idx: int) -> torch.Generator:
-        return self.runtime.generator("grad/" + self._bucket_key(idx), self._seed(idx),
-                                      self.buckets[idx].grad_data.device)
+        return self.runtime.generator("grad/" + self._bucket_key(idx), self._seed(idx))
 
     def _weight_generator(self, idx: int) -> torch.Generator:
         return self.runtime.generator("weight/" + self._bucket_key(idx),
-                                      self._seed(idx) + _SEED_WEIGHT_OFFSET,
-                                      self.buckets[idx].grad_data.device)
+                                      self._seed(idx) + _SEED_WEIGHT_OFFSET)
 
     def _grad_shard(self, idx: int) -> torch.Tensor:
         if self.cached_grad_buffer_shard_list[idx] is None:
@@ -448,28 +466,21 @@ class QuantizedBucketGroup(_ParamAndGradBucketGroup):
         cfg = rt.config
         async_op = bool(self.ddp_config.overlap_grad_reduce)
         pending: List[Any] = []
-        failed = False
         for idx, bucket in enumerate(self.buckets):
             shard = self._grad_shard(idx)
             ef = rt.loco.bucket(self._bucket_key(idx)) if rt.loco is not None else None
-            try:
-                handle = two_level_reduce_scatter(
-                    bucket.grad_data, shard, rt.groups,
-                    bits_intra=cfg.gradient_quantization_bits_intra,
-                    group_size_intra=cfg.gq_group_size_intra,
-                    bits_inter=cfg.gradient_quantization_bits_inter,
-                    group_size_inter=cfg.gq_group_size_inter,
-                    hadamard=cfg.hadamard_transform, hadamard_block=cfg.hadamard_block_size,
-                    generator=self._grad_generator(idx), stochastic=cfg.stochastic_rounding,
-                    accounting=rt.accounting, error_feedback=ef, async_op=async_op)
-            except NonFiniteError as exc:
-                # Agreed on every DP rank before any payload moved: no rank is left blocked.
-                # NaN in the shard makes grad-norm / found_inf checks see the problem as well.
-                shard.fill_(float("nan"))
-                if not failed:
-                    rt.mark_nonfinite("gradient reduce-scatter", exc)
-                failed = True
-                continue
+            # NaN/Inf: noted on the device, agreed once per step in prepare_grads (no host sync
+            # per bucket); a poisoned group reaches the shard as NaN, never as finite values.
+            handle = two_level_reduce_scatter(
+                bucket.grad_data, shard, rt.groups,
+                bits_intra=cfg.gradient_quantization_bits_intra,
+                group_size_intra=cfg.gq_group_size_intra,
+                bits_inter=cfg.gradient_quantization_bits_inter,
+                group_size_inter=cfg.gq_group_size_inter,
+                hadamard=cfg.hadamard_transform, hadamard_block=cfg.hadamard_block_size,
+                generator=self._grad_generator(idx), stochastic=cfg.stochastic_rounding,
+                accounting=rt.accounting, error_feedback=ef, async_op=async_op,
+                nonfinite_flag=rt.nonfinite_flag(bucket.grad_data.device))
             if handle is not None:
                 pending.append(handle)
 
@@ -540,18 +551,15 @@ class QuantizedBucketGroup(_ParamAndGradBucketGroup):
             ref = self._reference_shards[idx]
             if diff and ref is not None:
                 shard.copy_(ref)  # the buffer is now W~_old on every rank
-            try:
-                quantized_all_gather(
-                    new, bucket.param_data if diff else None, bucket.param_data, group,
-                    mode=cfg.weight_quantization_mode, bits=cfg.weight_quantization_bits,
-                    group_size=cfg.wq_group_size, generator=self._weight_generator(idx),
-                    stochastic=cfg.stochastic_rounding, accounting=rt.accounting,
-                    link_of_peer=rt.groups.link_of_peer)
-            except NonFiniteError as exc:
-                # Non-finite master weights: behave like megatron-core (exact gather of them).
-                shard.copy_(new)
-                rt.mark_nonfinite("weight all-gather", exc)
-                all_gather_flat(bucket.param_data, shard, group)
+            # Non-finite master weights reach every replica as NaN, as megatron-core's exact
+            # gather would spread them; noted on the device, reported at the next agreement.
+            quantized_all_gather(
+                new, bucket.param_data if diff else None, bucket.param_data, group,
+                mode=cfg.weight_quantization_mode, bits=cfg.weight_quantization_bits,
+                group_size=cfg.wq_group_size, generator=self._weight_generator(idx),
+                stochastic=cfg.stochastic_rounding, accounting=rt.accounting,
+                link_of_peer=rt.groups.link_of_peer,
+                nonfinite_flag=rt.nonfinite_flag(bucket.param_data.device))
             self._reference_shards[idx] = None
             self._updated[idx] = False
 
@@ -617,9 +625,10 @@ def install_optimizer_hooks(optimizer: Any, model_chunks: Sequence[torch.nn.Modu
 
     * every leaf optimizer's ``_copy_main_params_to_model_params``: snapshot the qWD reference
       shard of every quantized bucket first;
-    * the top-level ``prepare_grads``: OR in the non-finite flag of the quantized reduce-scatter,
-      agreed over all ranks (one scalar all-reduce per step, only when gradients are quantized),
-      so megatron-core skips the step (``step()`` returns ``(False, None, None)``).
+    * the top-level ``prepare_grads``: OR in the device-side non-finite flag of the quantized
+      collectives, agreed over all ranks (one scalar all-reduce and the one host sync of the
+      quantized path per step), so megatron-core skips the step (``step()`` returns
+      ``(False, None, None)``).
     """
     qddps = [c for c in model_chunks if isinstance(c, QuantizedDistributedDataParallel)]
     if not qddps:
@@ -649,19 +658,16 @@ def install_optimizer_hooks(optimizer: Any, model_chunks: Sequence[torch.nn.Modu
         copy_with_snapshot._quant_hook = True  # type: ignore[attr-defined]
         opt._copy_main_params_to_model_params = copy_with_snapshot
 
-    if any(rt.config.quantized_gradients for rt in runtimes) and groups:
-        device = groups[0].buckets[0].grad_data.device
+    if groups:
         orig_prepare = optimizer.prepare_grads
         if not getattr(orig_prepare, "_quant_hook", False):
 
+            device = groups[0].buckets[0].grad_data.device
+
             def prepare_grads_with_nonfinite() -> bool:
                 found_inf = bool(orig_prepare())
-                flag = torch.tensor([1.0 if any(rt.nonfinite_pending for rt in runtimes) else 0.0],
-                                    device=device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                for rt in runtimes:
-                    rt.nonfinite_pending = False
-                return found_inf or bool(flag.item() > 0)
+                nonfinite = [rt.agree_nonfinite(device) for rt in runtimes]  # one sync each
+                return found_inf or any(nonfinite)
 
             prepare_grads_with_nonfinite._quant_hook = True  # type: ignore[attr-defined]
             optimizer.prepare_grads = prepare_grads_with_nonfinite

@@ -192,10 +192,7 @@ def _seed(stochastic: bool, generator: Optional[torch.Generator]) -> int:
     """One 64-bit draw from the caller's generator per call (0 for round-to-nearest)."""
     if not stochastic:
         return 0
-    dev = generator.device if generator is not None else "cpu"
-    s = int(torch.randint(-2 ** 63, 2 ** 63 - 1, (1,), dtype=torch.int64, generator=generator,
-                          device=dev).item())
-    return s & 0xFFFFFFFFFFFFFFFF
+    return _ref.draw_seed(generator, -2 ** 63, 2 ** 63 - 1) & 0xFFFFFFFFFFFFFFFF
 
 
 def _nonfinite_error(bad: int, numel: int, what: str) -> NonFiniteError:

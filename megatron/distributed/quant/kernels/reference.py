@@ -210,11 +210,25 @@ def inverse_hadamard_transform(x: torch.Tensor, block: int = 32) -> torch.Tensor
 # quantize / dequantize core
 # ------------------------------------------------------------------------------------------------
 
+def draw_seed(generator: Optional[torch.Generator], low: int, high: int) -> int:
+    """One integer in [low, high) from ``generator``: the seed of a fused kernel's random stream.
+
+    The one place a kernel backend reads a generator on the host.  The trainer's generators are
+    host (CPU) generators, so this is never a device synchronisation; the host-sync budget
+    (tests/test_host_sync_budget.py) relies on that and does not count it."""
+    dev = generator.device if generator is not None else "cpu"
+    return int(torch.randint(low, high, (1,), dtype=torch.int64, generator=generator,
+                             device=dev).item())
+
+
 def _round(v: torch.Tensor, stochastic: bool, generator: Optional[torch.Generator]) -> torch.Tensor:
     lo = torch.floor(v)
     frac = v - lo
     if stochastic:
-        u = torch.rand(v.shape, generator=generator, device=v.device, dtype=torch.float32)
+        # The trainer's generators live on the host (a seed draw from a CUDA generator would
+        # sync the stream); the reference then draws there and copies.
+        dev = generator.device if generator is not None else v.device
+        u = torch.rand(v.shape, generator=generator, device=dev, dtype=torch.float32).to(v.device)
         return lo + (u < frac).to(torch.float32)
     return lo + (frac >= 0.5).to(torch.float32)
 

@@ -161,7 +161,7 @@ def _load_deq(codes_ptr, scales_ptr, idx, mask, BITS: tl.constexpr, GS: tl.const
 # kernels
 # ------------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a fresh seed per launch: never a new compile
 def _quantize_kernel(x_ptr, ref_ptr, codes_ptr, scales_ptr, slot_ptr, nonfinite_ptr, seed,
                      num_groups, groups_per_part,
                      GS: tl.constexpr, GP: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
@@ -199,7 +199,7 @@ def _quantize_kernel(x_ptr, ref_ptr, codes_ptr, scales_ptr, slot_ptr, nonfinite_
     _store_packed(codes_ptr, q, og, R, GS, GP, BITS, gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a fresh seed per launch: never a new compile
 def _dsum_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, seed,
                          n, num_groups_out, num_sources,
                          GS_IN: tl.constexpr, BITS_IN: tl.constexpr,
@@ -265,10 +265,7 @@ def _dequant_add_kernel(codes_ptr, scales_ptr, ref_ptr, out_ptr, n,
 # ------------------------------------------------------------------------------------------------
 
 def _seed(stochastic: bool, generator: Optional[torch.Generator]) -> int:
-    if not stochastic:
-        return 0
-    dev = generator.device if generator is not None else "cpu"
-    return int(torch.randint(0, 2 ** 31 - 1, (1,), generator=generator, device=dev).item())
+    return _ref.draw_seed(generator, 0, 2 ** 31 - 1) if stochastic else 0
 
 
 def _launch_quantize(x: torch.Tensor, ref: Optional[torch.Tensor], bits: int, group_size: int,

@@ -1,0 +1,372 @@
+#!/usr/bin/env bash
+# The first command to run on a GPU machine: checks that everything verified on CPUs so far also
+# holds on CUDA, and writes the findings as a markdown section for docs/performance.md.
+#
+#   bash scripts/gpu_selfcheck.sh              # on the GPU machine (CUDA torch already installed)
+#   bash scripts/gpu_selfcheck.sh --dry-run    # anywhere: print every step's command; run the parts
+#                                              # that need no GPU (flag parsing, tool plumbing)
+#   bash scripts/gpu_selfcheck.sh --out FILE   # where the markdown goes
+#                                              # (default runs/gpu_selfcheck/gpu_selfcheck.md)
+#
+# Steps (each logs to runs/gpu_selfcheck/<step>.log; without a CUDA device the run stops after
+# step 1, otherwise a failed step does not stop the later ones; exit status 1 if any failed):
+#   1 env          CUDA torch, GPUs, triton, Transformer Engine / apex present or not
+#   2 aot          bench/triton_aot.py --quick for this GPU's arch (ptxas registers / spills)
+#   3 kernel-tests tests/test_triton_kernels.py: it uses CUDA tensors by itself when torch sees a
+#                  GPU (TRITON_INTERPRET unset), so the Triton kernels run compiled, bit-exact vs
+#                  the torch reference
+#   4 bench        bench/bench_quant.py on CUDA: GB/s per kernel and % of the measured
+#                  device-to-device copy bandwidth
+#   5 smoke        1-GPU pretrain_gpt.py, bf16, SDP4Bit flags, mock data, tiny GPT
+#   6 nccl-vs-gloo with >= 2 GPUs: the same 2-rank SDP4Bit run on NCCL (CUDA) and on gloo (CPU
+#                  ranks, the path CI tests), deterministic (CPU init, no dropout, round to
+#                  nearest, whose kernels are bit-identical across backends): per-iteration losses
+#                  must agree within SELFCHECK_LOSS_RTOL (default 0.02 relative; what remains is
+#                  GPU vs CPU bf16 matmul rounding and, when Transformer Engine is installed, TE
+#                  layers on the CUDA side vs megatron-core's local ones on the CPU side)
+#
+# Environment: PYTHON (python3), SELFCHECK_DIR (runs/gpu_selfcheck), SELFCHECK_ITERS (20),
+# SELFCHECK_SIZES (16M,64M), SELFCHECK_LOSS_RTOL (0.02).
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+DRY_RUN=0
+OUT=""
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --dry-run) DRY_RUN=1; shift ;;
+        --out) [[ $# -ge 2 ]] || { echo "gpu_selfcheck: --out needs a file" >&2; exit 2; }
+               OUT=$2; shift 2 ;;
+        -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "gpu_selfcheck: unknown argument '$1' (use --dry-run, --out FILE)" >&2; exit 2 ;;
+    esac
+done
+
+PYTHON=${PYTHON:-python3}
+RUN_DIR=${SELFCHECK_DIR:-runs/gpu_selfcheck}
+ITERS=${SELFCHECK_ITERS:-20}
+SIZES=${SELFCHECK_SIZES:-16M,64M}
+RTOL=${SELFCHECK_LOSS_RTOL:-0.02}
+OUT=${OUT:-$RUN_DIR/gpu_selfcheck.md}
+mkdir -p "$RUN_DIR" "$(dirname "$OUT")"
+# This run's logs only: the report quotes them.
+rm -f "$RUN_DIR"/{env,aot,kernel-tests,bench,smoke,nccl,gloo}.log "$RUN_DIR/nccl-vs-gloo.md"
+# The kernels must be compiled for the GPU, never interpreted; the dispatcher must pick Triton.
+unset TRITON_INTERPRET QUANT_KERNELS
+
+# A tiny GPT a GPU runs in seconds (and 2 CPU ranks in a minute, for the gloo side).
+MODEL=(--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 128
+       --max-position-embeddings 128 --micro-batch-size 4 --global-batch-size 8
+       --mock-data --vocab-size 1024 --make-vocab-size-divisible-by 128
+       --train-iters "$ITERS" --lr 1e-3 --lr-warmup-iters 2 --log-interval 1 --log-throughput
+       --eval-iters 0 --seed 1234)
+SDP4BIT=(--bf16 --use-distributed-optimizer --quantized-weights --quantized-gradients
+         --hadamard-transform --data-parallel-intra-node-size 1)
+# Deterministic and backend-independent numerics for the NCCL vs gloo comparison.
+SAME_NUMERICS=(--use-cpu-initialization --attention-dropout 0 --hidden-dropout 0 --no-stochastic-rounding)
+
+STEPS=(env aot kernel-tests bench smoke nccl-vs-gloo)
+declare -A STATUS SECONDS_TAKEN CMD NOTE
+FAILED=0
+
+log() { echo "[selfcheck] $*"; }
+
+# record STEP STATUS NOTE
+record() {
+    STATUS[$1]=$2
+    NOTE[$1]=${3:-}
+    [[ $2 == FAIL ]] && FAILED=1
+    log "$1: $2${3:+ ($3)}"
+}
+
+# shell_join ARGS...: the command as one copy-pastable line (quotes only where needed).
+shell_join() {
+    local a out=()
+    for a in "$@"; do
+        if [[ $a =~ ^[A-Za-z0-9_./:=,+@%-]+$ ]]; then out+=("$a"); else out+=("$(printf '%q' "$a")"); fi
+    done
+    echo "${out[*]}"
+}
+
+# run_step STEP[:LOG] CMD...: print the command; outside dry runs execute it with its output in
+# $RUN_DIR/LOG.log (LOG defaults to STEP) and show the tail. Returns the command's exit status.
+run_step() {
+    local step=${1%%:*} logname=${1#*:}; shift
+    local idx=0 i
+    for i in "${!STEPS[@]}"; do [[ ${STEPS[$i]} == "$step" ]] && idx=$((i + 1)); done
+    CMD[$step]="$(shell_join "$@")"
+    log "step $idx/${#STEPS[@]} $step: ${CMD[$step]}"
+    if [[ $DRY_RUN == 1 ]]; then
+        return 0
+    fi
+    local t0=$SECONDS rc
+    "$@" > "$RUN_DIR/$logname.log" 2>&1
+    rc=$?
+    SECONDS_TAKEN[$step]=$(( ${SECONDS_TAKEN[$step]:-0} + SECONDS - t0 ))
+    tail -n 15 "$RUN_DIR/$logname.log" | sed 's/^/    /'
+    return $rc
+}
+
+free_port() {
+    "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# Python helpers shared by the real run and the dry run (kept here: one file to copy to a GPU box).
+read -r -d '' PY_ENV <<'PY'
+import importlib.util, json, sys
+import torch
+info = {"torch": torch.__version__, "cuda_build": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(), "gpus": [], "capability": None}
+try:
+    import triton
+    info["triton"] = triton.__version__
+except Exception as exc:  # reported, and step 2/3 will fail with the reason
+    info["triton"] = f"not importable: {exc!r}"
+if info["cuda_available"]:
+    info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    major, minor = torch.cuda.get_device_capability(0)
+    info["capability"] = major * 10 + minor
+    info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+info["transformer_engine"] = importlib.util.find_spec("transformer_engine") is not None
+info["apex"] = importlib.util.find_spec("apex") is not None
+print(json.dumps(info))
+PY
+
+# compare A.jsonl B.jsonl RTOL: per-iteration lm_loss of two --jsonl-log files.
+read -r -d '' PY_COMPARE <<'PY'
+import json, math, sys
+def losses(path):
+    recs = [json.loads(l) for l in open(path, encoding="utf-8") if l.strip()]
+    return {r["iteration"]: r["lm_loss"] for r in recs if r.get("type") == "train"}
+a, b, rtol = losses(sys.argv[1]), losses(sys.argv[2]), float(sys.argv[3])
+its = sorted(set(a) & set(b))
+if not its or set(a) != set(b):
+    sys.exit(f"iterations differ: {sorted(a)} vs {sorted(b)}")
+worst = max(abs(a[i] - b[i]) / abs(b[i]) for i in its)
+bad = [i for i in its if not (math.isfinite(a[i]) and math.isfinite(b[i]))]
+print("| iteration | NCCL (CUDA) | gloo (CPU) | rel. diff |")
+print("|---:|---:|---:|---:|")
+for i in its:
+    print(f"| {i} | {a[i]:.4f} | {b[i]:.4f} | {abs(a[i] - b[i]) / abs(b[i]):.2e} |")
+print(f"\nmax relative difference {worst:.2e} over {len(its)} iterations (tolerance {rtol:g})")
+sys.exit(1 if bad or worst > rtol else 0)
+PY
+
+# Dry run of pretrain_gpt.py for several flag sets in one process: NAME WORLD ARGS... [:: ...]
+read -r -d '' PY_PARSE <<'PY'
+import contextlib, io, json, os, sys
+import pretrain_gpt
+groups, cur = [], []
+for tok in sys.argv[1:]:
+    if tok == "::":
+        groups.append(cur); cur = []
+    else:
+        cur.append(tok)
+groups.append(cur)
+failed = 0
+for name, world, *argv in groups:
+    os.environ.update(WORLD_SIZE=world, RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE=world)
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            rc = pretrain_gpt.main(argv + ["--dry-run"])
+    except SystemExit as exc:
+        rc = exc.code
+    lines = {l.split(" ", 1)[0]: l.split(" ", 1)[1] for l in buf.getvalue().splitlines() if l.startswith("DRY_RUN_")}
+    if rc or "DRY_RUN_QUANT" not in lines:
+        failed = 1
+        print(f"{name}: pretrain_gpt.py --dry-run failed (exit {rc})")
+        continue
+    q, a = json.loads(lines["DRY_RUN_QUANT"]), json.loads(lines["DRY_RUN_ARGS"])
+    dev, backend = a["device"], a["distributed_backend"]
+    bits = "%s/%s" % (q["gradient_quantization_bits_intra"], q["gradient_quantization_bits_inter"])
+    print(f"{name}: flags parse (world {world}, device {dev}, backend {backend}, "
+          f"qWD {q['quantized_weights']}, TLq {q['quantized_gradients']} {bits} bits, "
+          f"Hadamard {q['hadamard_transform']}, stochastic rounding {q['stochastic_rounding']})")
+sys.exit(failed)
+PY
+
+[[ $DRY_RUN == 1 ]] && log "DRY RUN: commands are printed; only the CPU-capable parts run"
+log "repository $ROOT, logs in $RUN_DIR, report $OUT"
+
+# ---- 1 env ------------------------------------------------------------------------------------
+ENV_JSON=""
+CC=90
+NGPU=0
+CMD[env]="$PYTHON -c <torch / triton / TE / apex probe>"
+log "step 1/${#STEPS[@]} env: ${CMD[env]}"
+if ENV_JSON=$("$PYTHON" -c "$PY_ENV" 2> "$RUN_DIR/env.log"); then
+    log "    $ENV_JSON"
+    read -r CUDA_OK NGPU CC_FOUND < <("$PYTHON" -c 'import json, sys; d = json.loads(sys.argv[1]); print(int(d["cuda_available"]), len(d["gpus"]), d["capability"] or 0)' "$ENV_JSON")
+    [[ $CC_FOUND != 0 ]] && CC=$CC_FOUND
+    if [[ $DRY_RUN == 1 ]]; then
+        record env DRY "$( [[ $CUDA_OK == 1 ]] && echo "$NGPU GPU(s), sm_$CC" || echo "no CUDA device here; the real run stops at this step without one")"
+    elif [[ $CUDA_OK == 1 ]]; then
+        record env PASS "$NGPU GPU(s), sm_$CC"
+    else
+        record env FAIL "torch sees no CUDA device (torch.version.cuda is null for a CPU build: install a CUDA torch first, see README '## GPUs')"
+        log "stopping: every later step needs a GPU"
+    fi
+else
+    cat "$RUN_DIR/env.log"
+    record env FAIL "torch does not import"
+fi
+if [[ ${STATUS[env]} == FAIL ]]; then
+    STATUS_STOP=1
+else
+    STATUS_STOP=0
+fi
+
+# ---- 2 aot ------------------------------------------------------------------------------------
+if [[ $STATUS_STOP == 0 ]]; then
+    if run_step aot "$PYTHON" bench/triton_aot.py --quick --targets "sm_$CC"; then
+        if [[ $DRY_RUN == 1 ]]; then
+            if out=$("$PYTHON" bench/triton_aot.py --quick --list --targets "sm_$CC" 2>&1); then
+                record aot DRY "specialisations found: $(echo "$out" | wc -l) (--list; compiling is left to the real run)"
+            else
+                echo "$out"; record aot FAIL "triton_aot.py --list failed"
+            fi
+        else
+            record aot PASS "$(grep -m1 'compiles (' "$RUN_DIR/aot.log")"
+        fi
+    else
+        record aot FAIL "see $RUN_DIR/aot.log"
+    fi
+
+    # ---- 3 kernel-tests -----------------------------------------------------------------------
+    if run_step kernel-tests "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py; then
+        if [[ $DRY_RUN == 1 ]]; then
+            if out=$("$PYTHON" -m pytest -q -p no:cacheprovider --collect-only tests/test_triton_kernels.py 2>&1); then
+                record kernel-tests DRY "$(echo "$out" | grep -Eo '[0-9]+ tests? collected' | head -1) (CUDA tensors when torch.cuda.is_available())"
+            else
+                echo "$out" | tail -20; record kernel-tests FAIL "collection failed"
+            fi
+        else
+            record kernel-tests PASS "$(grep -Eo '[0-9]+ passed[^=]*' "$RUN_DIR/kernel-tests.log" | tail -1) on CUDA tensors"
+        fi
+    else
+        record kernel-tests FAIL "see $RUN_DIR/kernel-tests.log"
+    fi
+
+    # ---- 4 bench ------------------------------------------------------------------------------
+    if run_step bench "$PYTHON" bench/bench_quant.py --sizes "$SIZES" --device cuda --bits 4,8 --group-size 128; then
+        if [[ $DRY_RUN == 1 ]]; then
+            if help=$("$PYTHON" bench/bench_quant.py --help 2>&1) && \
+               grep -q -- --sizes <<< "$help" && grep -q -- --device <<< "$help" && \
+               grep -q -- --bits <<< "$help" && grep -q -- --group-size <<< "$help"; then
+                record bench DRY "bench_quant.py accepts --sizes --device --bits --group-size"
+            else
+                echo "$help" | tail -20; record bench FAIL "bench_quant.py does not accept the flags used"
+            fi
+        else
+            record bench PASS "$(grep -m1 'device-to-device copy' "$RUN_DIR/bench.log")"
+        fi
+    else
+        record bench FAIL "see $RUN_DIR/bench.log"
+    fi
+
+    # ---- 5 smoke ------------------------------------------------------------------------------
+    SMOKE=("${MODEL[@]}" "${SDP4BIT[@]}" --device cuda --jsonl-log "$RUN_DIR/smoke.jsonl")
+    PAIR=("${MODEL[@]}" "${SDP4BIT[@]}" "${SAME_NUMERICS[@]}")
+    NCCL_RUN=("${PAIR[@]}" --device cuda --distributed-backend nccl --jsonl-log "$RUN_DIR/nccl.jsonl")
+    GLOO_RUN=("${PAIR[@]}" --device cpu --distributed-backend gloo --jsonl-log "$RUN_DIR/gloo.jsonl")
+    rm -f "$RUN_DIR/smoke.jsonl" "$RUN_DIR/nccl.jsonl" "$RUN_DIR/gloo.jsonl"
+    if ! run_step smoke "$PYTHON" -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 \
+            --master-port "$(free_port)" pretrain_gpt.py "${SMOKE[@]}"; then
+        record smoke FAIL "see $RUN_DIR/smoke.log"
+    elif [[ $DRY_RUN == 1 ]]; then
+        # The flag sets of steps 5 and 6 parse and validate (pretrain_gpt.py --dry-run, one process).
+        if out=$("$PYTHON" -c "$PY_PARSE" smoke 1 "${SMOKE[@]}" :: nccl 2 "${NCCL_RUN[@]}" \
+                    :: gloo 2 "${GLOO_RUN[@]}" 2>&1); then
+            echo "$out" | grep -E '^(smoke|nccl|gloo):' | sed 's/^/    /'
+            record smoke DRY "the flags of steps 5 and 6 parse (pretrain_gpt.py --dry-run)"
+        else
+            echo "$out" | tail -30
+            record smoke FAIL "pretrain_gpt.py --dry-run refused the flags"
+        fi
+    elif out=$("$PYTHON" - "$RUN_DIR/smoke.jsonl" "$ITERS" 2>&1 <<'PY'
+import json, math, sys
+recs = [json.loads(l) for l in open(sys.argv[1], encoding="utf-8") if l.strip()]
+train = [r for r in recs if r.get("type") == "train"]
+assert len(train) == int(sys.argv[2]), f"{len(train)} train records, expected {sys.argv[2]}"
+assert all(math.isfinite(r["lm_loss"]) for r in train), "non-finite loss"
+tps = sorted(r["tokens_per_s"] for r in train[2:]) or [0.0]
+print(f"loss {train[0]['lm_loss']:.4f} -> {train[-1]['lm_loss']:.4f} in {len(train)} iterations, "
+      f"median {tps[len(tps) // 2]:.0f} tokens/s after 2 warm-up iterations")
+PY
+    ); then
+        record smoke PASS "$out"
+    else
+        record smoke FAIL "$(tail -1 <<< "$out")"
+    fi
+
+    # ---- 6 nccl-vs-gloo -----------------------------------------------------------------------
+    if [[ $DRY_RUN == 0 && $NGPU -lt 2 ]]; then
+        log "step 6/${#STEPS[@]} nccl-vs-gloo: needs 2 GPUs, found $NGPU"
+        record nccl-vs-gloo SKIP "needs >= 2 GPUs, found $NGPU"
+    else
+        ok=1
+        run_step nccl-vs-gloo:nccl "$PYTHON" -m torch.distributed.run --nproc-per-node 2 \
+            --master-addr 127.0.0.1 --master-port "$(free_port)" pretrain_gpt.py "${NCCL_RUN[@]}" || ok=0
+        NCCL_CMD=${CMD[nccl-vs-gloo]}
+        run_step nccl-vs-gloo:gloo env OMP_NUM_THREADS=4 "$PYTHON" -m torch.distributed.run \
+            --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "$(free_port)" pretrain_gpt.py \
+            "${GLOO_RUN[@]}" || ok=0
+        CMD[nccl-vs-gloo]="$NCCL_CMD; then the same with --device cpu --distributed-backend gloo"
+        if [[ $DRY_RUN == 1 ]]; then
+            # The comparison itself: identical logs pass, a 10 % gap fails.
+            printf '{"type": "train", "iteration": 1, "lm_loss": 6.9}\n{"type": "train", "iteration": 2, "lm_loss": 6.5}\n' > "$RUN_DIR/dry_a.jsonl"
+            printf '{"type": "train", "iteration": 1, "lm_loss": 6.9}\n{"type": "train", "iteration": 2, "lm_loss": 7.15}\n' > "$RUN_DIR/dry_b.jsonl"
+            if "$PYTHON" -c "$PY_COMPARE" "$RUN_DIR/dry_a.jsonl" "$RUN_DIR/dry_a.jsonl" "$RTOL" > /dev/null && \
+               ! "$PYTHON" -c "$PY_COMPARE" "$RUN_DIR/dry_a.jsonl" "$RUN_DIR/dry_b.jsonl" "$RTOL" > /dev/null 2>&1; then
+                record nccl-vs-gloo DRY "loss comparison (rtol $RTOL) accepts equal logs and rejects a 10% gap"
+            else
+                record nccl-vs-gloo FAIL "the loss comparison's self-test failed"
+            fi
+            rm -f "$RUN_DIR/dry_a.jsonl" "$RUN_DIR/dry_b.jsonl"
+        elif [[ $ok == 0 ]]; then
+            record nccl-vs-gloo FAIL "a run failed: see $RUN_DIR/nccl.log and $RUN_DIR/gloo.log"
+        elif "$PYTHON" -c "$PY_COMPARE" "$RUN_DIR/nccl.jsonl" "$RUN_DIR/gloo.jsonl" "$RTOL" > "$RUN_DIR/nccl-vs-gloo.md" 2>&1; then
+            record nccl-vs-gloo PASS "$(tail -1 "$RUN_DIR/nccl-vs-gloo.md")"
+        else
+            record nccl-vs-gloo FAIL "$(tail -1 "$RUN_DIR/nccl-vs-gloo.md")"
+        fi
+    fi
+fi
+for s in "${STEPS[@]}"; do
+    [[ -n ${STATUS[$s]:-} ]] || record "$s" SKIP "not run: no GPU"
+done
+
+# ---- report -------------------------------------------------------------------------------------
+{
+    echo "### GPU self-check ($(date -u '+%Y-%m-%d %H:%M UTC')$( [[ $DRY_RUN == 1 ]] && echo ', DRY RUN: nothing measured'))"
+    echo
+    echo "\`bash scripts/gpu_selfcheck.sh$( [[ $DRY_RUN == 1 ]] && echo ' --dry-run')\` on $(hostname): \`${ENV_JSON:-torch did not import}\`"
+    echo
+    echo "| step | status | s | command / result |"
+    echo "|---|---|---:|---|"
+    for s in "${STEPS[@]}"; do
+        echo "| $s | ${STATUS[$s]} | ${SECONDS_TAKEN[$s]:--} | \`${CMD[$s]:-}\`<br>${NOTE[$s]:-} |"
+    done
+    if [[ $DRY_RUN == 0 && -f $RUN_DIR/bench.log ]]; then
+        echo; echo "bench/bench_quant.py (\`%copy\` = moved bytes / device-to-device copy bandwidth):"
+        echo; echo '```'; grep -v '^\s*$' "$RUN_DIR/bench.log" | tail -n 60; echo '```'
+    fi
+    if [[ $DRY_RUN == 0 && -f $RUN_DIR/aot.log ]]; then
+        echo; echo "bench/triton_aot.py --quick on this GPU's arch:"
+        echo; echo '```'; cat "$RUN_DIR/aot.log"; echo '```'
+    fi
+    if [[ $DRY_RUN == 0 && -f $RUN_DIR/nccl-vs-gloo.md ]]; then
+        echo; echo "NCCL (CUDA) vs gloo (CPU ranks), 2 ranks, SDP4Bit, round to nearest:"
+        echo; cat "$RUN_DIR/nccl-vs-gloo.md"
+    fi
+} > "$OUT"
+log "report written to $OUT"
+if [[ $FAILED == 1 ]]; then
+    log "FAILED: $(for s in "${STEPS[@]}"; do [[ ${STATUS[$s]} == FAIL ]] && printf '%s ' "$s"; done)"
+    exit 1
+fi
+log "all steps passed$( [[ $DRY_RUN == 1 ]] && echo ' (dry run)')"
+exit 0

@@ -18,7 +18,8 @@
 #
 # Extra arguments are passed through to pretrain_gpt.py (one run).  Environment overrides:
 #   DATA_DIR (data/quickstart)  RUN_DIR (runs/quickstart/<name>)  RUN_NAME (baseline, or derived
-#   from the extra args)  NPROC (2)  TRAIN_ITERS (100)  CORPUS_BYTES (4000000)  VOCAB_SIZE (8192)
+#   from the extra args)  NPROC (2)  TRAIN_ITERS (100)  LOG_INTERVAL (10)  CORPUS_BYTES (4000000)
+#   VOCAB_SIZE (8192)
 #   PYTHON (python)  TORCHRUN ("$PYTHON -m torch.distributed.run")  RUNS_ROOT (runs/quickstart)
 set -euo pipefail
 
@@ -36,6 +37,7 @@ TRAIN_ITERS=${TRAIN_ITERS:-100}
 CORPUS_BYTES=${CORPUS_BYTES:-4000000}
 VOCAB_SIZE=${VOCAB_SIZE:-8192}
 PREPROCESS_WORKERS=${PREPROCESS_WORKERS:-2}
+LOG_INTERVAL=${LOG_INTERVAL:-10}
 
 RUNS_ROOT=${RUNS_ROOT:-runs/quickstart}
 
@@ -96,7 +98,7 @@ DATA_ARGS=(
     --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE"
 )
 OUTPUT_ARGS=(
-    --log-interval 10 --eval-interval 50 --eval-iters 5 --save-interval 50
+    --log-interval "$LOG_INTERVAL" --eval-interval 50 --eval-iters 5 --save-interval 50
 )
 
 SDP4BIT_ARGS=(--quantized-weights --quantized-gradients --hadamard-transform

@@ -16,69 +16,40 @@ from __future__ import annotations
 import io
 import os
 import tempfile
-import time
-import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from dist_harness import free_port, init_process_group, shutdown_process_group
+
+import dist_harness
 
 SEQ = 16
 VOCAB = 128
 MBS = 2
-JOIN_TIMEOUT_S = int(os.environ.get("QUANT_TEST_TIMEOUT_S", "170"))
 
 
 # ------------------------------------------------------------------------------------------------
 # harness (also used by tests/test_grad_accum.py)
 # ------------------------------------------------------------------------------------------------
 
-def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable[[int, int], Dict[str, Any]]) -> None:
+def _in_cpu_mode(rank: int, world: int, fn: Callable[[int, int], Dict[str, Any]]) -> Dict[str, Any]:
+    """``fn(rank, world)`` with megatron-core's CPU mode on and TP = PP = 1."""
     os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    init_process_group(rank, world, port)
-    try:
-        from megatron.training.cpu_mode import enable_cpu_mode
+    from megatron.training.cpu_mode import enable_cpu_mode
 
-        enable_cpu_mode()
-        from megatron.core import parallel_state
+    enable_cpu_mode()
+    from megatron.core import parallel_state
 
-        parallel_state.initialize_model_parallel(1, 1)
-        results = fn(rank, world)
-    except BaseException:
-        torch.save({"__error__": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
-        raise
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    shutdown_process_group()  # final barrier: rank 0 hosts the store, it must not leave first
+    parallel_state.initialize_model_parallel(1, 1)
+    return fn(rank, world)
 
 
 def run_distributed(fn: Callable[[int, int], Dict[str, Any]], world: int) -> List[Dict[str, Any]]:
-    """Run ``fn(rank, world)`` on ``world`` spawned gloo ranks; return each rank's result dict.
-
-    Joins with a deadline so a collective mismatch fails the test instead of hanging it."""
+    """Run ``fn(rank, world)`` on ``world`` spawned gloo ranks (tests/dist_harness.py: deadline,
+    every rank's error reported, final barrier); return each rank's result dict."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), out_dir, fn), nprocs=world,
-                                 join=False, start_method="spawn")
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        try:
-            while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"distributed test did not finish in {JOIN_TIMEOUT_S}s")
-        except BaseException:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            errors = []
-            for r in range(world):
-                path = os.path.join(out_dir, f"rank{r}.pt")
-                if os.path.exists(path):
-                    errors.append(torch.load(path, weights_only=False).get("__error__", ""))
-            raise AssertionError("worker failed:\n" + "\n".join(e for e in errors if e))
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
-                for r in range(world)]
+        return dist_harness.run_distributed(world, _in_cpu_mode, out_dir, fn)
 
 
 def build(qkw: Optional[Dict[str, Any]] = None, ddpkw: Optional[Dict[str, Any]] = None,

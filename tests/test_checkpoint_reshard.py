@@ -39,7 +39,7 @@ def test_torch_dist_resume_is_bit_exact_with_sdp4bit_loco(tmp_path: Path, run_pr
                              "--save-interval", "4", "--exit-interval", "4"]))
     assert (ckpt / "iter_0000004" / "metadata.json").is_file()  # megatron-core's format
     assert sorted(os.listdir(ckpt / "iter_0000004" / "rank_state")) == [
-        "rank_00000.pt", "rank_00001.pt"]
+        "tp00_pp000_dp00000.pt", "tp00_pp000_dp00001.pt"]
     res = run_pretrain(args + ["--jsonl-log", str(resumed), "--load", str(ckpt)])
     _ok(res)
     assert "loaded checkpoint from" in res.stdout and "resharded" not in res.stdout
@@ -93,10 +93,18 @@ def test_torch_dist_quantization_switched_on_and_off_at_resume(tmp_path: Path,
     _ok(res)
     assert "has no quantization state (written without quantization)" in res.stdout
     assert "loaded checkpoint from" in res.stdout and "iterations: 8" in res.stdout
-    res = run_pretrain(BASE + ["--train-iters", "10", "--load", str(quant)])
+    # LoCo switched off: its error buffers do not apply to the new setting.
+    res = run_pretrain(BASE + SDP4BIT_LOCO[:-1] + ["--data-parallel-intra-node-size", "1",
+                                                   "--train-iters", "10", "--load", str(quant),
+                                                   "--save", str(quant), "--ckpt-format",
+                                                   "torch_dist"])
+    _ok(res)
+    assert "quantization state re-derived for changed settings (--loco True -> False)" \
+        in res.stdout
+    res = run_pretrain(BASE + ["--train-iters", "12", "--load", str(quant)])
     _ok(res)
     assert "this run does not quantize: ignored" in res.stdout
-    assert " iteration       10/" in res.stdout
+    assert " iteration       12/" in res.stdout
 
 
 def test_torch_format_refuses_another_layout_naming_it(tmp_path: Path, run_pretrain) -> None:

@@ -436,10 +436,28 @@ def _load_quantization_state(args: argparse.Namespace, model: List[torch.nn.Modu
         log(" > the checkpoint has no quantization state (written without quantization): "
             "stochastic-rounding generators start from --seed, LoCo error buffers from zero")
         integration.reset_quantization_state(model, iteration)
-    elif not same_layout:
-        log(" > quantization state re-derived for the new layout: stochastic-rounding generators "
+        return
+    changed = _changed_quantization_settings(saved, args.quant_config)
+    if not same_layout or changed:
+        why = "the new layout" if not same_layout else f"changed settings ({', '.join(changed)})"
+        log(f" > quantization state re-derived for {why}: stochastic-rounding generators "
             "restart from --seed, qWD references are the loaded weights, LoCo error buffers "
             "restart from zero (they belong to the old ranks' gradient streams)")
         integration.reset_quantization_state(model, iteration)
     else:
         integration.load_quantization_state_dict(model, saved)
+
+
+STATE_SHAPING_SETTINGS = (
+    "quantized_gradients", "quantized_weights", "weight_quantization_mode", "gq_group_size_intra",
+    "gq_group_size_inter", "wq_group_size", "hadamard_transform", "hadamard_block_size", "loco",
+    "loco_error_bits", "data_parallel_intra_node_size")
+"""Quantization settings that change the saved state's buckets, shapes or meaning (LoCo errors
+in the Hadamard domain or not): a checkpoint saved under others is re-derived, not loaded."""
+
+
+def _changed_quantization_settings(saved: Dict[str, Any], cfg: Any) -> List[str]:
+    """``--flag old -> new`` for each state-shaping setting that differs from the checkpoint's."""
+    saved_cfg = (saved.get("runtimes") or [{}])[0].get("config") or {}
+    return [f"--{k.replace('_', '-')} {saved_cfg[k]} -> {getattr(cfg, k)}"
+            for k in STATE_SHAPING_SETTINGS if k in saved_cfg and saved_cfg[k] != getattr(cfg, k)]

@@ -10,7 +10,7 @@ parallel with the ``torch_dist`` strategy and resharded on load to whatever layo
 run has.
 
 What is not a tensor of the model's global space is per rank, and lives beside megatron-core's
-files in ``{iter_dir}/rank_state/rank_{global_rank:05d}.pt``: RNG states and the quantization
+files in ``{iter_dir}/rank_state/tp{tp:02d}_pp{pp:03d}_dp{dp:05d}.pt``: RNG states and the quantization
 state (stochastic-rounding generators, LoCo error buffers), each with the layout it was written
 under.  On load, :func:`load` compares that layout with the run's:
 
@@ -107,27 +107,32 @@ def save(directory: str, args: argparse.Namespace, model: List[torch.nn.Module],
     dcp.save(state, directory)  # default sharded strategy: torch_dist
     rank_dir = os.path.join(directory, RANK_STATE_DIR)
     os.makedirs(rank_dir, exist_ok=True)
-    path = os.path.join(rank_dir, f"rank_{torch.distributed.get_rank():05d}.pt")
-    torch.save({"layout": run_layout(), **per_rank}, path + ".part")
+    layout = run_layout()
+    path = _rank_state_path(directory, layout["tp_rank"], layout["pp_rank"], layout["dp_rank"])
+    torch.save({"layout": layout, **per_rank}, path + ".part")
     os.replace(path + ".part", path)
 
 
-def _per_rank_state(directory: str, layout: Dict[str, int]) -> Tuple[Dict[str, Any], bool]:
-    """This rank's file if the layout is unchanged, else DP rank 0's of the same (TP, PP).
+def _rank_state_path(directory: str, tp_rank: int, pp_rank: int, dp_rank: int) -> str:
+    """Named by parallel coordinates, so a loader finds the file it needs without listing."""
+    return os.path.join(directory, RANK_STATE_DIR,
+                        f"tp{tp_rank:02d}_pp{pp_rank:03d}_dp{dp_rank:05d}.pt")
 
-    Returns (state, same_layout)."""
-    rank_dir = os.path.join(directory, RANK_STATE_DIR)
-    own = os.path.join(rank_dir, f"rank_{torch.distributed.get_rank():05d}.pt")
-    if os.path.isfile(own):
-        state = torch.load(own, map_location="cpu", weights_only=False)
-        if state.get("layout") == layout:
-            return state, True
-    dims = ("tp", "pp", "tp_rank", "pp_rank")
-    for name in sorted(os.listdir(rank_dir)) if os.path.isdir(rank_dir) else []:
-        state = torch.load(os.path.join(rank_dir, name), map_location="cpu", weights_only=False)
-        saved = state.get("layout", {})
-        if saved.get("dp_rank") == 0 and all(saved.get(k) == layout[k] for k in dims):
-            return state, False
+
+def _per_rank_state(directory: str, layout: Dict[str, int]) -> Tuple[Dict[str, Any], bool]:
+    """This rank's file if the layout is unchanged, else DP rank 0's of the same (TP, PP) rank
+    (Megatron seeds all DP ranks of a (TP, PP) rank alike). Returns (state, same_layout)."""
+    def read(dp_rank: int) -> Dict[str, Any]:
+        path = _rank_state_path(directory, layout["tp_rank"], layout["pp_rank"], dp_rank)
+        return torch.load(path, map_location="cpu", weights_only=False) \
+            if os.path.isfile(path) else {}
+
+    own = read(layout["dp_rank"])
+    if own and all(own["layout"].get(k) == layout[k] for k in ("tp", "pp", "dp")):
+        return own, True
+    first = read(0)
+    if first and all(first["layout"].get(k) == layout[k] for k in ("tp", "pp")):
+        return first, False
     return {}, False
 
 

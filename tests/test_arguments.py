@@ -316,3 +316,49 @@ def test_data_blend_forms():
     assert data_blend(["data/a_text_document"]) == (["data/a_text_document"], None)
     assert data_blend(["a", "b"]) == (["a", "b"], None)
     assert data_blend(["0.3", "a", "0.7", "b"]) == (["a", "b"], [0.3, 0.7])
+
+
+def test_megatron_gradient_reduction_knobs_resolve_in_one_place() -> None:
+    """--grad-reduce-in-bf16 / --ddp-reduce-scatter-with-fp32-accumulation /
+    --ddp-average-in-collective: Megatron-LM's names, their DDP config, and every contradiction
+    refused naming both flags."""
+    from megatron.training.training import build_ddp_config
+
+    base = BASE + ["--global-batch-size", "8", "--bf16", "--use-distributed-optimizer"]
+    args = parse_args(base + ["--grad-reduce-in-bf16", "--ddp-reduce-scatter-with-fp32-accumulation",
+                              "--overlap-grad-reduce"])
+    assert (args.grad_accum_dtype, args.accumulate_allreduce_grads_in_fp32) == ("bf16", False)
+    ddp = build_ddp_config(args)
+    assert (ddp.grad_reduce_in_fp32, ddp.reduce_scatter_with_fp32_accumulation,
+            ddp.average_in_collective) == (False, True, False)
+    ddp = build_ddp_config(parse_args(base + ["--grad-reduce-in-bf16", "--ddp-average-in-collective"]))
+    assert (ddp.grad_reduce_in_fp32, ddp.average_in_collective) == (False, True)
+    assert build_ddp_config(parse_args(base)).grad_reduce_in_fp32 is True  # Megatron's default
+
+    def refused(*extra: str) -> str:
+        with pytest.raises(ArgumentError) as err:
+            validate_args(parse_args(BASE + ["--global-batch-size", "8"] + list(extra),
+                                     validate=False))
+        return str(err.value)
+
+    assert "--grad-reduce-in-bf16 needs --bf16" in refused("--grad-reduce-in-bf16")
+    assert "--grad-reduce-in-bf16 contradicts --grad-accum-dtype fp32" in refused(
+        "--bf16", "--grad-reduce-in-bf16", "--grad-accum-dtype", "fp32")
+    assert "contradicts --accumulate-allreduce-grads-in-fp32" in refused(
+        "--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32")
+    assert "needs --use-distributed-optimizer" in refused(
+        "--bf16", "--grad-reduce-in-bf16", "--ddp-reduce-scatter-with-fp32-accumulation")
+    assert "add --grad-reduce-in-bf16" in refused(
+        "--bf16", "--use-distributed-optimizer", "--ddp-reduce-scatter-with-fp32-accumulation")
+    assert "contradicts --ddp-average-in-collective" in refused(
+        "--bf16", "--use-distributed-optimizer", "--grad-reduce-in-bf16",
+        "--ddp-reduce-scatter-with-fp32-accumulation", "--ddp-average-in-collective")
+    assert "contradicts --quantized-gradients" in refused(
+        "--bf16", "--use-distributed-optimizer", "--grad-reduce-in-bf16", "--quantized-gradients",
+        "--ddp-reduce-scatter-with-fp32-accumulation", "--data-parallel-intra-node-size", "1")
+    assert "--ddp-average-in-collective: megatron-core DDP options; --paro-strategy NIG" in refused(
+        "--bf16", "--paro-strategy", "NIG", "--ddp-average-in-collective")
+    # Quantized gradients with bf16 accumulation (the same as --grad-accum-dtype bf16) is fine.
+    q = parse_args(base + ["--grad-reduce-in-bf16", "--quantized-gradients",
+                           "--data-parallel-intra-node-size", "1"])
+    assert q.quant_config.grad_accum_dtype == "bf16"

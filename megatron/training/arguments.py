@@ -152,6 +152,15 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
                    help="Overlap the gradient reduce(-scatter) with the backward pass.")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="Overlap the distributed optimizer's param all-gather with the forward pass.")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="Accumulate and reduce gradients in bf16 instead of fp32 (Megatron-LM; "
+                        "needs --bf16; the same as --grad-accum-dtype bf16).")
+    g.add_argument("--ddp-reduce-scatter-with-fp32-accumulation", action="store_true",
+                   help="megatron-core's reduce-scatter that sends bf16 and sums in fp32 (needs "
+                        "--use-distributed-optimizer and bf16 gradients; the unquantized path).")
+    g.add_argument("--ddp-average-in-collective", action="store_true",
+                   help="Average gradients inside the collective instead of scaling them before "
+                        "it (megatron-core's average_in_collective).")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="Elements per DDP bucket (default megatron-core's); with a PaRO-engine "
                         "strategy, the cap on a gather/reduce-scatter bucket (default one per "
@@ -318,6 +327,47 @@ def flags_given(args: argparse.Namespace) -> FrozenSet[str]:
     return frozenset(k for k, v in vars(args).items() if k in defaults and v != defaults[k])
 
 
+def _resolve_gradient_reduction(args: argparse.Namespace, given: FrozenSet[str]) -> None:
+    """The one place Megatron-LM's gradient-reduction knobs meet ours.
+
+    ``--grad-reduce-in-bf16`` is Megatron-LM's name for what ``--grad-accum-dtype bf16`` says
+    (megatron-core has one grad buffer: the dtype gradients accumulate in is the dtype they are
+    reduced in); it becomes ``--grad-accum-dtype bf16``, and an explicit fp32 request contradicts
+    it.  ``--ddp-reduce-scatter-with-fp32-accumulation`` is megatron-core's bf16-wire / fp32-sum
+    reduce-scatter: it needs the distributed optimizer and bf16 gradients, and the quantized
+    reduce-scatter (``--quantized-gradients``) replaces it, so the two are refused together; it
+    only sums, so it also excludes ``--ddp-average-in-collective``, which otherwise combines with
+    everything (the quantized collectives divide after their fp32 sum).  PaRO-engine strategies have their own collectives: refused there.
+    """
+    if args.grad_reduce_in_bf16:
+        _require(args.bf16, "--grad-reduce-in-bf16 needs --bf16")
+        _require(args.grad_accum_dtype != "fp32",
+                 "--grad-reduce-in-bf16 contradicts --grad-accum-dtype fp32")
+        _require("accumulate_allreduce_grads_in_fp32" not in given,
+                 "--grad-reduce-in-bf16 contradicts --accumulate-allreduce-grads-in-fp32")
+        args.grad_accum_dtype = "bf16"
+    if args.ddp_reduce_scatter_with_fp32_accumulation:
+        flag = "--ddp-reduce-scatter-with-fp32-accumulation"
+        _require(args.use_distributed_optimizer, f"{flag} needs --use-distributed-optimizer")
+        _require(args.grad_accum_dtype == "bf16",
+                 f"{flag} sends bf16 gradients: add --grad-reduce-in-bf16 (or --grad-accum-dtype "
+                 "bf16)")
+        _require(not (args.quantized_gradients or args.quantized_grad_bits is not None),
+                 f"{flag} contradicts --quantized-gradients: the quantized reduce-scatter "
+                 "replaces megatron-core's")
+        _require(not args.ddp_average_in_collective,
+                 f"{flag} contradicts --ddp-average-in-collective: megatron-core 0.16.1's fp32-"
+                 "accumulating reduce-scatter only sums")
+    mcore_only = [f for f, on in (("--ddp-reduce-scatter-with-fp32-accumulation",
+                                    args.ddp_reduce_scatter_with_fp32_accumulation),
+                                   ("--ddp-average-in-collective", args.ddp_average_in_collective))
+                   if on]
+    _require(not (mcore_only and args.paro_strategy is not None
+                  and (args.paro_strategy == PARO_AUTO or uses_paro_engine(args.paro_strategy))),
+             f"{', '.join(mcore_only)}: megatron-core DDP options; --paro-strategy "
+             f"{args.paro_strategy} may train on the PaRO engine, which has its own collectives")
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ArgumentError(msg)
@@ -376,6 +426,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     import torch
 
     args.params_dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
+    _resolve_gradient_reduction(args, flags_given(args))
     if args.grad_accum_dtype == "bf16":
         _require(args.bf16, "--grad-accum-dtype bf16 needs --bf16")
         _require(not args.accumulate_allreduce_grads_in_fp32,

@@ -77,6 +77,9 @@ def build_ddp_config(args: argparse.Namespace):
                   overlap_grad_reduce=args.overlap_grad_reduce,
                   overlap_param_gather=args.overlap_param_gather,
                   use_distributed_optimizer=args.use_distributed_optimizer,
+                  reduce_scatter_with_fp32_accumulation=(
+                      args.ddp_reduce_scatter_with_fp32_accumulation),
+                  average_in_collective=args.ddp_average_in_collective,
                   check_for_nan_in_grad=False)
     if args.ddp_bucket_size is not None:
         kwargs["bucket_size"] = args.ddp_bucket_size

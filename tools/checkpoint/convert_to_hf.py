@@ -412,6 +412,12 @@ class _Taker:
         self.used.add(key)
         return self.sd[key]
 
+    def bias_or_zeros(self, key: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The bias ``key``, or zeros of length ``n`` where the model was trained without one
+        (``--disable-bias-linear``) but the HF layout has a bias slot."""
+        b = self(key, required=False)
+        return b if b is not None else torch.zeros(n, dtype=dtype)
+
     def left(self) -> List[str]:
         return sorted(set(self.sd) - self.used)
 
@@ -457,8 +463,7 @@ def to_gpt2(args: argparse.Namespace, sd: Dict[str, torch.Tensor],
                                    "transformer.wpe.weight": take("embedding.position_embeddings.weight")}
 
     def bias(key: str, n: int) -> torch.Tensor:
-        b = take(key, required=False)
-        return b if b is not None else torch.zeros(n, dtype=emb.dtype)
+        return take.bias_or_zeros(key, n, emb.dtype)
 
     for i in range(args.num_layers):
         p, o = f"decoder.layers.{i}.", f"transformer.h.{i}."
@@ -505,8 +510,7 @@ def to_llama(args: argparse.Namespace, sd: Dict[str, torch.Tensor],
     hf: Dict[str, torch.Tensor] = {"model.embed_tokens.weight": emb}
 
     def bias_or_zeros(key: str, n: int) -> torch.Tensor:
-        b = take(key, required=False)
-        return b if b is not None else torch.zeros(n, dtype=emb.dtype)
+        return take.bias_or_zeros(key, n, emb.dtype)
 
     for i in range(args.num_layers):
         p, o = f"decoder.layers.{i}.", f"model.layers.{i}."

@@ -19,7 +19,8 @@ import time
 import warnings
 from typing import Callable, FrozenSet, List, NoReturn, Optional, Tuple
 
-from megatron.distributed.quant.arguments import add_quantization_args, check_flag_dependencies
+from megatron.distributed.quant.arguments import (add_quantization_args, check_flag_dependencies,
+                                                  gradients_quantized)
 from megatron.distributed.quant.paro import AUTO as PARO_AUTO
 from megatron.distributed.quant.paro import add_paro_args, check_trainable, resolve_group_size
 from megatron.distributed.quant.paro_engine import quantization_support_error, uses_paro_engine
@@ -352,7 +353,7 @@ def _resolve_gradient_reduction(args: argparse.Namespace, given: FrozenSet[str])
         _require(args.grad_accum_dtype == "bf16",
                  f"{flag} sends bf16 gradients: add --grad-reduce-in-bf16 (or --grad-accum-dtype "
                  "bf16)")
-        _require(not (args.quantized_gradients or args.quantized_grad_bits is not None),
+        _require(not gradients_quantized(args),
                  f"{flag} contradicts --quantized-gradients: the quantized reduce-scatter "
                  "replaces megatron-core's")
         _require(not args.ddp_average_in_collective,

@@ -80,15 +80,16 @@ def add_quantization_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     return parser
 
 
-def _gradients_on(args: Any) -> bool:
+def gradients_quantized(args: Any) -> bool:
+    """``--quantized-gradients`` or its short form ``--quantized-grad-bits N`` is given."""
     return bool(args.quantized_gradients) or args.quantized_grad_bits is not None
 
 
 SWITCHES: Dict[str, Tuple[str, Callable[[Any], bool]]] = {
     "weights": ("--quantized-weights", lambda a: bool(a.quantized_weights)),
-    "gradients": ("--quantized-gradients (or --quantized-grad-bits N)", _gradients_on),
+    "gradients": ("--quantized-gradients (or --quantized-grad-bits N)", gradients_quantized),
     "any": ("--quantized-weights or --quantized-gradients",
-            lambda a: bool(a.quantized_weights) or _gradients_on(a)),
+            lambda a: bool(a.quantized_weights) or gradients_quantized(a)),
     "hadamard": ("--hadamard-transform", lambda a: bool(a.hadamard_transform)),
     "loco": ("--loco", lambda a: bool(a.loco)),
 }

@@ -350,3 +350,44 @@ def test_backend_dispatch(monkeypatch) -> None:
     monkeypatch.setenv("QUANT_KERNELS", "bogus")
     with pytest.raises(ValueError, match="QUANT_KERNELS"):
         K.backend_for(x)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_pipeline_chunks_round_like_the_whole_call(backend: str, monkeypatch) -> None:
+    """--gradient-alltoall-pipeline: chunks of the middle requantization, each called with the
+    generator state of the whole call and its NoiseIndex, give the whole call's codes and scales
+    (stochastic rounding included) and leave the generator where the whole call leaves it."""
+    monkeypatch.setenv("QUANT_KERNELS", backend)
+    m, s, d, gs = 2, 512, 2, 128
+    x = torch.randn(d * m * s, generator=torch.Generator().manual_seed(3))
+    q = K.quantize(x, 8, 128, stochastic=False)
+    g = torch.Generator().manual_seed(5)
+    whole = K.dequantize_sum_requantize(q, d, 4, group_size_out=gs, generator=g)
+    after_whole = g.get_state()
+    for edges in ([0, 256, 512], [0, 128, 384, 512]):
+        g = torch.Generator().manual_seed(5)
+        start = g.get_state()
+        for a, b in zip(edges[:-1], edges[1:]):
+            codes = q.codes.view(d, m, s)[:, :, a:b].reshape(-1)
+            scales = q.scales.view(d, m, s // 128)[:, :, a // 128:b // 128].reshape(-1)
+            chunk = K.QuantizedTensor(codes, scales, 8, 128, d * m * (b - a))
+            g.set_state(start)
+            r = K.dequantize_sum_requantize(chunk, d, 4, group_size_out=gs, generator=g,
+                                            noise_index=K.NoiseIndex(b - a, s, a, m * s))
+            assert torch.equal(r.codes.view(m, -1), whole.codes.view(m, -1)[:, a // 2:b // 2])
+            assert torch.equal(r.scales.view(m, -1), whole.scales.view(m, -1)[:, a // gs:b // gs])
+        assert torch.equal(g.get_state(), after_whole)
+    # without the map a chunk draws other noise: the map is what makes them agree
+    g = torch.Generator().manual_seed(5)
+    codes = q.codes.view(d, m, s)[:, :, 256:512].reshape(-1)
+    scales = q.scales.view(d, m, s // 128)[:, :, 2:4].reshape(-1)
+    plain = K.dequantize_sum_requantize(K.QuantizedTensor(codes, scales, 8, 128, d * m * 256), d,
+                                        4, group_size_out=gs, generator=g)
+    assert not torch.equal(plain.codes.view(m, -1), whole.codes.view(m, -1)[:, 128:256])
+
+
+def test_noise_index_must_fit() -> None:
+    q = K.quantize(torch.randn(2 * 256), 8, 128, stochastic=False)
+    with pytest.raises(ValueError, match="noise index"):
+        K.dequantize_sum_requantize(q, 2, 4, group_size_out=128,
+                                    noise_index=K.NoiseIndex(100, 512, 0, 1024))

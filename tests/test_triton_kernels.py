@@ -221,3 +221,22 @@ def test_errors_match_reference() -> None:
         K.quantize(x, 4, 128, hadamard=True, hadamard_block=24)
     with pytest.raises(ValueError, match="num_sources"):
         K.dequantize_sum(R.quantize(x, 4, 128), 3)
+
+
+def test_pipeline_chunks_round_like_the_whole_call() -> None:
+    """The Triton middle-hop kernel honours NoiseIndex: pipeline chunks (--gradient-alltoall-
+    pipeline), each from the whole call's generator state, give the whole call's stochastic codes."""
+    m, s, d, gs = 2, 256, 2, 64
+    x = torch.randn(d * m * s, generator=torch.Generator().manual_seed(3)).to(DEV)
+    q = T.quantize(x, 8, 64, stochastic=False)
+    whole = T.dequantize_sum_requantize(q, d, 4, group_size_out=gs,
+                                        generator=torch.Generator().manual_seed(5))
+    for a, b in ((0, 128), (128, 256)):
+        codes = q.codes.view(d, m, s)[:, :, a:b].reshape(-1)
+        scales = q.scales.view(d, m, s // 64)[:, :, a // 64:b // 64].reshape(-1)
+        chunk = K.QuantizedTensor(codes, scales, 8, 64, d * m * (b - a))
+        r = T.dequantize_sum_requantize(chunk, d, 4, group_size_out=gs,
+                                        generator=torch.Generator().manual_seed(5),
+                                        noise_index=K.NoiseIndex(b - a, s, a, m * s))
+        assert torch.equal(r.codes.view(m, -1), whole.codes.view(m, -1)[:, a // 2:b // 2])
+        assert torch.equal(r.scales.view(m, -1), whole.scales.view(m, -1)[:, a // gs:b // gs])

@@ -33,10 +33,10 @@ import torch
 
 from . import reference as _ref
 from .hadamard import hadamard_matrix, hadamard_transform, inverse_hadamard_transform
-from .reference import NonFiniteError, QuantizedTensor, SUPPORTED_BITS, pack, unpack
+from .reference import NoiseIndex, NonFiniteError, QuantizedTensor, SUPPORTED_BITS, pack, unpack
 
 __all__ = [
-    "QuantizedTensor", "NonFiniteError", "SUPPORTED_BITS",
+    "QuantizedTensor", "NonFiniteError", "NoiseIndex", "SUPPORTED_BITS",
     "quantize", "dequantize", "pack", "unpack",
     "hadamard_transform", "inverse_hadamard_transform", "hadamard_matrix",
     "quantize_partitions", "dequantize_sum_requantize", "dequantize_sum",
@@ -183,11 +183,14 @@ def quantize_partitions(x: torch.Tensor, num_partitions: int, partition_order: S
 
 def dequantize_sum_requantize(q: QuantizedTensor, num_sources: int, bits_out: int, *,
                               group_size_out: Optional[int] = None, stochastic: bool = True,
-                              generator: Optional[torch.Generator] = None) -> QuantizedTensor:
-    """Middle hop: dequantize ``num_sources`` equal chunks, fp32 sum in source order, requantize."""
+                              generator: Optional[torch.Generator] = None,
+                              noise_index: Optional[NoiseIndex] = None) -> QuantizedTensor:
+    """Middle hop: dequantize ``num_sources`` equal chunks, fp32 sum in source order, requantize.
+    ``noise_index``: the call is a pipeline chunk of a larger one and rounds like it
+    (:class:`~.reference.NoiseIndex`)."""
     return _impl(q.codes).dequantize_sum_requantize(
         q, num_sources, bits_out, group_size_out=group_size_out, stochastic=stochastic,
-        generator=generator)
+        generator=generator, noise_index=noise_index)
 
 
 def dequantize_sum(q: QuantizedTensor, num_sources: int, *, hadamard: bool = False,

@@ -428,7 +428,7 @@ inline int64_t tile_len(int64_t hb) {
 
 extern "C" {
 
-int sdp4bit_cpu_abi_version() { return 1; }
+int sdp4bit_cpu_abi_version() { return 2; }
 
 // Quantize numel elements of x (dtype dx; with r != nullptr: reference.dtype(x) - r, r of dtype
 // dr) in groups of gs. hb > 1: Hadamard on aligned blocks of hb first. slot_of != nullptr:
@@ -478,10 +478,13 @@ int64_t sdp4bit_quantize(const void* x, int dx, const void* r, int dr, int64_t n
 
 // Middle hop: sum the num_sources chunks of n elements (codes_in/scales_in, bits_in, gs_in) in fp32
 // and requantize to bits_out with gs_out (random stream indexed by the output element index).
+// Noise index map (a pipeline chunk of a larger call): output element i draws the noise of element
+// (i / part_len) * part_stride + base + i % part_len of the whole call; part_len = n, base = 0 is
+// the identity. part_len is a multiple of gs_out, so a group never straddles two parts.
 void sdp4bit_dsum_requant(const uint8_t* codes_in, const float* scales_in, int bits_in,
                           int64_t gs_in, int64_t n, int64_t num_sources, int bits_out,
-                          int64_t gs_out, int stochastic, uint64_t seed, uint8_t* codes,
-                          float* scales) {
+                          int64_t gs_out, int stochastic, uint64_t seed, int64_t part_len,
+                          int64_t part_stride, int64_t base, uint8_t* codes, float* scales) {
   if (n <= 0) return;
   const int64_t ng = n / gs_out;
   const int64_t bpg = gs_out * bits_out / 8;
@@ -491,7 +494,9 @@ void sdp4bit_dsum_requant(const uint8_t* codes_in, const float* scales_in, int b
   std::vector<int8_t> cbuf(static_cast<size_t>(gs_out));
   for (int64_t g = 0; g < ng; ++g) {
     sum_sources(bits_in, codes_in, scales_in, gs_in, n, num_sources, g * gs_out, gs_out, buf.data());
-    qf(buf.data(), gs_out, static_cast<uint64_t>(g * gs_out), rng, cbuf.data(), codes + g * bpg,
+    const int64_t off = g * gs_out;
+    const int64_t noise_off = (off / part_len) * part_stride + base + off % part_len;
+    qf(buf.data(), gs_out, static_cast<uint64_t>(noise_off), rng, cbuf.data(), codes + g * bpg,
        scales + g);
   }
 }

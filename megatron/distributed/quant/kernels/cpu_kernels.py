@@ -48,7 +48,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("cpu_kernels.cpp")
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _LOCK = threading.Lock()
@@ -119,7 +119,8 @@ def _build() -> ctypes.CDLL:
     lib.sdp4bit_quantize.restype = I64
     lib.sdp4bit_quantize.argtypes = [P, I, P, I, I64, I, I64, I, U64, I64, P, I64, I, P, P]
     lib.sdp4bit_dsum_requant.restype = None
-    lib.sdp4bit_dsum_requant.argtypes = [P, P, I, I64, I64, I64, I, I64, I, U64, P, P]
+    lib.sdp4bit_dsum_requant.argtypes = [P, P, I, I64, I64, I64, I, I64, I, U64, I64, I64, I64,
+                                         P, P]
     lib.sdp4bit_dsum.restype = None
     lib.sdp4bit_dsum.argtypes = [P, P, I, I64, I64, I64, I64, I, F, I, P, I]
     lib.sdp4bit_dequant_add.restype = None
@@ -357,20 +358,30 @@ def dequantize_sum(q: QuantizedTensor, num_sources: int, *, hadamard: bool = Fal
 
 def dequantize_sum_requantize(q: QuantizedTensor, num_sources: int, bits_out: int, *,
                               group_size_out: Optional[int] = None, stochastic: bool = True,
-                              generator: Optional[torch.Generator] = None) -> QuantizedTensor:
+                              generator: Optional[torch.Generator] = None,
+                              noise_index: Optional[_ref.NoiseIndex] = None) -> QuantizedTensor:
     """C++ version of :func:`reference.dequantize_sum_requantize` (no fp32 intermediate)."""
-    n, gs = _ref._check_dequantize_sum_requantize(q, num_sources, bits_out, group_size_out)
+    n, gs = _ref._check_dequantize_sum_requantize(q, num_sources, bits_out, group_size_out,
+                                                  noise_index)
     if not _ok(q.scales) or q.codes.device.type != "cpu":
         return _ref.dequantize_sum_requantize(q, num_sources, bits_out, group_size_out=gs,
-                                              stochastic=stochastic, generator=generator)
+                                              stochastic=stochastic, generator=generator,
+                                              noise_index=noise_index)
     codes_in, scales_in = _qparts(q)
     codes = torch.empty(n * bits_out // 8, dtype=torch.uint8)
     scales = torch.empty(n // gs, dtype=torch.float32)
     seed = _seed(stochastic, generator)
     _LIB.sdp4bit_dsum_requant(codes_in.data_ptr(), scales_in.data_ptr(), q.bits, q.group_size, n,
                               num_sources, bits_out, gs, int(bool(stochastic)), seed,
-                              codes.data_ptr(), scales.data_ptr())
+                              *_noise_map(noise_index, n), codes.data_ptr(), scales.data_ptr())
     return QuantizedTensor(codes, scales, bits_out, gs, n)
+
+
+def _noise_map(noise_index: Optional[_ref.NoiseIndex], n: int) -> tuple:
+    """(part_len, part_stride, base) of the kernels' noise index map; the identity without one."""
+    if noise_index is None:
+        return (max(n, 1), 0, 0)
+    return (noise_index.part_len, noise_index.part_stride, noise_index.base)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -221,20 +221,62 @@ def draw_seed(generator: Optional[torch.Generator], low: int, high: int) -> int:
                              device=dev).item())
 
 
-def _round(v: torch.Tensor, stochastic: bool, generator: Optional[torch.Generator]) -> torch.Tensor:
+@dataclass(frozen=True)
+class NoiseIndex:
+    """Where a pipeline chunk sits in the random stream of the whole call it was cut from.
+
+    Element ``i`` of the chunk draws the stochastic-rounding noise of element
+    ``(i // part_len) * part_stride + base + i % part_len`` of the whole call (``total``
+    elements). Called with the generator state the whole call would start from, the chunks of a
+    split call therefore round exactly like the whole call, whatever the number of chunks
+    (``--gradient-alltoall-pipeline``). The C++ and Triton kernels hash the mapped index; the
+    reference draws the whole call's ``torch.rand`` and picks the chunk's values.
+    """
+
+    part_len: int
+    """Chunk elements per part (a multiple of the output group size)."""
+    part_stride: int
+    """Distance between two parts in the whole call."""
+    base: int
+    """Offset of the chunk inside each part of the whole call."""
+    total: int
+    """Elements of the whole call."""
+
+    def check(self, n: int, group_size: int) -> None:
+        if (self.part_len <= 0 or n % self.part_len or self.part_len % group_size
+                or self.base < 0 or self.base + self.part_len > self.part_stride
+                or (n // self.part_len - 1) * self.part_stride + self.base + self.part_len
+                > self.total):
+            raise ValueError(f"noise index {self} does not fit a chunk of {n} elements with "
+                             f"group size {group_size}")
+
+    def indices(self, n: int, device: torch.device) -> torch.Tensor:
+        i = torch.arange(n, dtype=torch.int64, device=device)
+        return (i // self.part_len) * self.part_stride + self.base + i % self.part_len
+
+
+def _round(v: torch.Tensor, stochastic: bool, generator: Optional[torch.Generator],
+           noise_index: Optional[NoiseIndex] = None) -> torch.Tensor:
     lo = torch.floor(v)
     frac = v - lo
     if stochastic:
         # The trainer's generators live on the host (a seed draw from a CUDA generator would
         # sync the stream); the reference then draws there and copies.
         dev = generator.device if generator is not None else v.device
-        u = torch.rand(v.shape, generator=generator, device=dev, dtype=torch.float32).to(v.device)
+        if noise_index is None:
+            u = torch.rand(v.shape, generator=generator, device=dev, dtype=torch.float32)
+        else:
+            whole = torch.rand(noise_index.total, generator=generator, device=dev,
+                               dtype=torch.float32)
+            u = whole[noise_index.indices(v.numel(), whole.device)].view(v.shape)
+        u = u.to(v.device)
         return lo + (u < frac).to(torch.float32)
     return lo + (frac >= 0.5).to(torch.float32)
 
 
 def _quantize_groups(xg: torch.Tensor, bits: int, stochastic: bool,
-                     generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+                     generator: Optional[torch.Generator],
+                     noise_index: Optional[NoiseIndex] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """xg: fp32 [groups, group_size] -> (int8 codes [groups, group_size], fp32 scales [groups])."""
     qmax = float(_qmax(bits))
     amax = xg.abs().amax(dim=1)
@@ -249,7 +291,7 @@ def _quantize_groups(xg: torch.Tensor, bits: int, stochastic: bool,
     scales = torch.where(ok, torch.ones_like(inv_safe) / inv_safe, bad_scale)
     v = xg * inv_safe[:, None]
     v = torch.where(ok[:, None], v, torch.zeros_like(v))  # 0 * inf = NaN guard
-    q = _round(v, stochastic, generator)
+    q = _round(v, stochastic, generator, noise_index)
     q = q.clamp_(-(qmax + 1), qmax)
     return q.to(torch.int8), scales
 
@@ -362,13 +404,16 @@ def _check_sources(q: QuantizedTensor, num_sources: int, what: str) -> int:
 
 
 def _check_dequantize_sum_requantize(q: QuantizedTensor, num_sources: int, bits_out: int,
-                                    group_size_out: Optional[int]) -> Tuple[int, int]:
+                                    group_size_out: Optional[int],
+                                    noise_index: Optional[NoiseIndex] = None) -> Tuple[int, int]:
     """Validation shared by every backend's ``dequantize_sum_requantize``; returns (chunk size,
     output group size)."""
     n = _check_sources(q, num_sources, "dequantize_sum_requantize")
     gs = q.group_size if group_size_out is None else group_size_out
     _check_bits(bits_out)
     _check_group(n, gs, bits_out)
+    if noise_index is not None:
+        noise_index.check(n, gs)
     return n, gs
 
 
@@ -394,11 +439,14 @@ def _sum_sources(q: QuantizedTensor, num_sources: int, n: int) -> torch.Tensor:
 
 def dequantize_sum_requantize(q: QuantizedTensor, num_sources: int, bits_out: int, *,
                               group_size_out: Optional[int] = None, stochastic: bool = True,
-                              generator: Optional[torch.Generator] = None) -> QuantizedTensor:
-    """Dequantize ``num_sources`` chunks, fp32-sum them in order, requantize (middle hop)."""
-    n, gs = _check_dequantize_sum_requantize(q, num_sources, bits_out, group_size_out)
+                              generator: Optional[torch.Generator] = None,
+                              noise_index: Optional[NoiseIndex] = None) -> QuantizedTensor:
+    """Dequantize ``num_sources`` chunks, fp32-sum them in order, requantize (middle hop).
+    ``noise_index``: this call is a pipeline chunk of a larger one (:class:`NoiseIndex`)."""
+    n, gs = _check_dequantize_sum_requantize(q, num_sources, bits_out, group_size_out, noise_index)
     acc = _sum_sources(q, num_sources, n)
-    codes, scales = _quantize_groups(acc.view(-1, gs), bits_out, stochastic, generator)
+    codes, scales = _quantize_groups(acc.view(-1, gs), bits_out, stochastic, generator,
+                                     noise_index)
     return QuantizedTensor(pack(codes, bits_out), scales, bits_out, gs, n)
 
 

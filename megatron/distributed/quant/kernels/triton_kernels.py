@@ -201,11 +201,13 @@ def _quantize_kernel(x_ptr, ref_ptr, codes_ptr, scales_ptr, slot_ptr, nonfinite_
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed per launch: never a new compile
 def _dsum_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, seed,
-                         n, num_groups_out, num_sources,
+                         n, num_groups_out, num_sources, part_len, part_stride, base,
                          GS_IN: tl.constexpr, BITS_IN: tl.constexpr,
                          GS: tl.constexpr, GP: tl.constexpr, R: tl.constexpr,
                          BITS: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """Sum the dequantized source chunks (order 0..S-1, fp32) and requantize per output group."""
+    """Sum the dequantized source chunks (order 0..S-1, fp32) and requantize per output group.
+    The noise of output element i is that of element (i // part_len) * part_stride + base +
+    i % part_len of the whole call (reference.NoiseIndex; part_len = n, base = 0: identity)."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     pid = tl.program_id(0)
     g = pid.to(tl.int64) * R + tl.arange(0, R)
@@ -218,7 +220,8 @@ def _dsum_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, s
     for _s in range(num_sources):
         acc = acc + _load_deq(codes_ptr, scales_ptr, src, m, BITS_IN, GS_IN)
         src = src + n
-    q, scale = _quant_tile(acc, idx.to(tl.int32), seed, QMAX, STOCHASTIC)
+    noise_idx = (idx // part_len) * part_stride + base + idx % part_len
+    q, scale = _quant_tile(acc, noise_idx.to(tl.int32), seed, QMAX, STOCHASTIC)
     tl.store(out_scales_ptr + g, scale, mask=gmask)
     _store_packed(out_codes_ptr, q, g, R, GS, GP, BITS, gmask)
 
@@ -414,9 +417,14 @@ def dequantize_sum(q: QuantizedTensor, num_sources: int, *, hadamard: bool = Fal
 
 def dequantize_sum_requantize(q: QuantizedTensor, num_sources: int, bits_out: int, *,
                               group_size_out: Optional[int] = None, stochastic: bool = True,
-                              generator: Optional[torch.Generator] = None) -> QuantizedTensor:
+                              generator: Optional[torch.Generator] = None,
+                              noise_index: Optional[_ref.NoiseIndex] = None) -> QuantizedTensor:
     """Triton version of :func:`reference.dequantize_sum_requantize` (no fp32 intermediate)."""
-    n, gs = _ref._check_dequantize_sum_requantize(q, num_sources, bits_out, group_size_out)
+    n, gs = _ref._check_dequantize_sum_requantize(q, num_sources, bits_out, group_size_out,
+                                                  noise_index)
+    part_len, part_stride, base = ((max(n, 1), 0, 0) if noise_index is None else
+                                   (noise_index.part_len, noise_index.part_stride,
+                                    noise_index.base))
     ng = n // gs
     dev = q.codes.device
     codes = torch.empty(n * bits_out // 8, dtype=torch.uint8, device=dev)
@@ -426,8 +434,8 @@ def dequantize_sum_requantize(q: QuantizedTensor, num_sources: int, bits_out: in
     seed = _seed(stochastic, generator)
     if ng > 0:
         _dsum_requant_kernel[(triton.cdiv(ng, rows),)](
-            q.codes, q.scales, codes, scales, seed, n, ng, num_sources,
-            GS_IN=q.group_size, BITS_IN=q.bits, GS=gs, GP=gp, R=rows, BITS=bits_out,
+            q.codes, q.scales, codes, scales, seed, n, ng, num_sources, part_len, part_stride,
+            base, GS_IN=q.group_size, BITS_IN=q.bits, GS=gs, GP=gp, R=rows, BITS=bits_out,
             STOCHASTIC=bool(stochastic), enable_fp_fusion=False)
     return QuantizedTensor(codes, scales, bits_out, gs, n)
 

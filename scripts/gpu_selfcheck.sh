@@ -18,7 +18,8 @@
 #   4 bench        bench/bench_quant.py on CUDA: GB/s per kernel and % of the measured
 #                  device-to-device copy bandwidth
 #   5 smoke        1-GPU pretrain_gpt.py, bf16, SDP4Bit flags, mock data, tiny GPT
-#   6 nccl-vs-gloo with >= 2 GPUs: the same 2-rank SDP4Bit run on NCCL (CUDA) and on gloo (CPU
+#   6 nccl-vs-gloo with >= 2 GPUs: the same 2-rank SDP4Bit run, overlap flags and
+#                  --gradient-alltoall-pipeline 2 on (CUDA communication streams), on NCCL (CUDA) and on gloo (CPU
 #                  ranks, the path CI tests), deterministic (CPU init, no dropout, round to
 #                  nearest, whose kernels are bit-identical across backends): per-iteration losses
 #                  must agree within SELFCHECK_LOSS_RTOL (default 0.02 relative; what remains is
@@ -269,7 +270,11 @@ if [[ $STATUS_STOP == 0 ]]; then
 
     # ---- 5 smoke ------------------------------------------------------------------------------
     SMOKE=("${MODEL[@]}" "${SDP4BIT[@]}" --device cuda --jsonl-log "$RUN_DIR/smoke.jsonl")
-    PAIR=("${MODEL[@]}" "${SDP4BIT[@]}" "${SAME_NUMERICS[@]}")
+    # Overlap on, several buckets, pipelined hops: on CUDA this exercises the communication
+    # streams (megatron/distributed/quant/streams.py), on gloo the worker threads.
+    OVERLAP=(--overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 200000
+             --gradient-alltoall-pipeline 2)
+    PAIR=("${MODEL[@]}" "${SDP4BIT[@]}" "${SAME_NUMERICS[@]}" "${OVERLAP[@]}")
     NCCL_RUN=("${PAIR[@]}" --device cuda --distributed-backend nccl --jsonl-log "$RUN_DIR/nccl.jsonl")
     GLOO_RUN=("${PAIR[@]}" --device cpu --distributed-backend gloo --jsonl-log "$RUN_DIR/gloo.jsonl")
     rm -f "$RUN_DIR/smoke.jsonl" "$RUN_DIR/nccl.jsonl" "$RUN_DIR/gloo.jsonl"

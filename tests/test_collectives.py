@@ -164,19 +164,27 @@ def _scenario(rank: int, world: int, intra_sizes: list) -> dict:
                 r["n"] = n
 
             # --- reproducibility, stochasticity, async == sync ----------------------------------
-            outs = []
-            for seed, async_op in ((5, False), (5, False), (6, False), (5, True)):
+            # --- and pipeline chunks (--gradient-alltoall-pipeline) on worker stages ---------
+            outs, gens_after = [], []
+            for seed, async_op, k in ((5, False, 1), (5, False, 1), (6, False, 1), (5, True, 1),
+                                      (5, False, 3), (5, True, 5)):
                 o = torch.empty(n // p)
                 gen = torch.Generator().manual_seed(seed * 100 + rank)
-                h = two_level_reduce_scatter(x, o, g, hadamard=ht, generator=gen, async_op=async_op, **kw)
+                h = two_level_reduce_scatter(x, o, g, hadamard=ht, generator=gen, async_op=async_op,
+                                             pipeline=k, **kw)
                 if async_op:
                     assert isinstance(h, PendingReduceScatter)
                     h.wait()
                     h.wait()  # idempotent
                 outs.append(o)
+                gens_after.append(gen.get_state())
             r[f"repro_{tag}"] = bool(torch.equal(outs[0], outs[1]))
             r[f"reseed_differs_{tag}"] = not bool(torch.equal(outs[0], outs[2]))
             r[f"async_equal_{tag}"] = bool(torch.equal(outs[0], outs[3]))
+            r[f"pipeline_equal_{tag}"] = all(torch.equal(outs[0], o) for o in outs[4:])
+            # the next bucket's draws do not depend on the pipeline either
+            r[f"pipeline_generator_equal_{tag}"] = all(torch.equal(gens_after[0], s_)
+                                                       for s_ in gens_after[4:])
 
         # --- output aliasing the own shard of the input (in-place, as in the grad bucket) --------
         x = _exact_input(g.node, g.local, d, n, False)
@@ -210,16 +218,26 @@ def _weights(g: TwoLevelGroups, n_w: int, steps: int) -> dict:
     gens = {k: torch.Generator().manual_seed(31 + me) for k in recon}
     acc = CommAccounting()
     out = {"diff_err": [], "direct_err": [], "replicas_identical": True, "update_amax": 0.0}
+    # the overlapped gather (--overlap-param-gather: async on the weights stage) is the same
+    recon_async = master.to(torch.bfloat16)
+    gen_async = torch.Generator().manual_seed(31 + me)
+    out["async_gather_equal"] = True
     for _ in range(steps):
         upd = torch.randn(n_w, generator=wg) * 1e-3
         master += upd
         out["update_amax"] = max(out["update_amax"], float(upd.abs().max()))
+        handle = quantized_all_gather(master[me * s:(me + 1) * s].clone(), recon_async,
+                                      recon_async, g.dp_group, mode="diff", bits=4,
+                                      group_size=WQ_GS, generator=gen_async, async_op=True)
+        handle.wait()  # before the next collective on the same group (one issuer per group)
         for mode in ("diff", "direct"):
             res = quantized_all_gather(master[me * s:(me + 1) * s], recon[mode], recon[mode],
                                        g.dp_group, mode=mode, bits=4, group_size=WQ_GS,
                                        generator=gens[mode], accounting=acc if mode == "diff" else None,
                                        link_of_peer=g.link_of_peer)
             assert res is recon[mode]
+            if mode == "diff":
+                out["async_gather_equal"] &= bool(torch.equal(recon_async, recon["diff"]))
             gathered = [torch.empty_like(recon[mode]) for _ in range(p)]
             dist.all_gather(gathered, recon[mode], group=g.dp_group)
             if not all(torch.equal(gathered[0], t) for t in gathered):
@@ -388,6 +406,8 @@ def test_reproducible_stochastic_and_async(res2, res4):
                 assert r[f"repro_{tag}"], (key, tag)
                 assert r[f"reseed_differs_{tag}"], (key, tag)
                 assert r[f"async_equal_{tag}"], (key, tag)
+                assert r[f"pipeline_equal_{tag}"], (key, tag)
+                assert r[f"pipeline_generator_equal_{tag}"], (key, tag)
 
 
 def test_nan_raises_on_every_rank(res2, res4):
@@ -399,6 +419,7 @@ def test_qwd_tracks_master_weights_and_beats_direct(res2, res4):
     for key, rs in _all(res2, res4):
         for r in rs:
             assert r["replicas_identical"], key
+            assert r["async_gather_equal"], key
             diff, direct = r["diff_err"], r["direct_err"]
             # no accumulation: the error after 40 steps is of the size of one step's quantization
             # error (<= amax(update)/7 per group, plus bf16 rounding of the weights)

@@ -36,6 +36,13 @@ def test_intervals_sum_to_totals_with_overlapped_param_gather(tmp_path: Path, ru
         assert sum(r.get(key, 0.0) for r in train + final) == summary[key], key
     for key in ("skipped_iterations", "nan_iterations"):
         assert sum(r[key] for r in train + final) == summary[key]
+    # Total vs exposed communication time per iteration (streams.CommTiming) is in every line.
+    for r in train:
+        for key in ("comm_grad_intra_ms", "comm_grad_inter_ms", "comm_grad_exposed_ms",
+                    "comm_weight_ms", "comm_weight_exposed_ms"):
+            assert r[key] >= 0.0, (key, r)
+        assert r["comm_grad_intra_ms"] > 0.0 and r["comm_weight_ms"] > 0.0
+    assert "comm_grad_exposed_ms: " in res.stdout
     # The log lines alone miss gathers: the lines at iterations 2 and 4 saw 3 of the 5 (each
     # update's gather runs in the next iteration's forward).
     assert sum(r["weight_calls"] for r in train) == 3 and summary["weight_calls"] == 5

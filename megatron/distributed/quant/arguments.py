@@ -52,6 +52,11 @@ def add_quantization_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     group.add_argument("--hadamard-block-size", type=int, default=32,
                        help="Hadamard block (power of two dividing both gradient group sizes; "
                             "needs --hadamard-transform).")
+    group.add_argument("--gradient-alltoall-pipeline", type=int, default=1,
+                       help="Split each bucket's quantized reduce-scatter into K chunks so the "
+                            "intra-node exchange of chunk i+1 overlaps the inter-node exchange of "
+                            "chunk i (the SDP4Bit reference's name; numerics do not depend on K; "
+                            "needs --quantized-gradients).")
     group.add_argument("--gradients-quantization-start-iteration", type=int, default=0,
                        help="Use the exact reduce-scatter before this iteration (needs "
                             "--quantized-gradients).")
@@ -104,6 +109,7 @@ REQUIRES: Dict[str, Tuple[str, str]] = {
     "gq_group_size_intra": ("--gq-group-size-intra", "gradients"),
     "gq_group_size_inter": ("--gq-group-size-inter", "gradients"),
     "hadamard_transform": ("--hadamard-transform", "gradients"),
+    "gradient_alltoall_pipeline": ("--gradient-alltoall-pipeline", "gradients"),
     "gradients_quantization_start_iteration": ("--gradients-quantization-start-iteration",
                                                "gradients"),
     "loco": ("--loco", "gradients"),

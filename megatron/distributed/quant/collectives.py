@@ -40,21 +40,23 @@ and stop them from averaging out.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .accounting import CommAccounting
-from .kernels import (NonFiniteError, QuantizedTensor, all_finite, dequantize, dequantize_add,
-                      dequantize_sum, dequantize_sum_requantize, quantize, quantize_difference,
-                      quantize_partitions)
+from .kernels import (NoiseIndex, NonFiniteError, QuantizedTensor, all_finite, backend_for,
+                      count_nonfinite, dequantize,
+                      dequantize_add, dequantize_sum, dequantize_sum_requantize, quantize,
+                      quantize_difference, quantize_partitions)
+from .streams import INLINE, CommStreams, Job
 from .topology import TwoLevelGroups
 
 __all__ = [
     "two_level_reduce_scatter", "quantized_all_gather", "required_padding_multiple",
-    "required_padding_multiple_from_config", "swizzle_order", "PendingReduceScatter",
-    "NonFiniteError",
+    "required_padding_multiple_from_config", "swizzle_order", "PendingCollective",
+    "PendingReduceScatter", "pipeline_bounds", "NonFiniteError",
 ]
 
 GRAD_COLLECTIVE = "grad_reduce_scatter"
@@ -135,7 +137,14 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, op: An
 
 
 def note_nonfinite(x: torch.Tensor, flag: torch.Tensor) -> None:
-    """``flag = max(flag, 1 if x holds NaN/Inf else 0)`` on ``x``'s device: no host sync."""
+    """``flag = max(flag, 1 if x holds NaN/Inf else 0)`` on ``x``'s device: no host sync.
+
+    CPU tensors (nothing to sync with) use the one-pass C++ counter when it is loaded: 20x less
+    time than ``torch.isfinite(x).all()`` and its N-byte temporary, on every bucket of a step."""
+    if x.device.type == "cpu" and flag.device.type == "cpu" and backend_for(x) == "cpp":
+        if count_nonfinite(x):
+            flag.fill_(1.0)
+        return
     bad = torch.isfinite(x).all().logical_not().to(flag.dtype)
     torch.maximum(flag, bad, out=flag)
 
@@ -151,14 +160,14 @@ def _agree_finite(x: torch.Tensor, group, what: str) -> None:
         raise NonFiniteError(f"{what}: a rank's input holds NaN/Inf; no data was exchanged (skip this step)")
 
 
-def _all_to_all(q: QuantizedTensor, group, async_op: bool = False):
-    """Equal-split all-to-all of codes then scales; returns (received QuantizedTensor, works)."""
+def _exchange(q: QuantizedTensor, group) -> QuantizedTensor:
+    """Equal-split all-to-all of codes then scales (blocking: it runs on a stage of
+    :mod:`.streams`, or inline)."""
     codes = torch.empty_like(q.codes)
     scales = torch.empty_like(q.scales)
-    w1 = dist.all_to_all_single(codes, q.codes, group=group, async_op=async_op)
-    w2 = dist.all_to_all_single(scales, q.scales, group=group, async_op=async_op)
-    works = [w for w in (w1, w2) if w is not None]
-    return QuantizedTensor(codes, scales, q.bits, q.group_size, q.numel), works
+    dist.all_to_all_single(codes, q.codes, group=group)
+    dist.all_to_all_single(scales, q.scales, group=group)
+    return QuantizedTensor(codes, scales, q.bits, q.group_size, q.numel)
 
 
 def _write_result(src_fp32: torch.Tensor, output: torch.Tensor) -> None:
@@ -175,32 +184,68 @@ def _unswizzle(slots: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
     return slots.view(p, -1).index_select(0, idx).reshape(-1)
 
 
-class PendingReduceScatter:
-    """Handle returned by :func:`two_level_reduce_scatter` with ``async_op=True``.
+class PendingCollective:
+    """Handle of an asynchronous quantized collective (``async_op=True``): :meth:`wait` returns
+    once the output holds the result, re-raising a failure of any of its jobs (idempotent).
 
-    Design choice (simple and correct, no background thread): the input is quantized and the
-    first hop's all-to-alls are issued asynchronously at call time; :meth:`wait` waits for them
-    and runs the rest (middle requantize, second hop, final reduction into ``output``)
-    synchronously. So only the first hop overlaps with the caller's compute. The input has been
-    fully read when the call returns (it may be reused, and ``output`` may alias its own shard);
-    ``output`` is valid only after :meth:`wait`.
-    """
+    The input must stay untouched until then (the stages read it), and the output must not be
+    read before: megatron-core's bucket handles guarantee both."""
 
-    def __init__(self, works: list, finish: Callable[[], None]) -> None:
-        self._works = works
-        self._finish: Optional[Callable[[], None]] = finish
+    def __init__(self, jobs: Sequence[Job]) -> None:
+        self._jobs = list(jobs)
 
     def wait(self) -> None:
-        """Finish the collective; idempotent."""
-        if self._finish is None:
-            return
-        for w in self._works:
-            w.wait()
-        finish, self._finish = self._finish, None
-        finish()
+        for job in self._jobs:
+            job.wait()
 
     def is_completed(self) -> bool:
-        return self._finish is None
+        return all(job.is_completed() for job in self._jobs)
+
+
+PendingReduceScatter = PendingCollective
+"""The handle :func:`two_level_reduce_scatter` returns with ``async_op=True``."""
+
+_ASYNC_STREAMS: dict = {}
+
+
+def _runner(async_op: bool, streams: Optional[CommStreams], device: torch.device) -> CommStreams:
+    """Inline without overlap; else the caller's streams (by default one process-wide set per
+    device: worker threads for CPU, CUDA streams for a GPU)."""
+    if not async_op:
+        return INLINE
+    if streams is not None:
+        return streams
+    key = str(device)
+    if key not in _ASYNC_STREAMS:
+        _ASYNC_STREAMS[key] = CommStreams.for_device(device)
+    return _ASYNC_STREAMS[key]
+
+
+def pipeline_bounds(shard_numel: int, unit: int, chunks: int) -> List[Tuple[int, int]]:
+    """``[a, b)`` sub-ranges of a destination shard for ``--gradient-alltoall-pipeline``.
+
+    ``min(chunks, shard_numel // unit)`` nearly equal runs of whole ``unit``s (the lcm of the
+    hops' group sizes): every chunk holds whole quantization groups of every hop, so chunking
+    never changes which elements share a group (nor, with :class:`NoiseIndex`, their rounding)."""
+    units = shard_numel // unit
+    k = max(1, min(int(chunks), units))
+    edges = [unit * (y * units // k) for y in range(k + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _row_slice(q: QuantizedTensor, rows: int, a: int, b: int) -> QuantizedTensor:
+    """Elements ``[a, b)`` of each of ``rows`` equal rows of ``q`` (a contiguous copy, or ``q``
+    itself for whole rows); ``a`` and ``b`` are multiples of ``q.group_size``."""
+    row = q.numel // rows
+    if a == 0 and b == row:
+        return q
+    codes = q.codes.view(rows, -1)[:, a * q.bits // 8:b * q.bits // 8].contiguous().view(-1)
+    scales = q.scales.view(rows, -1)[:, a // q.group_size:b // q.group_size].contiguous().view(-1)
+    return QuantizedTensor(codes, scales, q.bits, q.group_size, rows * (b - a))
+
+
+def _quantized_bytes(numel: int, bits: int, group_size: int) -> int:
+    return numel * bits // 8 + numel // group_size * 4
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,8 +258,9 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
                              generator: Optional[torch.Generator] = None, stochastic: bool = True,
                              accounting: Optional[CommAccounting] = None, error_feedback=None,
                              async_op: bool = False, check_finite: bool = True,
-                             nonfinite_flag: Optional[torch.Tensor] = None,
-                             name: str = GRAD_COLLECTIVE) -> Optional[PendingReduceScatter]:
+                             nonfinite_flag: Optional[torch.Tensor] = None, pipeline: int = 1,
+                             streams: Optional[CommStreams] = None,
+                             name: str = GRAD_COLLECTIVE) -> Optional[PendingCollective]:
     """Quantized reduce-scatter: ``output`` (N/P elements) = sum over DP ranks of ``input``'s
     shard ``dp_rank`` — the layout of ``dist.reduce_scatter_tensor(output, input, dp_group)``.
 
@@ -225,6 +271,18 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
     caller's own shard of ``input`` (SDP4Bit writes in place into the grad bucket): the input is
     fully consumed by the first quantization before anything is written.
 
+    ``pipeline`` (``--gradient-alltoall-pipeline``): the exchanges run in that many chunks
+    (:func:`pipeline_bounds` of every destination shard), so the intra hop of chunk y+1 overlaps
+    the inter hop of chunk y. The first quantization is one call for the whole bucket and every
+    chunk of the middle requantization rounds as the whole call would (:class:`NoiseIndex`, the
+    generator state restored per chunk): the result is bit-identical for every ``pipeline``.
+    With LoCo the middle hop needs the whole intra sum (E2 is one buffer), so only the inter hop
+    is chunked.
+
+    ``async_op`` runs the steps on ``streams`` (:mod:`.streams`: worker threads on CPU, CUDA
+    streams on GPU; a process-wide set if None) and returns a :class:`PendingCollective`; else
+    they run inline and None is returned. Same steps, same order: the result does not depend on it.
+
     ``generator`` lives on the host or on ``input``'s device (the stochastic rounding draws from
     it: ``torch.rand`` in the torch reference, one seed per kernel call in the C++ / Triton
     kernels; the trainer's are host generators, so a draw never syncs the device).
@@ -232,9 +290,6 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
     it is what lets every rank raise :class:`NonFiniteError` together instead of deadlocking.
     ``nonfinite_flag`` replaces it with the deferred contract (module docstring): no check here,
     the flag records this rank's verdict for the caller's once-per-step agreement.
-
-    Returns None, or with ``async_op=True`` a :class:`PendingReduceScatter` whose ``wait()``
-    completes the collective.
     """
     if not input.is_contiguous():
         raise ValueError("input must be a contiguous buffer (a flat gradient bucket)")
@@ -254,14 +309,14 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
             f"bucket of {n} elements is not divisible by {mult} (P={p} x group sizes "
             f"{group_size_intra}/{group_size_inter} for D={d}, M={m}); pad the bucket with "
             f"required_padding_multiple()")
+    if int(pipeline) < 1:
+        raise ValueError(f"pipeline must be >= 1, got {pipeline}")
 
     if p == 1:
         output.copy_(x.view(output.shape))
         return None
 
-    if nonfinite_flag is not None:
-        note_nonfinite(x, nonfinite_flag)
-    elif check_finite:
+    if nonfinite_flag is None and check_finite:
         _agree_finite(x, groups.dp_group, "two_level_reduce_scatter")
 
     two_level = d > 1 and m > 1
@@ -270,56 +325,104 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
     else:
         bits1, gs1, group1, size1 = bits_inter, group_size_inter, groups.inter_group, m
     order = swizzle_order(d, m)
+    shard = n // p
+    bounds = pipeline_bounds(shard, math.lcm(gs1, group_size_inter) if two_level else gs1,
+                             pipeline)
+    if len(bounds) > 1 and not output.is_contiguous():
+        raise ValueError("a pipelined reduce-scatter needs a contiguous output shard")
+    out_flat = output.view(-1) if output.is_contiguous() else None
+    ef = error_feedback
+    gen = generator if generator is not None else torch.default_generator
 
-    # ---- hop 1: [E1] -> [Hadamard] -> quantize into destination-major slots ------------------
-    h = x
-    if error_feedback is not None:
-        h = error_feedback.compensate("e1", x, group_size=gs1)
-    q1 = quantize_partitions(h, p, order, bits1, gs1, stochastic=stochastic, generator=generator,
-                             hadamard=hadamard, hadamard_block=hadamard_block, check_finite=False)
-    if error_feedback is not None:
-        sent = dequantize(q1, hadamard=hadamard, hadamard_block=hadamard_block)
-        error_feedback.update("e1", h, _unswizzle(sent, order) if two_level else sent)
-    if accounting is not None:
+    if accounting is not None:  # sizes are known now: record in the caller's thread
         accounting.record_baseline(name, kind="grad", numel=n, elem_size=x.element_size(), dp_size=p,
                                    peers_intra=d - 1, peers_inter=p - d)
-        accounting.record_all_to_all(name, kind="grad", total_bytes=q1.nbytes, total_elements=n,
-                                     group_size=size1, peers_intra=size1 - 1 if d > 1 else 0,
+        accounting.record_all_to_all(name, kind="grad", total_bytes=_quantized_bytes(n, bits1, gs1),
+                                     total_elements=n, group_size=size1,
+                                     peers_intra=size1 - 1 if d > 1 else 0,
                                      peers_inter=0 if d > 1 else size1 - 1)
-    recv1, works = _all_to_all(q1, group1, async_op=async_op)
+        if two_level:
+            accounting.record_all_to_all(
+                name, kind="grad", total_bytes=_quantized_bytes(n // d, bits_inter, group_size_inter),
+                total_elements=n // d, group_size=m, peers_intra=0, peers_inter=m - 1)
 
-    def finish() -> None:
-        if not two_level:
-            _final(recv1, size1)
-            return
-        # ---- middle: dequantize + sum D sources [+E2] -> requantize to inter bits/group ----
-        if error_feedback is None:
-            q2 = dequantize_sum_requantize(recv1, d, bits_inter, group_size_out=group_size_inter,
-                                           stochastic=stochastic, generator=generator)
-        else:
-            s = dequantize_sum(recv1, d)  # transformed domain when Hadamard is on
-            h2 = error_feedback.compensate("e2", s, group_size=group_size_inter)
-            q2 = quantize(h2, bits_inter, group_size_inter, stochastic=stochastic,
-                          generator=generator, check_finite=False)
-            error_feedback.update("e2", h2, dequantize(q2))
-        if accounting is not None:
-            accounting.record_all_to_all(name, kind="grad", total_bytes=q2.nbytes,
-                                         total_elements=n // d, group_size=m, peers_intra=0,
-                                         peers_inter=m - 1)
-        recv2, _ = _all_to_all(q2, groups.inter_group)
-        _final(recv2, m)
+    state: dict = {}
 
-    def _final(recv: QuantizedTensor, sources: int) -> None:
-        if output.dtype == torch.float32 and output.is_contiguous():
+    def quantize_first() -> None:
+        """[E1] -> [Hadamard] -> quantize into destination-major slots (whole bucket)."""
+        if nonfinite_flag is not None:
+            note_nonfinite(x, nonfinite_flag)
+        h = x if ef is None else ef.compensate("e1", x, group_size=gs1)
+        q1 = quantize_partitions(h, p, order, bits1, gs1, stochastic=stochastic, generator=gen,
+                                 hadamard=hadamard, hadamard_block=hadamard_block, check_finite=False)
+        if ef is not None:
+            sent = dequantize(q1, hadamard=hadamard, hadamard_block=hadamard_block)
+            ef.update("e1", h, _unswizzle(sent, order) if two_level else sent)
+        state["q1"] = q1
+        state["gen"] = gen.get_state()     # where every middle chunk starts drawing
+
+    def final(recv: QuantizedTensor, sources: int, a: int, b: int) -> None:
+        """Dequantize + fp32 sum of the sources [-> inverse Hadamard] into output[a:b]."""
+        if out_flat is not None and output.dtype == torch.float32:
             dequantize_sum(recv, sources, hadamard=hadamard, hadamard_block=hadamard_block,
-                           out=output.view(-1))
+                           out=out_flat[a:b])
+            return
+        res = dequantize_sum(recv, sources, hadamard=hadamard, hadamard_block=hadamard_block)
+        if out_flat is not None:
+            out_flat[a:b].copy_(res)
         else:
-            _write_result(dequantize_sum(recv, sources, hadamard=hadamard,
-                                         hadamard_block=hadamard_block), output)
+            _write_result(res, output)
 
+    def first_hop(y: int, a: int, b: int) -> Callable[[], None]:
+        def run() -> None:
+            if y == 0:
+                quantize_first()
+            recv1 = _exchange(_row_slice(state["q1"], p, a, b), group1)
+            if not two_level:
+                final(recv1, size1, a, b)
+                return
+            # middle: dequantize + sum D sources -> requantize to inter bits/group
+            noise = None
+            if len(bounds) > 1:
+                gen.set_state(state["gen"])
+                noise = NoiseIndex(part_len=b - a, part_stride=shard, base=a, total=m * shard)
+            state["q2", y] = dequantize_sum_requantize(
+                recv1, d, bits_inter, group_size_out=group_size_inter, stochastic=stochastic,
+                generator=gen, noise_index=noise)
+        return run
+
+    def first_hop_loco() -> None:
+        """LoCo (two-level): whole intra hop, then the middle with E2 on the whole intra sum."""
+        quantize_first()
+        s = dequantize_sum(_exchange(state["q1"], group1), d)  # transformed domain with Hadamard
+        h2 = ef.compensate("e2", s, group_size=group_size_inter)
+        q2 = quantize(h2, bits_inter, group_size_inter, stochastic=stochastic, generator=gen,
+                      check_finite=False)
+        ef.update("e2", h2, dequantize(q2))
+        for y, (a, b) in enumerate(bounds):
+            state["q2", y] = _row_slice(q2, m, a, b)
+
+    def second_hop(y: int, a: int, b: int) -> Callable[[], None]:
+        def run() -> None:
+            final(_exchange(state.pop(("q2", y)), groups.inter_group), m, a, b)
+        return run
+
+    runner = _runner(async_op, streams, x.device)
+    first_stage = "intra" if d > 1 else "inter"
+    jobs: List[Job] = []
+    if two_level and ef is not None:
+        middle = runner.submit("intra", first_hop_loco)
+        jobs = [runner.submit("inter", second_hop(y, a, b), after=[middle])
+                for y, (a, b) in enumerate(bounds)]
+    else:
+        for y, (a, b) in enumerate(bounds):
+            hop = runner.submit(first_stage, first_hop(y, a, b))
+            jobs.append(runner.submit("inter", second_hop(y, a, b), after=[hop])
+                        if two_level else hop)
+    handle = PendingCollective(jobs)
     if async_op:
-        return PendingReduceScatter(works, finish)
-    finish()
+        return handle
+    handle.wait()
     return None
 
 
@@ -333,7 +436,8 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
                          stochastic: bool = True, accounting: Optional[CommAccounting] = None,
                          link_of_peer: Optional[Callable[[int], str]] = None,
                          check_finite: bool = True, nonfinite_flag: Optional[torch.Tensor] = None,
-                         name: str = WEIGHT_COLLECTIVE) -> torch.Tensor:
+                         async_op: bool = False, streams: Optional[CommStreams] = None,
+                         name: str = WEIGHT_COLLECTIVE):
     """Quantized all-gather of parameter shards into ``output`` (P * shard elements).
 
     Non-finite shards: ``check_finite`` / ``nonfinite_flag`` as in :func:`two_level_reduce_scatter`.
@@ -349,6 +453,11 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
     ``link_of_peer(group_rank) -> 'intra' | 'inter'`` classifies peers for the accounting
     (e.g. ``TwoLevelGroups.link_of_peer`` when ``group`` is the DP group); without it every peer
     is counted as inter-node (conservative).
+
+    Returns ``output``; with ``async_op`` a :class:`PendingCollective` instead: quantize,
+    all-gather and dequantize[-add] run on the ``weights`` stage of ``streams`` while the caller
+    computes (``--overlap-param-gather``), and ``shard``, ``full_reference`` and ``output`` must
+    stay untouched until ``wait()``.
     """
     if mode not in ("diff", "direct"):
         raise ValueError(f"mode must be 'diff' or 'direct', got {mode!r}")
@@ -363,46 +472,51 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
     if mode == "diff":
         if full_reference is None or full_reference.numel() != output.numel():
             raise ValueError("mode='diff' needs full_reference with as many elements as output")
-    if nonfinite_flag is not None:
-        note_nonfinite(shard, nonfinite_flag)
-    elif check_finite:
+        if output.dtype != full_reference.dtype:
+            raise ValueError(f"output dtype {output.dtype} must match full_reference dtype "
+                             f"{full_reference.dtype} (the reconstruction is done in that dtype)")
+    if nonfinite_flag is None and check_finite:
         _agree_finite(shard, group, "quantized_all_gather")
 
-    if mode == "diff":
-        ref_flat = full_reference.reshape(-1)
-        q = quantize_difference(shard.reshape(-1), ref_flat[me * s:(me + 1) * s], bits, group_size,
-                                stochastic=stochastic, generator=generator, check_finite=False)
-    else:
-        q = quantize(shard.reshape(-1), bits, group_size, stochastic=stochastic, generator=generator,
-                     check_finite=False)
-
-    codes = torch.empty(q.codes.numel() * world, dtype=q.codes.dtype, device=q.codes.device)
-    scales = torch.empty(q.scales.numel() * world, dtype=q.scales.dtype, device=q.scales.device)
-    all_gather_flat(codes, q.codes, group)
-    all_gather_flat(scales, q.scales, group)
-    full = QuantizedTensor(codes, scales, bits, group_size, s * world)
-
-    if accounting is not None:
+    if accounting is not None:  # sizes are known now: record in the caller's thread
         links = [(link_of_peer(r) if link_of_peer is not None else "inter")
                  for r in range(world) if r != me]
         n_intra = sum(1 for link in links if link == "intra")
         n_inter = len(links) - n_intra
         accounting.record_baseline(name, kind="weight", numel=s * world, elem_size=output.element_size(),
                                    dp_size=world, peers_intra=n_intra, peers_inter=n_inter)
-        accounting.record_all_gather(name, kind="weight", shard_bytes=q.nbytes, shard_elements=s,
-                                     peers_intra=n_intra, peers_inter=n_inter)
+        accounting.record_all_gather(name, kind="weight",
+                                     shard_bytes=_quantized_bytes(s, bits, group_size),
+                                     shard_elements=s, peers_intra=n_intra, peers_inter=n_inter)
 
-    if mode == "diff":
-        if output.dtype != full_reference.dtype:
-            raise ValueError(f"output dtype {output.dtype} must match full_reference dtype "
-                             f"{full_reference.dtype} (the reconstruction is done in that dtype)")
-        if output.is_contiguous():
-            dequantize_add(full, full_reference.reshape(-1), out=output.view(-1))
+    def run() -> None:
+        if nonfinite_flag is not None:
+            note_nonfinite(shard, nonfinite_flag)
+        if mode == "diff":
+            ref_flat = full_reference.reshape(-1)
+            q = quantize_difference(shard.reshape(-1), ref_flat[me * s:(me + 1) * s], bits,
+                                    group_size, stochastic=stochastic, generator=generator,
+                                    check_finite=False)
         else:
-            output.copy_(dequantize_add(full, full_reference.reshape(-1)).view(output.shape))
-    else:
-        if output.is_contiguous():
+            q = quantize(shard.reshape(-1), bits, group_size, stochastic=stochastic,
+                         generator=generator, check_finite=False)
+        codes = torch.empty(q.codes.numel() * world, dtype=q.codes.dtype, device=q.codes.device)
+        scales = torch.empty(q.scales.numel() * world, dtype=q.scales.dtype, device=q.scales.device)
+        all_gather_flat(codes, q.codes, group)
+        all_gather_flat(scales, q.scales, group)
+        full = QuantizedTensor(codes, scales, bits, group_size, s * world)
+        if mode == "diff":
+            if output.is_contiguous():
+                dequantize_add(full, full_reference.reshape(-1), out=output.view(-1))
+            else:
+                output.copy_(dequantize_add(full, full_reference.reshape(-1)).view(output.shape))
+        elif output.is_contiguous():
             dequantize(full, out=output.reshape(-1))
         else:
             output.copy_(dequantize(full, out_dtype=output.dtype).view(output.shape))
+
+    handle = PendingCollective([_runner(async_op, streams, shard.device).submit("weights", run)])
+    if async_op:
+        return handle
+    handle.wait()
     return output

@@ -41,6 +41,10 @@ class QuantizationConfig:
     hadamard_transform: bool = False
     hadamard_block_size: int = 32
     gradients_quantization_start_iteration: int = 0
+    gradient_alltoall_pipeline: int = 1
+    """Pipeline chunks per bucket (the reference's name): the exchanges of a bucket's two-level
+    reduce-scatter run in this many chunks, so the intra-node hop of chunk y+1 overlaps the
+    inter-node hop of chunk y. Numerics do not depend on it (collectives.pipeline_bounds)."""
     data_parallel_intra_node_size: Optional[int] = None
     """Data-parallel ranks per node for two-level grouping; None = LOCAL_WORLD_SIZE // TP."""
 
@@ -100,6 +104,9 @@ class QuantizationConfig:
             raise ValueError(f"--grad-accum-dtype must be fp32 or bf16, got {self.grad_accum_dtype}")
         if self.data_parallel_intra_node_size is not None and self.data_parallel_intra_node_size <= 0:
             raise ValueError("--data-parallel-intra-node-size must be positive")
+        if self.gradient_alltoall_pipeline < 1:
+            raise ValueError(f"--gradient-alltoall-pipeline must be >= 1, got "
+                             f"{self.gradient_alltoall_pipeline}")
         if self.gradients_quantization_start_iteration < 0:
             raise ValueError("--gradients-quantization-start-iteration must be >= 0")
 

@@ -15,6 +15,9 @@ What is overridden, and why (everything else is megatron-core's own code):
   ``start_param_sync`` (qWD / qW all-gather). Each override first decides whether the quantized
   path applies; if not it calls ``super()`` unchanged. ``finish_grad_sync`` /
   ``finish_param_sync`` are megatron-core's: they only call ``.wait()`` on the handle we store.
+  With ``--overlap-grad-reduce`` / ``--overlap-param-gather`` (or ``--gradient-alltoall-pipeline``
+  > 1) the collectives run on the runtime's communication stages (:mod:`.streams`) behind that
+  handle; otherwise inline.
 * :class:`QuantizedDistributedDataParallel` (subclass of ``DistributedDataParallel``) builds the
   buffers through the subclass above (megatron-core has no buffer-class hook, so the module-level
   name ``_ParamAndGradBuffer`` of ``distributed_data_parallel`` is swapped for the duration of
@@ -58,6 +61,7 @@ from .collectives import (
 )
 from .config import QuantizationConfig
 from .loco import LoCoErrorFeedback
+from .streams import CommStreams, CommTiming
 from .topology import TwoLevelGroups, build_two_level_groups_for_all
 
 logger = logging.getLogger(__name__)
@@ -109,6 +113,16 @@ class QuantizationRuntime:
         self.nonfinite_events = 0
         self.nonfinite_events_interval = 0
         self.bucket_groups: List["QuantizedBucketGroup"] = []
+        self.timing = CommTiming(CommStreams("inline"))
+        """Total vs exposed communication time per iteration (the log line's ``comm_*_ms``)."""
+
+    # -- where the collectives run ---------------------------------------------------------
+    def overlap_streams(self, device: torch.device) -> CommStreams:
+        """The stages the overlapped collectives run on (:mod:`.streams`; created once: worker
+        threads for CPU buffers, CUDA streams for CUDA buffers)."""
+        if self.timing.overlapped is None:
+            self.timing.overlapped = CommStreams.for_device(device)
+        return self.timing.overlapped
 
     # -- decisions ----------------------------------------------------------------------------
     @property
@@ -176,6 +190,7 @@ class QuantizationRuntime:
         """Start of a training iteration: remembers it (start-iteration switch) and advances the
         LoCo reset schedule once per new iteration (= once per optimizer step)."""
         iteration = int(iteration)
+        self.timing.iterations += 1
         if (self.loco is not None and self.last_stepped_iteration is not None
                 and iteration > self.last_stepped_iteration):
             for _ in range(iteration - self.last_stepped_iteration):
@@ -342,33 +357,27 @@ def _buffer_class(pad_multiple: int) -> Iterator[None]:
 # bucket group: quantized reduce-scatter / all-gather
 # ------------------------------------------------------------------------------------------------
 
-class _GradSyncHandle:
-    """Handle for the async quantized reduce-scatters of one bucket group.
+class _PendingBuckets:
+    """The handle megatron-core's ``finish_grad_sync`` / ``finish_param_sync`` wait on: the
+    quantized collectives of one bucket group (their time waited counts as exposed), then an
+    optional post-processing step (the AVG division). Idempotent."""
 
-    megatron-core's ``finish_grad_sync`` calls ``wait()``; we complete every pending collective
-    and then run the post-processing (AVG division)."""
-
-    def __init__(self, pending: List[Any], finish: Callable[[], None]) -> None:
+    def __init__(self, pending: List[Any], timing: CommTiming, kind: str,
+                 finish: Optional[Callable[[], None]] = None) -> None:
         self._pending = pending
-        self._finish: Optional[Callable[[], None]] = finish
+        self._timing = timing
+        self._kind = kind
+        self._finish = finish
+        self._done = False
 
     def wait(self) -> None:
-        if self._finish is None:
+        if self._done:
             return
         for h in self._pending:
-            h.wait()
-        finish, self._finish = self._finish, None
-        finish()
-
-
-class _CompletedHandle:
-    """Param-gather handle of an already finished (synchronous) quantized all-gather.
-
-    Returned when ``overlap_param_gather`` asks for an async gather, so that megatron-core's
-    ``finish_param_sync`` still sees a handle and dispatches the next bucket group's gather."""
-
-    def wait(self) -> None:
-        return None
+            self._timing.wait(self._kind, h)
+        self._done = True
+        if self._finish is not None:
+            self._finish()
 
 
 class QuantizedBucketGroup(_ParamAndGradBucketGroup):
@@ -464,7 +473,12 @@ class QuantizedBucketGroup(_ParamAndGradBucketGroup):
         # -------------------------------------------------------------------------------------
 
         cfg = rt.config
-        async_op = bool(self.ddp_config.overlap_grad_reduce)
+        overlap = bool(self.ddp_config.overlap_grad_reduce)
+        pipelined = cfg.gradient_alltoall_pipeline > 1
+        # Overlap, or a pipelined bucket (its intra and inter hops overlap each other), runs on
+        # the stages of runtime.overlap_streams; otherwise every step runs inline, here.
+        streams = (rt.overlap_streams(self.buckets[0].grad_data.device)
+                   if overlap or pipelined else rt.timing.inline)
         pending: List[Any] = []
         for idx, bucket in enumerate(self.buckets):
             shard = self._grad_shard(idx)
@@ -479,8 +493,9 @@ class QuantizedBucketGroup(_ParamAndGradBucketGroup):
                 group_size_inter=cfg.gq_group_size_inter,
                 hadamard=cfg.hadamard_transform, hadamard_block=cfg.hadamard_block_size,
                 generator=self._grad_generator(idx), stochastic=cfg.stochastic_rounding,
-                accounting=rt.accounting, error_feedback=ef, async_op=async_op,
-                nonfinite_flag=rt.nonfinite_flag(bucket.grad_data.device))
+                accounting=rt.accounting, error_feedback=ef, async_op=True,
+                nonfinite_flag=rt.nonfinite_flag(bucket.grad_data.device),
+                pipeline=cfg.gradient_alltoall_pipeline, streams=streams)
             if handle is not None:
                 pending.append(handle)
 
@@ -491,10 +506,11 @@ class QuantizedBucketGroup(_ParamAndGradBucketGroup):
                 for idx in range(len(self.buckets)):
                     self._grad_shard(idx).div_(self.intra_distributed_optimizer_instance_size)
 
-        if async_op:
-            self.grad_reduce_handle = _GradSyncHandle(pending, finish)
+        handle = _PendingBuckets(pending, rt.timing, "grad", finish)
+        if overlap:
+            self.grad_reduce_handle = handle    # megatron-core's finish_grad_sync waits on it
         else:
-            finish()
+            handle.wait()
             self.grad_reduce_handle = None
 
     # -- weights ------------------------------------------------------------------------------
@@ -539,6 +555,13 @@ class QuantizedBucketGroup(_ParamAndGradBucketGroup):
             raise RuntimeError("qWD needs the optimizer hook: call integration.on_optimizer_built "
                                "(install_optimizer_hooks) after building the optimizer")
         group = self.intra_distributed_optimizer_instance_group
+        overlap = self.ddp_config.overlap_param_gather and not force_sync
+        # Overlapped: quantize, all-gather and dequantize-add run on the weights stage while the
+        # forward of the previous bucket group computes; megatron-core's finish_param_sync
+        # waits on the handle right before this group's first layer runs.
+        streams = (rt.overlap_streams(self.buckets[0].param_data.device) if overlap
+                   else rt.timing.inline)
+        pending: List[Any] = []
         for idx, bucket in enumerate(self.buckets):
             if not self._updated[idx]:
                 # No optimizer update reached this bucket since its last gather (first forward,
@@ -553,18 +576,23 @@ class QuantizedBucketGroup(_ParamAndGradBucketGroup):
                 shard.copy_(ref)  # the buffer is now W~_old on every rank
             # Non-finite master weights reach every replica as NaN, as megatron-core's exact
             # gather would spread them; noted on the device, reported at the next agreement.
-            quantized_all_gather(
+            pending.append(quantized_all_gather(
                 new, bucket.param_data if diff else None, bucket.param_data, group,
                 mode=cfg.weight_quantization_mode, bits=cfg.weight_quantization_bits,
                 group_size=cfg.wq_group_size, generator=self._weight_generator(idx),
                 stochastic=cfg.stochastic_rounding, accounting=rt.accounting,
                 link_of_peer=rt.groups.link_of_peer,
-                nonfinite_flag=rt.nonfinite_flag(bucket.param_data.device))
+                nonfinite_flag=rt.nonfinite_flag(bucket.param_data.device),
+                async_op=True, streams=streams))
             self._reference_shards[idx] = None
             self._updated[idx] = False
 
-        async_op = self.ddp_config.overlap_param_gather and not force_sync
-        self.param_gather_handle = _CompletedHandle() if async_op else None
+        # megatron-core's finish_param_sync only dispatches the next bucket group's gather after
+        # waiting on a handle, so an overlapped sync always leaves one (possibly with no work).
+        handle = _PendingBuckets(pending, rt.timing, "weight")
+        if not overlap:
+            handle.wait()
+        self.param_gather_handle = handle if overlap else None
         self.param_gather_dispatched = True
 
 

@@ -155,7 +155,9 @@ def communication_report(model_chunks: List[torch.nn.Module], reset: bool = True
 
     Keys ``{grad|weight}_{intra|inter|total}_{bytes|bits_per_element|ratio_vs_baseline|...}``,
     ``{kind}_bits_per_model_element`` (bytes on all links per bucket element), ``{kind}_calls``,
-    ``nonfinite_events`` (quantized collectives that met NaN/Inf in the interval) and, with LoCo,
+    ``nonfinite_events`` (quantized collectives that met NaN/Inf in the interval),
+    ``comm_{grad_intra|grad_inter|grad_exposed|weight|weight_exposed}_ms`` (per iteration: time
+    the collectives took vs time the training thread waited for them, streams.CommTiming) and, with LoCo,
     ``loco_error_bytes_per_param`` (error-buffer memory on this rank per local parameter).
     """
     rts = _runtimes(model_chunks)
@@ -171,6 +173,8 @@ def communication_report(model_chunks: List[torch.nn.Module], reset: bool = True
             else:
                 merged[k] = merged.get(k, 0.0) + v
         nonfinite += rt.nonfinite_events if totals else rt.nonfinite_events_interval
+        if not totals:  # total vs exposed communication ms per iteration (one runtime per model)
+            merged.update(rt.timing.interval_report(reset=reset))
         if reset and not totals:
             rt.accounting.reset_interval()
             rt.nonfinite_events_interval = 0

@@ -511,7 +511,8 @@ class ParoDataParallel(torch.nn.Module):
                 bits_inter=q.gradient_quantization_bits_inter,
                 group_size_inter=q.gq_group_size_inter, hadamard=q.hadamard_transform,
                 hadamard_block=q.hadamard_block_size, generator=self.quant_generator,
-                stochastic=q.stochastic_rounding, accounting=acc)
+                stochastic=q.stochastic_rounding, accounting=acc,
+                pipeline=q.gradient_alltoall_pipeline)
         except NonFiniteError as exc:
             out.fill_(float("nan"))
             self.nonfinite_events += 1

@@ -1,0 +1,250 @@
+"""Communication streams: where a bucket's quantized collectives run so that compute goes on.
+
+The quantized collectives of one bucket are a chain of steps (quantize, intra-node all-to-all,
+dequantize-sum-requantize, inter-node all-to-all, final sum; for weights: quantize, all-gather,
+dequantize-add). Overlap means the chain of bucket ``i`` proceeds while the caller computes
+(backward of the next layers, forward of the current one) and while bucket ``i+1``'s chain
+starts. Three named stages, each executing its jobs in submission order:
+
+* ``intra`` -- quantization and the intra-node hop (and the middle requantization) of the
+  gradient reduce-scatter; the first hop of a single-hop path;
+* ``inter`` -- the inter-node hop and the final reduction of the gradient reduce-scatter;
+* ``weights`` -- the quantized weight all-gather.
+
+So the intra hop of bucket ``i+1`` (or of pipeline chunk ``y+1``) runs while the inter hop of
+bucket ``i`` (chunk ``y``) is on the wire. Collectives of one process group are issued by one
+stage only, in submission order, which is the same on every rank (bucket and chunk order).
+
+Backends (chosen by the device of the buffers, :meth:`CommStreams.for_device`):
+
+* **CPU / gloo** (what runs here): each stage is one worker thread. A gloo collective blocks its
+  caller, and the C++ kernels and gloo release the GIL, so a worker's communication and
+  quantization run while the main thread computes. Jobs return a :class:`Job` whose
+  :meth:`Job.wait` blocks until the job (and what it waited on) finished, re-raising its error.
+* **CUDA / NCCL** (the GPU design, untested on this machine): each stage is a
+  ``torch.cuda.Stream``. A job runs at once on the host, inside ``torch.cuda.stream(stage)``,
+  after the stage stream waits on the submitting stream (the gradients / master weights are
+  ready there) and on the events of the jobs it depends on; it records an event at its end.
+  Kernels and NCCL calls are only enqueued, so the host never blocks; :meth:`Job.wait` makes the
+  *current* stream wait on the job's event, as megatron-core's ``finish_grad_sync`` does with its
+  NCCL handles. Buffers a stage reads or writes stay alive through the job's closure until
+  :meth:`Job.wait` (``Job.keepalive``), and every stage first waits on the submitting stream, so a
+  block freed after the wait is never reused under a pending read; the caller must not reuse the
+  input / output buffers before the wait (the bucket's own handle guarantees it).
+
+Without overlap, :data:`INLINE` runs every job at once in the caller's thread/stream: the same
+steps in the same order, so overlap never changes the numbers.
+
+Each stage accumulates the wall time its jobs took (``busy_s``): the "total" communication time
+of the per-iteration timing log, next to the "exposed" time the main thread waited.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import torch
+
+__all__ = ["Job", "CommStreams", "CommTiming", "INLINE", "STAGES"]
+
+STAGES = ("intra", "inter", "weights")
+
+
+class Job:
+    """A submitted job: :meth:`wait` for it (idempotent; re-raises the job's error)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self.event: Any = None      # CUDA: the event recorded at the end of the job
+        self.keepalive: Any = None
+        """CUDA: the job's closure, so the tensors it enqueued work on stay allocated until
+        :meth:`wait` has ordered the waiting stream after the job (the caching allocator may
+        hand a freed block to other work at once; FSDP2 keeps its buffers the same way)."""
+
+    def _finish(self, error: Optional[BaseException] = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+            self.keepalive = None   # later work on any stage is ordered after this stream
+        if self._error is not None:
+            raise self._error
+
+
+class _Stage:
+    """One stage: runs jobs in submission order, timing each."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.busy_s = 0.0
+
+    def submit(self, fn: Callable[[], None], after: Sequence[Job]) -> Job:
+        raise NotImplementedError
+
+    def _run(self, fn: Callable[[], None], after: Sequence[Job], job: Job) -> None:
+        t0 = time.perf_counter()
+        try:
+            for dep in after:
+                dep.wait()
+            t0 = time.perf_counter()   # waiting for another stage is not this stage's time
+            fn()
+        except BaseException as e:  # noqa: BLE001 -- delivered to the waiter
+            job._finish(e)
+        else:
+            job._finish()
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+
+class _InlineStage(_Stage):
+    def submit(self, fn: Callable[[], None], after: Sequence[Job] = ()) -> Job:
+        job = Job()
+        self._run(fn, after, job)
+        return job
+
+
+class _ThreadStage(_Stage):
+    """A daemon worker thread with a FIFO queue (CPU / gloo)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=f"quant-comm-{name}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, after, job = self._queue.get()
+            self._run(fn, after, job)
+
+    def submit(self, fn: Callable[[], None], after: Sequence[Job] = ()) -> Job:
+        job = Job()
+        self._queue.put((fn, tuple(after), job))
+        return job
+
+
+class _CudaStage(_Stage):
+    """A CUDA stream: jobs are enqueued at once, ordered by events (see the module docstring)."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        super().__init__(name)
+        self.stream = torch.cuda.Stream(device=device)
+
+    def submit(self, fn: Callable[[], None], after: Sequence[Job] = ()) -> Job:
+        job = Job()
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        for dep in after:
+            if dep.event is not None:
+                self.stream.wait_event(dep.event)
+        with torch.cuda.stream(self.stream):
+            self._run(fn, (), job)
+            job.event = torch.cuda.Event()
+            job.event.record(self.stream)
+        job.keepalive = fn
+        return job
+
+
+class CommStreams:
+    """The three stages of one model's quantized communication (created lazily)."""
+
+    def __init__(self, kind: str, device: Optional[torch.device] = None) -> None:
+        if kind not in ("inline", "thread", "cuda"):
+            raise ValueError(f"unknown stream kind {kind!r}")
+        self.kind = kind
+        self.device = device
+        self._stages: Dict[str, _Stage] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> "CommStreams":
+        """Worker threads for CPU buffers, CUDA streams for CUDA buffers."""
+        return cls("cuda", device) if torch.device(device).type == "cuda" else cls("thread")
+
+    def stage(self, name: str) -> _Stage:
+        if name not in STAGES:
+            raise ValueError(f"unknown stage {name!r}; choose from {STAGES}")
+        with self._lock:
+            st = self._stages.get(name)
+            if st is None:
+                if self.kind == "thread":
+                    st = _ThreadStage(name)
+                elif self.kind == "cuda":
+                    st = _CudaStage(name, self.device)
+                else:
+                    st = _InlineStage(name)
+                self._stages[name] = st
+            return st
+
+    def submit(self, stage: str, fn: Callable[[], None], after: Sequence[Job] = ()) -> Job:
+        """Run ``fn`` on ``stage`` after the jobs ``after`` finished."""
+        return self.stage(stage).submit(fn, after)
+
+    def busy_seconds(self) -> Dict[str, float]:
+        """Wall time each stage has spent in jobs so far (monotonic; diff it per interval)."""
+        return {name: self._stages[name].busy_s if name in self._stages else 0.0
+                for name in STAGES}
+
+
+INLINE = CommStreams("inline")
+"""Runs every job at once in the caller (no overlap)."""
+
+
+class CommTiming:
+    """Per-iteration communication time of one model: total (time the stages spent in jobs) vs
+    exposed (time the trainer's thread spent in them or waiting for them).
+
+    Without overlap the jobs run inline, so total == exposed; with overlap the difference is what
+    the overlap hid behind compute. Reported by :meth:`interval_report` as
+    ``comm_grad_intra_ms``, ``comm_grad_inter_ms`` (total per stage), ``comm_grad_exposed_ms``,
+    ``comm_weight_ms``, ``comm_weight_exposed_ms`` (per iteration, over the interval).
+    On CUDA the stages' host time is only the enqueueing; the figures are meaningful on CPU.
+    """
+
+    def __init__(self, inline: CommStreams) -> None:
+        self.inline = inline
+        self.overlapped: Optional[CommStreams] = None
+        self.waited = {"grad": 0.0, "weight": 0.0}
+        self.iterations = 0
+        self._last: Dict[str, float] = {}
+
+    def wait(self, kind: str, handle: Any) -> None:
+        """``handle.wait()``, counting the time as exposed ``kind`` ('grad' / 'weight') time."""
+        t0 = time.perf_counter()
+        try:
+            handle.wait()
+        finally:
+            self.waited[kind] += time.perf_counter() - t0
+
+    def _cumulative(self) -> Dict[str, float]:
+        inline = self.inline.busy_seconds()
+        over = (self.overlapped.busy_seconds() if self.overlapped is not None
+                else dict.fromkeys(STAGES, 0.0))
+        return {
+            "grad_intra": inline["intra"] + over["intra"],
+            "grad_inter": inline["inter"] + over["inter"],
+            "grad_exposed": inline["intra"] + inline["inter"] + self.waited["grad"],
+            "weight": inline["weights"] + over["weights"],
+            "weight_exposed": inline["weights"] + self.waited["weight"],
+            "iterations": float(self.iterations),
+        }
+
+    def interval_report(self, reset: bool = True) -> Dict[str, float]:
+        """Milliseconds per iteration since the last reset (empty if no iteration ran)."""
+        now = self._cumulative()
+        delta = {k: v - self._last.get(k, 0.0) for k, v in now.items()}
+        if reset:
+            self._last = now
+        its = delta.pop("iterations")
+        if its <= 0:
+            return {}
+        return {f"comm_{k}_ms": 1000.0 * v / its for k, v in delta.items()}

@@ -145,8 +145,16 @@ def test_dry_run_prints_commands(emu, tmp_path, capsys):
                    "--out", str(tmp_path / "r.md")])
     assert rc == 0
     out = capsys.readouterr().out
-    assert out.count("ip netns exec") == 4  # 2 variants x 2 nodes
+    # default: baseline, baseline-bf16, sdp4bit, sdp4bit-overlap, limit -- x 2 nodes
+    assert out.count("ip netns exec") == 10
     assert "--quantized-gradients" in out
+    order = [out.index(f"[bench] {v}:\n") for v in emu.DEFAULT_TRAIN_VARIANTS.split(",")]
+    assert order == sorted(order)
+    assert emu.DEFAULT_TRAIN_VARIANTS == "baseline,baseline-bf16,sdp4bit,sdp4bit-overlap,limit"
+    # the link limit is lifted for `limit` only
+    assert out.count("link limit removed for this run only") == 1
+    assert out.index("link limit removed") > out.index("[bench] limit:\n")
+    assert not (tmp_path / "r.md").exists()  # a dry run writes no report
 
 
 def test_collectives_args_defaults_follow_the_paper():
@@ -255,6 +263,56 @@ def _rs_rank(rank, world):
         res[f"{algo}_max_fallback"] = (rv.STATS["fallbacks"] - before, torch.equal(o, r))
         res[f"{algo}_uninstalled"] = (dist.reduce_scatter_tensor is orig_rs
                                       and pgb.dist_reduce_scatter_func is orig_rs)
+
+    # --- bf16 buffers (--grad-reduce-in-bf16) and async_op=True served on the worker thread -----
+    import megatron.core.distributed.param_and_grad_buffer as pgb
+
+    shard = slice(rank * n, (rank + 1) * n)
+    xb = torch.randint(-16, 16, (world * n,), generator=g).float()  # |sum of 4| < 64: exact in bf16
+    refb = torch.empty(n)
+    orig_rs(refb, xb.clone())
+    res["bf16_ref"] = refb
+    xb16 = xb.to(torch.bfloat16)
+    for algo, fn in (("a2a", rv.reduce_scatter_a2a), ("ring", rv.reduce_scatter_ring)):
+        o = torch.empty(n, dtype=torch.bfloat16)
+        fn(o, xb16.clone())
+        res[f"{algo}_bf16_sync"] = o
+        buf = xb16.clone()
+        h = fn(buf[shard], buf, async_op=True)  # megatron's layout, bf16, async
+        res[f"{algo}_bf16_handle"] = type(h).__name__
+        t = torch.full((4,), float(rank))  # the main thread keeps communicating meanwhile:
+        dist.all_reduce(t)                  # a collective and a synchronous reduce-scatter
+        res[f"{algo}_main_allreduce"] = t
+        o2 = torch.empty(n)
+        fn(o2, x.clone())
+        res[f"{algo}_main_sync_rs"] = o2
+        res[f"{algo}_bf16_async_wait"] = h.wait()
+        res[f"{algo}_bf16_async"] = buf[shard].clone()
+        # several reduce-scatters in flight (megatron's buckets), waited on in reverse order
+        bufs = [x * (k + 1) for k in range(3)]
+        hs = [fn(b[shard], b, async_op=True) for b in bufs]
+        for h in reversed(hs):
+            h.wait()
+        res[f"{algo}_inflight"] = [b[shard].clone() for b in bufs]
+        # megatron-core's call: bf16 bucket, async_op=True inside _coalescing_manager; megatron
+        # keeps `cm` as its handle, so the job must be in cm.works
+        rv.install(algo)
+        buf = xb16.clone()
+        with pgb._coalescing_manager(dist.group.WORLD, async_ops=True) as cm:
+            pgb.dist_reduce_scatter_func(buf[shard], buf, op=dist.ReduceOp.SUM,
+                                         group=dist.group.WORLD, async_op=True)
+        res[f"{algo}_cm_works"] = [type(w).__name__ for w in cm.works]
+        cm.wait()
+        res[f"{algo}_bf16_coalesced"] = buf[shard].clone()
+        # async_mode="sync": served on the calling thread, a completed handle
+        rv.install(algo, async_mode="sync")
+        buf = xb16.clone()
+        h = pgb.dist_reduce_scatter_func(buf[shard], buf, op=dist.ReduceOp.SUM,
+                                         group=dist.group.WORLD, async_op=True)
+        res[f"{algo}_sync_mode"] = (type(h).__name__, h.wait(), torch.equal(buf[shard].float(), refb))
+        rv.uninstall()
+        res[f"{algo}_cm_restored"] = (pgb._coalescing_manager is dist._coalescing_manager
+                                      and dist._coalescing_manager.__name__ == "_coalescing_manager")
     return res
 
 
@@ -289,6 +347,20 @@ def test_ring_volume_reduce_scatter_matches_gloo(tmp_path):
             assert res[f"{algo}_coalesced_calls_False"] == 1
             assert res[f"{algo}_coalesced_calls_True"] == 1
             assert res[f"{algo}_max_fallback"] == (1, True)
+            # bf16 grad buffers and async_op=True on the worker thread
+            expect_b = res["bf16_ref"].to(torch.bfloat16)
+            for key in ("bf16_sync", "bf16_async", "bf16_coalesced"):
+                got = res[f"{algo}_{key}"]
+                assert got.dtype == torch.bfloat16 and torch.equal(got, expect_b), (rank, algo, key)
+            assert res[f"{algo}_bf16_handle"] == "_ThreadWork"
+            assert res[f"{algo}_bf16_async_wait"] is True
+            assert torch.equal(res[f"{algo}_main_allreduce"], torch.full((4,), 6.0))
+            assert torch.equal(res[f"{algo}_main_sync_rs"], expect)
+            for k, got in enumerate(res[f"{algo}_inflight"]):
+                assert torch.equal(got, expect * (k + 1)), (rank, algo, k)
+            assert res[f"{algo}_cm_works"] == ["_ThreadWork"]
+            assert res[f"{algo}_sync_mode"] == ("_DoneWork", True, True)
+            assert res[f"{algo}_cm_restored"]
 
 
 def test_launcher_strips_rs_algo():
@@ -371,3 +443,465 @@ def test_parse_retrans_segs(emu):
     assert emu.parse_retrans_segs("Ip: 1 2\n") is None
     with open("/proc/net/snmp") as f:  # the real file of this (test) namespace parses
         assert emu.parse_retrans_segs(f.read()) is not None
+
+
+# --- issue 11 item 4: baseline-bf16, sdp4bit-overlap, limit, repeats, report -----------------------
+
+def _split(a, n_script):
+    """(script part, pretrain_gpt.py flags) of a train_args() list."""
+    return a[:n_script], a[n_script:]
+
+
+def test_baseline_bf16_args(emu):
+    m = emu.MODEL_PRESETS["small"]
+    base = emu.train_args(m, "baseline", 8, "/tmp/x.jsonl", dp_size=4)
+    a = emu.train_args(m, "baseline-bf16", 8, "/tmp/x.jsonl", dp_size=4)
+    script, flags = _split(a, 5)
+    assert script[0].endswith("pretrain_a2a_rs.py")
+    assert script[1:] == ["--rs-algo", "ring", "--rs-async", "thread"]  # default: the ring
+    assert flags[:len(base) - 1] == base[1:]  # same model and schedule as the baseline
+    assert flags[len(base) - 1:] == ["--grad-reduce-in-bf16", "--overlap-grad-reduce",
+                                     "--overlap-param-gather", "--ddp-bucket-size", "4000000"]
+    assert emu.DEFAULT_BUCKET_SIZE == 4_000_000 and emu.DEFAULT_BF16_RS_ALGO == "ring"
+    b = emu.train_args(m, "baseline-bf16", 8, "/tmp/x.jsonl", dp_size=4, bucket_size=123,
+                       bf16_rs_algo="a2a", pipeline=7)
+    assert b[1:3] == ["--rs-algo", "a2a"]
+    assert b[b.index("--ddp-bucket-size") + 1] == "123"
+    assert "--gradient-alltoall-pipeline" not in b and "--quantized-gradients" not in b
+    with pytest.raises(ValueError):
+        emu.train_args(m, "baseline-bf16", 8, "/tmp/x.jsonl", bf16_rs_algo="tree")
+    # the launcher strips its own flags and hands the rest to pretrain_gpt.py unchanged
+    la = _load("pretrain_a2a_rs")
+    vals, rest = la.parse_launcher_args(a[1:])
+    assert vals == {"--rs-algo": "ring", "--rs-async": "thread"} and rest == flags
+
+
+def test_sdp4bit_overlap_and_limit_args(emu):
+    m = emu.MODEL_PRESETS["small"]
+    q = emu.train_args(m, "sdp4bit", 8, "/tmp/x.jsonl", dp_size=4)
+    o = emu.train_args(m, "sdp4bit-overlap", 8, "/tmp/x.jsonl", dp_size=4)
+    assert o[:len(q)] == q  # SDP4BIT_FLAGS as in sdp4bit, then the overlap flags
+    assert o[len(q):] == ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size",
+                          "4000000", "--gradient-alltoall-pipeline", "2"]
+    assert o[0].endswith("/pretrain_gpt.py")
+    for kw in ({}, {"bucket_size": 1000, "pipeline": 4}, {"pipeline": 1, "bf16_rs_algo": "a2a"}):
+        lim = emu.train_args(m, "limit", 8, "/tmp/x.jsonl", dp_size=4, **kw)
+        assert lim == emu.train_args(m, "sdp4bit-overlap", 8, "/tmp/x.jsonl", dp_size=4, **kw)
+    lim = emu.train_args(m, "limit", 8, "/tmp/x.jsonl", dp_size=4, bucket_size=1000, pipeline=4)
+    assert lim[-4:] == ["--ddp-bucket-size", "1000", "--gradient-alltoall-pipeline", "4"]
+    assert emu.variant_flags("limit") == emu.variant_flags("sdp4bit-overlap")
+    assert "limit" in emu.UNLIMITED_VARIANTS and "sdp4bit-overlap" not in emu.UNLIMITED_VARIANTS
+    with pytest.raises(ValueError):
+        emu.variant_flags("nope")
+
+
+def test_new_variant_flags_are_known_to_the_trainer(emu):
+    """The trainer's parser (with its validation) accepts every new variant's flags."""
+    arguments = pytest.importorskip("megatron.training.arguments")
+    la = _load("pretrain_a2a_rs")
+    m = emu.MODEL_PRESETS["small"]
+    for v in ("baseline-bf16", "sdp4bit-overlap", "limit"):
+        a = emu.train_args(m, v, 8, "/tmp/x.jsonl", dp_size=1, pipeline=3, bucket_size=5000)
+        _, rest = la.parse_launcher_args(a[1:])
+        ns = arguments.parse_args(rest)
+        assert ns.overlap_grad_reduce and ns.overlap_param_gather and ns.ddp_bucket_size == 5000
+        if v == "baseline-bf16":
+            assert ns.grad_reduce_in_bf16 and not ns.quantized_gradients
+        else:
+            assert ns.quantized_gradients and ns.gradient_alltoall_pipeline == 3
+
+
+def test_strongest_baseline(emu):
+    ms = {"baseline": 300.0, "baseline-bf16": 200.0, "baseline-ring": 150.0, "baseline-a2a": 180.0,
+          "sdp4bit": 100.0, "limit": 50.0}
+    assert emu.strongest_baseline(ms) == "baseline-ring"  # quantized variants / limit never count
+    assert emu.strongest_baseline({**ms, "baseline-ring": None}) == "baseline-a2a"  # failed: skip
+    assert emu.strongest_baseline({"baseline": 300.0, "baseline-bf16": 200.0}) == "baseline-bf16"
+    assert emu.strongest_baseline({"baseline": 300.0, "sdp4bit": 1.0}) == "baseline"
+    assert emu.strongest_baseline({"sdp4bit": 1.0, "baseline": None}) is None
+
+
+def test_comm_medians(emu):
+    recs = [{"iteration": i, "ms_per_iteration": 10.0, "comm_grad_inter_ms": float(i),
+             "comm_weight_ms": 2.0 * i} for i in range(1, 6)]
+    recs[4].pop("comm_weight_ms")
+    c = emu.comm_medians(recs, warmup=2)
+    assert c == {"comm_grad_inter_ms": 4.0, "comm_weight_ms": 7.0}  # iterations 3..5 only
+    assert emu.comm_medians([{"iteration": 3, "ms_per_iteration": 1.0}], warmup=0) == {}
+
+
+def test_repeat_aggregation_and_rows(emu):
+    runs = {
+        "baseline": [{"ms": 400.0, "load": 3.0, "bytes": 10e6, "n": 6},
+                     {"ms": 440.0, "load": 5.0, "bytes": 12e6, "n": 6},
+                     {"ms": 420.0, "load": 4.0, "bytes": 11e6, "n": 6}],
+        "baseline-bf16": [{"ms": 300.0, "load": 3.1, "bytes": 5e6, "n": 6},
+                          {"ms": None, "n": 0},  # one failed invocation: left out of the median
+                          {"ms": 320.0, "load": 4.2, "bytes": 5e6, "n": 6}],
+        "sdp4bit-overlap": [{"ms": 150.0, "load": 1.0, "n": 6, "comm": {"comm_grad_inter_ms": 9.0}},
+                            {"ms": 160.0, "load": 1.0, "n": 6, "comm": {"comm_grad_inter_ms": 11.0}},
+                            {"ms": 140.0, "load": 1.0, "n": 6, "comm": {"comm_grad_inter_ms": 30.0}}],
+        "limit": [{"ms": 120.0, "n": 6}, {"ms": 125.0, "n": 6}, {"ms": 130.0, "n": 6}],
+    }
+    built = emu.build_rows(list(runs), runs)
+    rows = {r["variant"]: r for r in built["rows"]}
+    assert [r["variant"] for r in built["rows"]] == list(runs)
+    assert rows["baseline"]["ms"] == 420.0 and rows["baseline"]["bytes"] == 11e6
+    assert rows["baseline-bf16"]["ms"] == 310.0 and rows["baseline-bf16"]["n"] == 12
+    assert rows["sdp4bit-overlap"]["comm"] == {"comm_grad_inter_ms": 11.0}
+    assert built["strongest"] == "baseline-bf16" and built["limit_ran"]
+    assert rows["sdp4bit-overlap"]["speedup"] == pytest.approx(420 / 150)
+    assert rows["sdp4bit-overlap"]["speedup_strongest"] == pytest.approx(310 / 150)
+    assert rows["sdp4bit-overlap"]["vs_limit"] == pytest.approx(150 / 125)
+    assert rows["limit"]["vs_limit"] == 1.0
+    table = emu.markdown_table(built["rows"], strongest=built["strongest"], limit=True)
+    head, _, *body = table.splitlines()
+    assert head == ("| variant | ms/iter (median of 3 invocations) | per invocation: ms/iter "
+                    "(1-min load avg) | inter-node bytes / iter | speedup vs baseline | speedup vs "
+                    "strongest baseline (baseline-bf16) | ms / limit | samples |")
+    assert body[1] == ("| baseline-bf16 | 310.0 | 300 (load 3.1); FAILED; 320 (load 4.2) | 5.00 MB "
+                       "| 1.35x | 1.00x | 2.48x | 12 |")
+    assert body[2] == ("| sdp4bit-overlap | 150.0 | 150 (load 1.0); 160 (load 1.0); 140 (load 1.0) "
+                       "| n/a | 2.80x | 2.07x | 1.20x | 18 |")
+    assert body[3].startswith("| limit | 125.0 | 120 (load n/a); 125 (load n/a); 130 (load n/a) |")
+    # all invocations failed: the row says so
+    failed = emu.build_rows(["baseline"], {"baseline": [{"ms": None}, {"ms": None}]})["rows"]
+    t = emu.markdown_table(failed)
+    assert t.splitlines()[-1] == "| baseline | FAILED | FAILED; FAILED | n/a | n/a | 0 |"
+    ct = emu.comm_table(built["rows"])
+    assert ct.splitlines()[0] == "| variant | grad inter ms |"
+    assert "| sdp4bit-overlap | 11.0 |" in ct and "| baseline | n/a |" in ct
+    assert emu.comm_table(failed) == ""
+
+
+def test_target_statements(emu):
+    t = emu.target_statements({"baseline-bf16": 300.0, "sdp4bit-overlap": 150.0, "limit": 125.0})
+    assert t == ["sdp4bit-overlap vs baseline-bf16: 2.00x (target >= 1.8x at 1 Gbit/s, >= 3.5x at "
+                 "200 Mbit/s)", "sdp4bit-overlap / limit: 1.20x (target <= 1.15x)"]
+    t = emu.target_statements({"baseline-bf16": 300.0, "sdp4bit-overlap": None})
+    assert t[0].startswith("sdp4bit-overlap vs baseline-bf16: n/a (sdp4bit-overlap not run")
+    assert t[1].startswith("sdp4bit-overlap / limit: n/a (sdp4bit-overlap, limit not run")
+
+
+# A fake `ip` (namespaces and tc emulated in a state directory) and a fake `torchrun` (writes the
+# jsonl log at once) let the driver's whole train loop run without root, namespaces or a trainer.
+_FAKE_IP = r'''#!/usr/bin/env bash
+# only `ip netns exec NS CMD...`; tc qdisc state kept in $FAKE_STATE/NS.DEV
+[[ "$1 $2" == "netns exec" ]] || { echo "fake ip: unsupported: $*" >&2; exit 2; }
+ns=$3; shift 3
+if [[ "$1" == tc ]]; then
+  [[ "$2" == qdisc ]] || exit 2
+  action=$3; dev=$5; f="$FAKE_STATE/$ns.$dev"
+  case $action in
+    del) [[ -s $f ]] || { echo "Error: Cannot delete qdisc with handle of zero." >&2; exit 2; }
+         rm -f "$f" ;;
+    add) shift 5; echo "qdisc $*" >> "$f" ;;
+    show) if [[ -s $f ]]; then cat "$f"; else echo "qdisc noqueue 0: root refcnt 2"; fi ;;
+  esac
+  exit 0
+fi
+if [[ "$1" == cat && "$2" == /sys/* ]]; then exit 1; fi  # no veth counters here
+export FAKE_NS=$ns
+exec "$@"
+'''
+
+_FAKE_TORCHRUN = r'''
+import json, os, sys
+argv = sys.argv[1:]
+node = int(argv[argv.index("--node-rank") + 1])
+jsonl = argv[argv.index("--jsonl-log") + 1]
+iters = int(argv[argv.index("--train-iters") + 1])
+ns = os.environ.get("FAKE_NS")
+shaped = None
+if ns:
+    qd = "".join(open(os.path.join(os.environ["FAKE_STATE"], f)).read()
+                 for f in os.listdir(os.environ["FAKE_STATE"]) if f.startswith(ns + "."))
+    shaped = "tbf" in qd
+with open(os.path.join(os.environ["FAKE_STATE"], "calls.jsonl"), "a") as f:
+    f.write(json.dumps({"ns": ns, "node": node, "jsonl": os.path.basename(jsonl),
+                        "shaped": shaped}) + "\n")
+if "--gradient-alltoall-pipeline" in argv:
+    ms = 120.0 if shaped is False else 150.0
+elif "--quantized-gradients" in argv:
+    ms = 200.0
+elif "--grad-reduce-in-bf16" in argv:
+    ms = 300.0
+else:
+    ms = 400.0
+if ".run2." in jsonl:
+    ms *= 1.1
+if node == 0:
+    with open(jsonl, "w") as f:
+        for i in range(1, iters + 1):
+            rec = {"iteration": i, "type": "train", "elapsed_time_per_iteration_ms": ms}
+            if "--quantized-gradients" in argv:
+                rec.update(comm_grad_inter_ms=ms / 10, comm_grad_exposed_ms=ms / 20)
+            f.write(json.dumps(rec) + "\n")
+'''
+
+
+@pytest.fixture
+def fake_cluster(tmp_path, monkeypatch):
+    bindir, state = tmp_path / "bin", tmp_path / "state"
+    bindir.mkdir()
+    state.mkdir()
+    (bindir / "ip").write_text(_FAKE_IP)
+    (bindir / "torchrun").write_text(f"#!{sys.executable}\n" + _FAKE_TORCHRUN)
+    for f in ("ip", "torchrun"):
+        os.chmod(bindir / f, 0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_STATE", str(state))
+    for k in ("STATE_FILE", "NS_PREFIX", "NS0", "NS1", "BURST"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("LATENCY", "0")
+    return state
+
+
+def _calls(state):
+    return [json.loads(ln) for ln in (state / "calls.jsonl").read_text().splitlines()]
+
+
+def test_setup_netns_unlimit_limit(fake_cluster, tmp_path):
+    """unlimit removes the shaping from both ends, limit puts it back (fake ip/tc)."""
+    state = fake_cluster
+    script = os.path.join(BENCH, "setup_netns.sh")
+    env = dict(os.environ, NS0="a_n0", NS1="a_n1", BANDWIDTH="200mbit")
+    for f in ("a_n0.emu0", "a_n1.emu1"):
+        (state / f).write_text("qdisc root handle 10: tbf rate 200mbit burst 256kb latency 50ms\n")
+    out = subprocess.run(["bash", script, "unlimit"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert not (state / "a_n0.emu0").exists() and not (state / "a_n1.emu1").exists()
+    assert "a_n0/emu0: qdisc noqueue" in out.stdout and "a_n1/emu1: qdisc noqueue" in out.stdout
+    # again: nothing to delete is fine
+    assert subprocess.run(["bash", script, "unlimit"], env=env, capture_output=True,
+                          timeout=60).returncode == 0
+    # limit: tbf at the given rate on both ends; with netem recorded as applied, netem + tbf
+    sf = tmp_path / "state_file"
+    sf.write_text("LATENCY_APPLIED=2ms\n")
+    out = subprocess.run(["bash", script, "limit"], env=dict(env, LATENCY="2ms", STATE_FILE=str(sf)),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for f in ("a_n0.emu0", "a_n1.emu1"):
+        q = (state / f).read_text().splitlines()
+        assert q == ["qdisc root handle 1: netem delay 2ms",
+                     "qdisc parent 1:1 handle 10: tbf rate 200mbit burst 256kb latency 50ms"]
+    # limit replaces what is there (no doubled qdisc); netem not applied at `up` -> none now
+    sf.write_text("LATENCY_APPLIED=none\n")
+    out = subprocess.run(["bash", script, "limit"], env=dict(env, LATENCY="2ms", STATE_FILE=str(sf)),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert (state / "a_n1.emu1").read_text().splitlines() == [
+        "qdisc root handle 10: tbf rate 200mbit burst 256kb latency 50ms"]
+    # a limit that cannot be verified fails
+    bad = tmp_path / "badbin"
+    bad.mkdir()
+    (bad / "ip").write_text("#!/usr/bin/env bash\n[[ $4 == tc && $6 == show ]] && echo 'qdisc noqueue'\n"
+                            "exit 0\n")
+    os.chmod(bad / "ip", 0o755)
+    out = subprocess.run(["bash", script, "limit"], env=dict(env, PATH=f"{bad}:{env['PATH']}"),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "no tbf" in out.stderr
+
+
+def test_train_loop_repeats_and_limit_without_qdisc(emu, fake_cluster, tmp_path):
+    """Whole train loop with fakes: 2 invocations x 5 variants in order; `limit` (only) runs with
+    no qdisc on either veth end, which is back afterwards; the report has the per-invocation
+    values, the medians, the ratios, the comm table and the target statements."""
+    state = fake_cluster
+    for f in ("x_n0.emu0", "x_n1.emu1"):
+        (state / f).write_text("qdisc root handle 10: tbf rate 1gbit burst 256kb latency 50ms\n")
+    out = tmp_path / "r.md"
+    rc = emu.main(["--mode", "train", "--namespaces", "x_n0,x_n1", "--iters", "3", "--warmup", "1",
+                   "--repeats", "2", "--bandwidth", "1gbit", "--timeout", "60", "--out", str(out)])
+    assert rc == 0
+    calls = [c for c in _calls(state) if c["node"] == 0]
+    variants = emu.DEFAULT_TRAIN_VARIANTS.split(",")
+    assert [c["jsonl"] for c in calls] == [f"{v}.run{k}.jsonl" for k in (1, 2) for v in variants]
+    for c in _calls(state):  # both nodes
+        assert c["shaped"] is (not c["jsonl"].startswith("limit.")), c
+    for f in ("x_n0.emu0", "x_n1.emu1"):
+        assert "tbf rate 1gbit" in (state / f).read_text()  # re-applied at the end
+    text = out.read_text()
+    assert "**limit ran WITHOUT the link limit**" in text
+    # medians over the 2 invocations: baseline (400, 440) -> 420, sdp4bit-overlap (150, 165)
+    # -> 157.5, limit (120, 132) -> 126, baseline-bf16 (300, 330) -> 315 (strongest baseline)
+    assert ("| sdp4bit-overlap | 157.5 | 150 (load " in text)
+    row = [ln for ln in text.splitlines() if ln.startswith("| sdp4bit-overlap | 157.5")][0]
+    assert row.endswith("| n/a | 2.67x | 2.00x | 1.25x | 4 |")
+    assert "speedup vs strongest baseline (baseline-bf16)" in text
+    assert "- sdp4bit-overlap vs baseline-bf16: 2.00x (target >= 1.8x at 1 Gbit/s" in text
+    assert "- sdp4bit-overlap / limit: 1.25x (target <= 1.15x)" in text
+    assert "| variant | grad inter ms | grad exposed ms |" in text
+    assert "| sdp4bit-overlap | 15.8 | 7.9 |" in text  # medians of 15 / 16.5 and 7.5 / 8.25
+
+
+def test_train_loop_limit_failures(emu, fake_cluster, tmp_path):
+    """unlimit fails -> limit is not run (FAILED), the rest runs; re-limit fails -> abort."""
+    state = fake_cluster
+    out = tmp_path / "r.md"
+    bad_unlimit = tmp_path / "bad_unlimit.sh"
+    bad_unlimit.write_text('[[ $1 == unlimit ]] && { echo "nope"; exit 1; }; exit 0\n')
+    rc = emu.main(["--namespaces", "x_n0,x_n1", "--iters", "2", "--warmup", "0",
+                   "--variants", "limit,baseline", "--link-script", str(bad_unlimit),
+                   "--timeout", "60", "--out", str(out)])
+    assert rc == 0
+    assert [c["jsonl"] for c in _calls(state) if c["node"] == 0] == ["baseline.jsonl"]
+    text = out.read_text()
+    assert "| limit | FAILED |" in text and "| baseline | 400.0 |" in text
+    (state / "calls.jsonl").unlink()
+    bad_limit = tmp_path / "bad_limit.sh"
+    bad_limit.write_text('[[ $1 == limit ]] && exit 1; exit 0\n')
+    rc = emu.main(["--namespaces", "x_n0,x_n1", "--iters", "2", "--warmup", "0",
+                   "--variants", "limit,baseline", "--link-script", str(bad_limit),
+                   "--timeout", "60", "--out", str(out)])
+    assert [c["jsonl"] for c in _calls(state) if c["node"] == 0] == ["limit.jsonl"]
+    text = out.read_text()
+    assert "**ABORTED**: could not re-apply the link limit" in text
+    assert "| baseline | FAILED |" in text
+
+
+def test_loopback_limit_is_sdp4bit_overlap(emu, fake_cluster, tmp_path, capsys):
+    """--no-netns: limit runs the sdp4bit-overlap arguments and never touches a link script."""
+    state = fake_cluster
+    out = tmp_path / "r.md"
+    rc = emu.main(["--no-netns", "--iters", "2", "--warmup", "0", "--variants",
+                   "sdp4bit-overlap,limit", "--link-script", "/nonexistent/x.sh", "--timeout", "60",
+                   "--out", str(out)])
+    assert rc == 0
+    assert "link limit removed" not in capsys.readouterr().out
+    calls = _calls(state)
+    assert [c["shaped"] for c in calls] == [None, None]
+    text = out.read_text()
+    assert "limit: loopback run (--no-netns): identical to sdp4bit-overlap" in text
+    assert "- sdp4bit-overlap / limit: 1.00x (target <= 1.15x)" in text
+
+
+def test_ring_volume_worker_thread_handles():
+    """The async handle: FIFO jobs on one worker thread, wait() re-raises, idempotent; the tracking
+    coalescing manager records the open manager (no process group needed)."""
+    import contextlib
+    import threading
+
+    rv = _load("ring_volume_rs")
+    w = rv._Worker()
+    gate, order = threading.Event(), []
+    h1 = w.submit(lambda: (gate.wait(10), order.append(1)))
+    h2 = w.submit(lambda: order.append(2))
+    h3 = w.submit(lambda: 1 / 0)
+    assert not h1.is_completed()
+    gate.set()
+    assert h2.wait() is True and h1.wait() is True and order == [1, 2]
+    with pytest.raises(ZeroDivisionError):
+        h3.wait()
+    assert h3.is_completed() and not h3.is_success()
+    with pytest.raises(ZeroDivisionError):
+        h3.wait()  # every wait re-raises
+    blocked = w.submit(lambda: gate.clear() or threading.Event().wait(0.5))
+    with pytest.raises(RuntimeError):
+        blocked.wait(timeout=0.01)
+    assert blocked.wait() is True
+
+    class CM:
+        def __init__(self):
+            self.works = []
+
+        def append(self, work=None):
+            if work:
+                self.works.append(work)
+
+    @contextlib.contextmanager
+    def orig_cm(group=None, async_ops=False):
+        yield CM()
+
+    tracking = rv._make_tracking_cm(orig_cm)
+    assert rv._open_cm_stack() == []
+    with tracking(None, async_ops=True) as cm:
+        assert rv._open_cm_stack() == [cm]
+        with tracking(None) as inner:
+            assert rv._open_cm_stack()[-1] is inner
+        assert rv._open_cm_stack() == [cm]
+    assert rv._open_cm_stack() == []
+    assert rv.summary().endswith("async_calls=0 async_mode=thread")
+    with pytest.raises(ValueError):
+        rv.install("ring", async_mode="later")
+
+
+def _ddp_bf16_overlap_rank(rank, world):
+    """megatron-core DDP exactly as baseline-bf16 configures it (bf16 grad buffers,
+    overlap_grad_reduce + overlap_param_gather, several buckets) with the replacement installed:
+    every reduce-scatter's output is checked against the fp64 sum of its captured inputs."""
+    import torch
+    import torch.distributed as dist
+    import megatron.core.distributed.param_and_grad_buffer as pgb
+    import test_integration_ddp as tid
+
+    rv = _load("ring_volume_rs")
+    orig_rs = dist.reduce_scatter_tensor
+    res = {}
+    for algo in ("ring", "a2a"):
+        fn = rv.install(algo)
+        phase, captured = ["?"], []
+
+        def spy(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            captured.append((phase[0], async_op, input.detach().clone(), output))
+            return fn(output, input, op=op, group=group, async_op=async_op)
+
+        pgb.dist_reduce_scatter_func = spy
+        chunks, opt, _ = tid.build(ddpkw={"overlap_grad_reduce": True, "overlap_param_gather": True,
+                                          "bucket_size": 4000},
+                                   plain=True, grad_reduce_in_fp32=False)
+        ddp = chunks[0]
+        steps = []
+        for it in range(2):
+            captured.clear()
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            phase[0] = "backward"
+            tid.forward_backward(ddp, rank, it)
+            phase[0] = "finish"
+            ddp.finish_grad_sync()
+            phase[0] = "?"
+            checks = []
+            for ph, async_op, inp, out in captured:
+                got = out.detach().double().reshape(-1)
+                exact = torch.empty(got.numel(), dtype=torch.float64)
+                absum = torch.empty(got.numel(), dtype=torch.float64)
+                orig_rs(exact, inp.double().reshape(-1))
+                orig_rs(absum, inp.double().abs().reshape(-1))
+                # bf16 sums of 4 terms: error <= 3 roundings of 2^-8 relative to sum |terms|
+                bound = 3 * 2.0 ** -8 * absum + 1e-30
+                checks.append((ph, async_op, str(inp.dtype), bool(((got - exact).abs() <= bound).all()),
+                               float(exact.abs().max())))
+            steps.append(checks)
+            ok, _, _ = opt.step()
+            assert ok
+        ddp.disable_forward_pre_hook()  # the pending parameter all-gather
+        ddp.enable_forward_pre_hook()
+        res[algo] = {"steps": steps, "buckets": sum(len(bg.buckets) for bg in ddp.bucket_groups),
+                     "grad_dtype": str(ddp.buffers[0].grad_data.dtype)}
+        rv.uninstall()
+    return res
+
+
+def test_ring_volume_rs_in_megatron_ddp_bf16_overlap(tmp_path):
+    """baseline-bf16's configuration on 4 loopback ranks (spawned, no torchrun): bf16 grad buffers
+    and async reduce-scatters dispatched by the backward hooks (step 2; step 1 is megatron-core's
+    first-batch path from finish_grad_sync), each result within bf16 rounding of the exact sum."""
+    pytest.importorskip("megatron.core")
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import test_integration_ddp as tid
+
+    results = tid.run_distributed(_ddp_bf16_overlap_rank, 4)
+    for rank, res in enumerate(results):
+        assert "__error__" not in res, res.get("__error__")
+        for algo in ("ring", "a2a"):
+            r = res[algo]
+            assert r["grad_dtype"] == "torch.bfloat16" and r["buckets"] >= 3, r
+            first, second = r["steps"]
+            for step, phase in ((first, "finish"), (second, "backward")):
+                assert len(step) == r["buckets"], (rank, algo, step)
+                for ph, async_op, dtype, within, amax in step:
+                    assert (ph, async_op, dtype, within) == (phase, True, "torch.bfloat16", True), \
+                        (rank, algo, step)
+                    assert amax > 0

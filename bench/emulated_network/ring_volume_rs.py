@@ -5,7 +5,8 @@ which megatron-core's ``_ParamAndGradBucketGroup.start_grad_sync`` uses through
 ``torch.distributed._coalescing_manager``) as an all-reduce followed by a copy: every rank sends
 and receives ≈ 2·(P-1)/P·N elements, twice what a ring reduce-scatter moves. That inflates the
 emulated-network baseline. This module replaces the reduce-scatter, **for gloo groups only**, by
-one of two exact fp32 algorithms that move (P-1)/P·N elements per rank:
+one of two exact algorithms that move (P-1)/P·N elements per rank (byte counts below are for fp32
+gradients; bf16 gradients, ``--grad-reduce-in-bf16``, halve them):
 
 * ``a2a``  : ``all_to_all_single`` of the P chunks of N/P elements, then a local sum of the
              received chunks in rank order (chunk of rank 0 + rank 1 + ...). On the emulated
@@ -23,25 +24,56 @@ than SUM/AVG, go to the original function.
 
 Semantics kept from ``reduce_scatter_single``: ``output`` may alias a chunk of ``input`` (megatron's
 bucket shard is a view into the bucket), ``input`` may be a concatenation or a stack of the
-outputs, AVG divides the sum by P (gloo itself rejects AVG). ``async_op=True`` is served
-**synchronously** (the result is ready on return; a completed work handle is returned): inside
-megatron's ``_coalescing_manager`` only the manager's own recorded ops are waited on, so a deferred
-local sum would never run. The benchmark runs without ``--overlap-grad-reduce``, so megatron calls
-it with ``async_op=False`` anyway.
+outputs, AVG divides the sum by P (gloo itself rejects AVG). Any dtype whose ``+`` torch has on
+CPU works: fp32 (the default grad buffers) and bf16 (``--grad-reduce-in-bf16`` makes megatron-core's
+grad buffers bf16). The sums are done in the buffer's dtype, one rounding per add, like NCCL's
+bf16 ring reduce-scatter; both algorithms only move raw bytes (``all_to_all_single``,
+``isend``/``irecv``), which gloo does for every dtype.
+
+``async_op`` (megatron-core 0.16.1 passes ``async_op=overlap_grad_reduce`` and later calls
+``.wait()`` on the handle it keeps):
+
+* ``False``: done on the calling thread; returns None.
+* ``True`` (``install(..., async_mode="thread")``, the default): the reduce-scatter is queued to
+  one daemon worker thread per process, which runs the queued jobs one by one in submission order
+  (every rank submits in the same order: megatron's bucket order), so it overlaps the backward
+  pass. ``ring``: the worker runs the whole ring (``isend``/``irecv`` and the adds) on the
+  caller's group with its own P2P tag (``RING_TAG``), which keeps its messages apart from
+  everything the main thread issues meanwhile (collectives have their own gloo slots, and P2P
+  messages are matched per peer and tag, in order). ``a2a``: the ``all_to_all_single`` is issued
+  by the calling thread with ``async_op=True`` (c10d collectives must be issued in the same order
+  on every rank, so not from a second thread); the worker waits for it, then does the local sum
+  and the copy. No new process group is created (a lazily created group would need every member
+  to create it at the same point, and torch's locally synchronized group names depend on how many
+  groups each process already belongs to). The returned handle's ``wait()`` blocks until the job
+  is done and re-raises its exception. Megatron keeps, as its handle, the ``_coalescing_manager``
+  object it opened around the call, whose ``wait()`` only waits on the c10d works the manager
+  itself recorded (none: ``all_to_all_single``/``isend`` are not coalescable). So :func:`install`
+  also wraps ``param_and_grad_buffer._coalescing_manager`` (and
+  ``torch.distributed._coalescing_manager``) to note the open manager, and the replacement
+  appends its handle to it: ``cm.wait()`` then waits for the reduce-scatter.
+* ``True`` with ``async_mode="sync"``: done on the calling thread, a completed handle is returned
+  (no overlap; the behaviour before the worker thread existed).
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime as _dt
+import queue
 import sys
-from typing import Callable, Dict
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 ALGOS = ("a2a", "ring")
+ASYNC_MODES = ("thread", "sync")
 
 _ORIG: Dict[str, Callable] = {}
-STATS = {"calls": 0, "elements": 0, "fallbacks": 0, "algo": None}
+STATS = {"calls": 0, "elements": 0, "fallbacks": 0, "async_calls": 0, "algo": None,
+         "async_mode": "thread"}
 
 
 class _DoneWork:
@@ -55,6 +87,95 @@ class _DoneWork:
 
     def is_success(self) -> bool:
         return True
+
+
+class _ThreadWork:
+    """Work handle of a reduce-scatter queued to the worker thread (see module docstring)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._exc: Optional[BaseException] = None
+
+    def _finish(self, exc: Optional[BaseException] = None) -> None:
+        self._exc = exc
+        self._done.set()
+
+    def wait(self, timeout=None) -> bool:
+        """Block until the job is done (``timeout``: seconds or a timedelta; on expiry a
+        RuntimeError, like c10d). Re-raises the job's exception. Idempotent."""
+        if isinstance(timeout, _dt.timedelta):
+            timeout = timeout.total_seconds()
+        if not self._done.wait(timeout):
+            raise RuntimeError(f"ring_volume_rs: reduce-scatter not done after {timeout} s")
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._exc is None
+
+
+class _Worker:
+    """One daemon thread that runs queued reduce-scatters in submission order."""
+
+    def __init__(self) -> None:
+        self._q: "queue.Queue[Tuple[Callable[[], None], _ThreadWork]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="ring_volume_rs", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job, work = self._q.get()
+            try:
+                job()
+            except BaseException as exc:  # handed to wait()
+                work._finish(exc)
+            else:
+                work._finish()
+
+    def submit(self, job: Callable[[], None]) -> _ThreadWork:
+        work = _ThreadWork()
+        self._q.put((job, work))
+        return work
+
+
+_WORKER: Optional[_Worker] = None
+_OPEN_CMS = threading.local()  # .stack: the _coalescing_manager objects open on this thread
+RING_TAG = 0x52494E47  # P2P tag of the ring steps run by the worker thread ("RING")
+
+
+def _worker() -> _Worker:
+    global _WORKER
+    if _WORKER is None:
+        _WORKER = _Worker()
+    return _WORKER
+
+
+def _open_cm_stack() -> List[object]:
+    if not hasattr(_OPEN_CMS, "stack"):
+        _OPEN_CMS.stack = []
+    return _OPEN_CMS.stack
+
+
+def _make_tracking_cm(orig_cm: Callable) -> Callable:
+    """``_coalescing_manager`` that records the open manager so an async replacement call inside
+    it can append its handle (megatron waits on the manager, not on the returned handle)."""
+
+    @contextlib.contextmanager
+    def tracking_coalescing_manager(*args, **kwargs):
+        with orig_cm(*args, **kwargs) as cm:
+            stack = _open_cm_stack()
+            stack.append(cm)
+            try:
+                yield cm
+            finally:
+                stack.pop()
+
+    tracking_coalescing_manager.__wrapped__ = orig_cm
+    return tracking_coalescing_manager
 
 
 def _is_gloo(group) -> bool:
@@ -89,73 +210,135 @@ def _reduce_scatter(output, input, op, group, async_op, algo):
         return _ORIG.get("reduce_scatter_single", dist.reduce_scatter_single)(
             output, input, op=op, group=group, async_op=async_op)
     world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
     n = output.numel()
     if input.numel() != n * world:
         raise ValueError(f"input has {input.numel()} elements, expected {n} x {world}")
     if input.dtype != output.dtype:
         raise ValueError(f"dtype mismatch: input {input.dtype}, output {output.dtype}")
+    if algo not in ALGOS:
+        raise ValueError(f"unknown algorithm {algo!r}; choose from {ALGOS}")
     STATS["calls"] += 1
     STATS["elements"] += input.numel()
-    flat_in = input.reshape(-1)
-    if not flat_in.is_contiguous():
-        flat_in = flat_in.contiguous()
-    if algo == "a2a":
-        # chunk j of every rank goes to rank j; recv[i] = chunk `rank` of rank i.
-        recv = torch.empty_like(flat_in)
-        dist.all_to_all_single(recv, flat_in, group=group)
-        result = torch.empty(n, dtype=output.dtype, device=output.device)
-        _sum_rank_order(recv.view(world, n), result)
-    elif algo == "ring":
-        chunks = flat_in.view(world, n)
-        nxt = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
-        prv = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
-        buf = chunks[(rank - 1) % world].clone()
-        tmp = torch.empty_like(buf)
-        for s in range(world - 1):
-            reqs = [dist.isend(buf, nxt, group=group), dist.irecv(tmp, prv, group=group)]
-            for r in reqs:
-                r.wait()
-            # received: partial sum of chunk (rank - 2 - s) from the previous rank
-            buf = tmp + chunks[(rank - 2 - s) % world]
-        result = buf  # after P-1 steps: the full sum of chunk `rank`
+    if not async_op:
+        _reduce_scatter_now(output, input, op, group, algo)
+        return None
+    if STATS["async_mode"] == "sync":
+        _reduce_scatter_now(output, input, op, group, algo)
+        return _DoneWork()
+    STATS["async_calls"] += 1
+    if algo == "a2a":  # the collective is issued here, in this thread's (= every rank's) order
+        recv, pending = _a2a_start(input, group, async_op=True)
+
+        def job() -> None:
+            pending.wait()
+            _a2a_finish(recv, output, op, group)
     else:
-        raise ValueError(f"unknown algorithm {algo!r}; choose from {ALGOS}")
+        def job() -> None:
+            _reduce_scatter_now(output, input, op, group, algo, tag=RING_TAG)
+    work = _worker().submit(job)
+    stack = _open_cm_stack()
+    if stack:  # megatron keeps the manager as its handle: make cm.wait() wait for this job
+        stack[-1].append(work)
+    return work
+
+
+def _flat(input: torch.Tensor) -> torch.Tensor:
+    flat_in = input.reshape(-1)
+    return flat_in if flat_in.is_contiguous() else flat_in.contiguous()
+
+
+def _a2a_start(input, group, async_op: bool = False):
+    """all_to_all_single of the P chunks: recv[i] = chunk `rank` of rank i. (recv, work or None)"""
+    flat_in = _flat(input)
+    recv = torch.empty_like(flat_in)
+    return recv, dist.all_to_all_single(recv, flat_in, group=group, async_op=async_op)
+
+
+def _a2a_finish(recv, output, op, group) -> None:
+    """Local sum of the received chunks in rank order, AVG, then the write into ``output``."""
+    world = dist.get_world_size(group)
+    n = output.numel()
+    result = torch.empty(n, dtype=output.dtype, device=output.device)
+    _sum_rank_order(recv.view(world, n), result)
     if op == dist.ReduceOp.AVG:
         result.div_(world)
     # written only now: `output` may be a view into `input` (megatron's bucket shard)
     output.copy_(result.view(output.shape))
-    return _DoneWork() if async_op else None
 
 
-def install(algo: str) -> Callable:
+def _reduce_scatter_now(output, input, op, group, algo, tag: int = 0) -> None:
+    """The reduce-scatter itself, on the calling thread (validated by :func:`_reduce_scatter`);
+    ``tag``: the ring's P2P tag."""
+    if algo == "a2a":
+        recv, _ = _a2a_start(input, group)
+        _a2a_finish(recv, output, op, group)
+        return
+    # ring
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    n = output.numel()
+    chunks = _flat(input).view(world, n)
+    nxt = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
+    prv = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
+    buf = chunks[(rank - 1) % world].clone()
+    tmp = torch.empty_like(buf)
+    for s in range(world - 1):
+        reqs = [dist.isend(buf, nxt, group=group, tag=tag),
+                dist.irecv(tmp, prv, group=group, tag=tag)]
+        for r in reqs:
+            r.wait()
+        # received: partial sum of chunk (rank - 2 - s) from the previous rank
+        buf = tmp + chunks[(rank - 2 - s) % world]
+    result = buf  # after P-1 steps: the full sum of chunk `rank`
+    if op == dist.ReduceOp.AVG:
+        result.div_(world)
+    # written only now: `output` may be a view into `input` (megatron's bucket shard)
+    output.copy_(result.view(output.shape))
+
+
+def install(algo: str, async_mode: str = "thread") -> Callable:
     """Route every gloo reduce-scatter of this process (incl. megatron-core's bucket group) through
-    ``algo``. Returns the replacement function. Idempotent per process for one algorithm."""
+    ``algo``; ``async_mode`` says how ``async_op=True`` calls are served (module docstring).
+    Returns the replacement function. Idempotent per process for one algorithm."""
     if algo not in ALGOS:
         raise ValueError(f"unknown algorithm {algo!r}; choose from {ALGOS}")
+    if async_mode not in ASYNC_MODES:
+        raise ValueError(f"unknown async mode {async_mode!r}; choose from {ASYNC_MODES}")
     fn = reduce_scatter_a2a if algo == "a2a" else reduce_scatter_ring
     for name in ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"):
         if name not in _ORIG and hasattr(dist, name):
             _ORIG[name] = getattr(dist, name)
         if hasattr(dist, name):
             setattr(dist, name, fn)
-    import megatron.core.distributed.param_and_grad_buffer as pgb  # binds the name at import
+    import megatron.core.distributed.param_and_grad_buffer as pgb  # binds the names at import
 
     pgb.dist_reduce_scatter_func = fn
+    if "_coalescing_manager" not in _ORIG:
+        _ORIG["_coalescing_manager"] = dist._coalescing_manager
+        _ORIG["pgb._coalescing_manager"] = pgb._coalescing_manager
+        dist._coalescing_manager = _make_tracking_cm(_ORIG["_coalescing_manager"])
+        pgb._coalescing_manager = _make_tracking_cm(_ORIG["pgb._coalescing_manager"])
     STATS["algo"] = algo
+    STATS["async_mode"] = async_mode
     return fn
 
 
 def uninstall() -> None:
-    for name, f in _ORIG.items():
-        setattr(dist, name, f)
     pgb = sys.modules.get("megatron.core.distributed.param_and_grad_buffer")
+    for name, f in _ORIG.items():
+        if name == "pgb._coalescing_manager":
+            if pgb is not None:
+                pgb._coalescing_manager = f
+        else:
+            setattr(dist, name, f)
     if pgb is not None and "reduce_scatter_tensor" in _ORIG:
         pgb.dist_reduce_scatter_func = _ORIG["reduce_scatter_tensor"]
     _ORIG.clear()
     STATS["algo"] = None
+    STATS["async_mode"] = "thread"
 
 
 def summary() -> str:
     return (f"[ring_volume_rs] algo={STATS['algo']} calls={STATS['calls']} "
-            f"elements={STATS['elements']} fallbacks={STATS['fallbacks']}")
+            f"elements={STATS['elements']} fallbacks={STATS['fallbacks']} "
+            f"async_calls={STATS['async_calls']} async_mode={STATS['async_mode']}")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Emulated two-node cluster benchmark: baseline vs SDP4Bit over a tc-limited veth link.
+# Emulated two-node cluster benchmark: baselines vs SDP4Bit over a tc-limited veth link.
 #
 #   sudo bash bench/emulated_network/run_bench.sh                 # defaults below
+#   BANDWIDTH=200mbit REPEATS=3 bash bench/emulated_network/run_bench.sh
 #   BANDWIDTH=500mbit MODEL=medium ITERS=10 bash bench/emulated_network/run_bench.sh
 #   MODE=collectives bash bench/emulated_network/run_bench.sh     # no trainer needed
 #
@@ -11,15 +12,29 @@
 #   MODEL      tiny | small | medium GPT preset (default small, ~16.8M params; medium ~34.8M; seq 8, micro-batch 1)
 #   SEQ        override the preset's sequence length
 #   MODE       train (pretrain_gpt.py) | collectives (bench_collectives.py)   (default train)
-#   VARIANTS   default baseline,sdp4bit  (run in this order, same invocation); train mode also
-#              knows sdp4bit-torch = SDP4Bit with QUANT_KERNELS=torch (the torch reference quantizer)
-#              and two benchmark-only baselines whose exact fp32 gradient reduce-scatter moves
-#              NCCL-like volume instead of gloo's all-reduce (ring_volume_rs.py, pretrain_a2a_rs.py):
-#              baseline-a2a (all_to_all_single + local sum) and baseline-ring (P2P ring), e.g.
-#              VARIANTS=baseline,baseline-a2a,baseline-ring,sdp4bit
+#   VARIANTS   run in this order, in one invocation. train default:
+#                baseline,baseline-bf16,sdp4bit,sdp4bit-overlap,limit
+#              baseline        megatron-core default (gloo all-reduce-based reduce-scatter, fp32 grads)
+#              baseline-bf16   strongest unquantized peer: bf16 grads, exact ring-volume reduce-scatter
+#                              (ring_volume_rs.py, BF16_RS_ALGO), --grad-reduce-in-bf16
+#                              --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size $BUCKET_SIZE
+#              sdp4bit         SDP4Bit (8-bit intra / 4-bit inter gradients, 4-bit weights), no overlap
+#              sdp4bit-overlap SDP4Bit + --overlap-grad-reduce --overlap-param-gather
+#                              --ddp-bucket-size $BUCKET_SIZE --gradient-alltoall-pipeline $PIPELINE
+#              limit           sdp4bit-overlap with the tc qdiscs REMOVED from both veth ends for its
+#                              run only (setup_netns.sh unlimit, then limit): the physical floor
+#              also: sdp4bit-torch (SDP4Bit with QUANT_KERNELS=torch, the torch reference quantizer),
+#              baseline-a2a / baseline-ring (fp32 ring-volume reduce-scatter baselines, no overlap).
+#              collectives default: baseline,sdp4bit
+#   REPEATS    run the whole VARIANTS list this many times back to back (default 1); the table
+#              gives each invocation's ms/iter with its 1-min load average, and the median
+#   BUCKET_SIZE --ddp-bucket-size of the overlap variants, elements (default 4000000: ~4 buckets
+#              for the small model)
+#   PIPELINE   --gradient-alltoall-pipeline of sdp4bit-overlap / limit (default 2)
+#   BF16_RS_ALGO ring (default; NCCL's algorithm, fewest bytes across the link) | a2a
 #   ITERS      training iterations / timed steps (default 8);  WARMUP (default 2)
 #   NUMEL      collectives mode: elements (default: the MODEL's parameter count)
-#   TIMEOUT    seconds per variant (default 600);  THREADS per rank (default 1)
+#   TIMEOUT    seconds per variant and invocation (default 600);  THREADS per rank (default 1)
 #   MTU        veth MTU (default 1500);  OUT  report path (default bench/out/emulated_network.md)
 #   TRAIN_EXTRA extra pretrain_gpt.py flags for every variant
 # Needs root (ip netns, tc). Namespaces are always removed on exit.
@@ -33,7 +48,15 @@ export LATENCY=${LATENCY:-1ms}
 export MTU=${MTU:-1500}
 MODEL=${MODEL:-small}
 MODE=${MODE:-train}
-VARIANTS=${VARIANTS:-baseline,sdp4bit}
+if [[ $MODE == train ]]; then
+  VARIANTS=${VARIANTS:-baseline,baseline-bf16,sdp4bit,sdp4bit-overlap,limit}
+else
+  VARIANTS=${VARIANTS:-baseline,sdp4bit}
+fi
+REPEATS=${REPEATS:-1}
+BUCKET_SIZE=${BUCKET_SIZE:-4000000}
+PIPELINE=${PIPELINE:-2}
+BF16_RS_ALGO=${BF16_RS_ALGO:-ring}
 ITERS=${ITERS:-8}
 WARMUP=${WARMUP:-2}
 TIMEOUT=${TIMEOUT:-600}
@@ -81,7 +104,10 @@ LINK_INFO="tc tbf rate $BANDWIDTH per direction, added delay: ${LATENCY_APPLIED}
 CMD=(python3 "$HERE/bench_emulated.py" --mode "$MODE" --variants "$VARIANTS"
      --namespaces "$NS0,$NS1" --ifnames "$IF0,$IF1" --master-addr "$ADDR0"
      --model "$MODEL" --iters "$ITERS" --warmup "$WARMUP" --timeout "$TIMEOUT"
-     --threads "$THREADS" --out "$OUT" --link-info "$LINK_INFO")
+     --threads "$THREADS" --out "$OUT" --link-info "$LINK_INFO"
+     --repeats "$REPEATS" --bucket-size "$BUCKET_SIZE" --pipeline "$PIPELINE"
+     --bf16-rs-algo "$BF16_RS_ALGO" --bandwidth "$BANDWIDTH"
+     --link-script "$HERE/setup_netns.sh")
 [[ -n "${NUMEL:-}" ]] && CMD+=(--numel "$NUMEL")
 [[ -n "${SEQ:-}" ]] && CMD+=(--seq-length "$SEQ")
 [[ -n "${TRAIN_EXTRA:-}" ]] && CMD+=(--train-extra "$TRAIN_EXTRA")

@@ -2,10 +2,18 @@
 # Emulated two-node cluster on one machine: two network namespaces ("nodes") joined by one veth
 # pair ("the inter-node link") whose egress is rate-limited with tc on both ends.
 #
-#   usage: setup_netns.sh up|down|status|check
+#   usage: setup_netns.sh up|down|status|check|unlimit|limit
+#
+#   unlimit  remove the root qdisc (tbf, and netem if any) from BOTH veth ends: the link then runs
+#            at veth speed (no rate limit, no added delay). bench_emulated.py does this for the
+#            `limit` variant only (the physical floor) and runs `limit` right after it.
+#   limit    (re-)apply the shaping of `up` on both ends (replaces whatever root qdisc is there);
+#            needs the same BANDWIDTH / LATENCY / BURST as `up`. Both print the resulting qdiscs
+#            and fail if the result is not what was asked.
 #
 # Knobs (environment):
 #   NS_PREFIX   namespace name prefix (default: emu$PPID) -> namespaces ${NS_PREFIX}n0, ${NS_PREFIX}n1
+#   NS0/NS1     the namespace names themselves (override NS_PREFIX; bench_emulated.py passes them)
 #   BANDWIDTH   per-direction link rate in tc syntax (default 1gbit; "0"/"none" = unshaped)
 #   LATENCY     one-way delay added on each end (default 1ms; needs sch_netem, see below)
 #   BURST       tbf bucket size (default 256kb)
@@ -23,8 +31,8 @@
 set -euo pipefail
 
 NS_PREFIX=${NS_PREFIX:-emu$PPID}
-NS0=${NS_PREFIX}n0
-NS1=${NS_PREFIX}n1
+NS0=${NS0:-${NS_PREFIX}n0}
+NS1=${NS1:-${NS_PREFIX}n1}
 BANDWIDTH=${BANDWIDTH:-1gbit}
 LATENCY=${LATENCY:-1ms}
 BURST=${BURST:-256kb}
@@ -113,6 +121,52 @@ status() {
   done
 }
 
+netem_state() {
+  # NETEM_OK for limit: what `up` recorded in STATE_FILE (LATENCY_APPLIED), else probe again.
+  NETEM_OK=0
+  if [[ -z "$LATENCY" || "$LATENCY" == "0" || "$LATENCY" == "0ms" || "$LATENCY" == "none" ]]; then return; fi
+  local applied=""
+  if [[ -n "$STATE_FILE" && -s "$STATE_FILE" ]]; then
+    applied=$(sed -n 's/^LATENCY_APPLIED=//p' "$STATE_FILE" | head -1)
+  fi
+  if [[ -n "$applied" ]]; then
+    if [[ "$applied" != none ]]; then NETEM_OK=1; fi
+  elif have_netem; then
+    NETEM_OK=1
+  fi
+}
+
+qdisc_line() {  # qdisc_line NS IF: the root qdisc(s) of the veth end, one line
+  ip netns exec "$1" tc qdisc show dev "$2" | tr '\n' ';' | sed 's/;$//'
+}
+
+unlimit() {
+  local ns dev
+  for pair in "$NS0:$IF0" "$NS1:$IF1"; do
+    ns=${pair%%:*}; dev=${pair##*:}
+    ip netns exec "$ns" tc qdisc del dev "$dev" root 2>/dev/null || true
+    local q; q=$(qdisc_line "$ns" "$dev")
+    echo "$ns/$dev: $q"
+    if grep -Eq 'tbf|netem' <<< "$q"; then log "unlimit: $ns/$dev still shaped: $q"; exit 1; fi
+  done
+  log "unlimit: no rate limit and no added delay on $NS0/$IF0 <-> $NS1/$IF1"
+}
+
+limit() {
+  local ns dev
+  netem_state
+  for pair in "$NS0:$IF0" "$NS1:$IF1"; do
+    ns=${pair%%:*}; dev=${pair##*:}
+    ip netns exec "$ns" tc qdisc del dev "$dev" root 2>/dev/null || true
+    shape "$ns" "$dev"
+    local q; q=$(qdisc_line "$ns" "$dev")
+    echo "$ns/$dev: $q"
+    if [[ -n "$BANDWIDTH" && "$BANDWIDTH" != "0" && "$BANDWIDTH" != "none" ]] && ! grep -q tbf <<< "$q"; then
+      log "limit: no tbf on $ns/$dev: $q"; exit 1
+    fi
+  done
+}
+
 check() {
   # The intra-namespace path: a packet to the namespace's own veth address goes over lo.
   echo "$NS0: $(ip netns exec "$NS0" ip route get "$ADDR0" | head -1)"
@@ -125,5 +179,7 @@ case "${1:-}" in
   down) down ;;
   status) status ;;
   check) check ;;
-  *) echo "usage: $0 up|down|status|check" >&2; exit 2 ;;
+  unlimit) unlimit ;;
+  limit) limit ;;
+  *) echo "usage: $0 up|down|status|check|unlimit|limit" >&2; exit 2 ;;
 esac

@@ -55,7 +55,8 @@ def wrap_model_with_ddp(
                                     disable_bucketing=(i > 0))
             for i, chunk in enumerate(model_chunks)
         ]
-    from .ddp import QuantizedDistributedDataParallel, build_runtime
+    from .ddp import QuantizedDistributedDataParallel
+    from .runtime import build_runtime
 
     runtime = build_runtime(quant_config)
     return [

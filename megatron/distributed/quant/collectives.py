@@ -244,10 +244,6 @@ def _row_slice(q: QuantizedTensor, rows: int, a: int, b: int) -> QuantizedTensor
     return QuantizedTensor(codes, scales, q.bits, q.group_size, rows * (b - a))
 
 
-def _quantized_bytes(numel: int, bits: int, group_size: int) -> int:
-    return numel * bits // 8 + numel // group_size * 4
-
-
 # ------------------------------------------------------------------------------------------------
 # gradient reduce-scatter
 # ------------------------------------------------------------------------------------------------
@@ -337,13 +333,15 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
     if accounting is not None:  # sizes are known now: record in the caller's thread
         accounting.record_baseline(name, kind="grad", numel=n, elem_size=x.element_size(), dp_size=p,
                                    peers_intra=d - 1, peers_inter=p - d)
-        accounting.record_all_to_all(name, kind="grad", total_bytes=_quantized_bytes(n, bits1, gs1),
+        accounting.record_all_to_all(name, kind="grad",
+                                     total_bytes=QuantizedTensor.wire_bytes(n, bits1, gs1),
                                      total_elements=n, group_size=size1,
                                      peers_intra=size1 - 1 if d > 1 else 0,
                                      peers_inter=0 if d > 1 else size1 - 1)
         if two_level:
             accounting.record_all_to_all(
-                name, kind="grad", total_bytes=_quantized_bytes(n // d, bits_inter, group_size_inter),
+                name, kind="grad",
+                total_bytes=QuantizedTensor.wire_bytes(n // d, bits_inter, group_size_inter),
                 total_elements=n // d, group_size=m, peers_intra=0, peers_inter=m - 1)
 
     state: dict = {}
@@ -359,7 +357,8 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
             sent = dequantize(q1, hadamard=hadamard, hadamard_block=hadamard_block)
             ef.update("e1", h, _unswizzle(sent, order) if two_level else sent)
         state["q1"] = q1
-        state["gen"] = gen.get_state()     # where every middle chunk starts drawing
+        if len(bounds) > 1:
+            state["gen"] = gen.get_state()     # where every middle chunk starts drawing
 
     def final(recv: QuantizedTensor, sources: int, a: int, b: int) -> None:
         """Dequantize + fp32 sum of the sources [-> inverse Hadamard] into output[a:b]."""
@@ -486,7 +485,7 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
         accounting.record_baseline(name, kind="weight", numel=s * world, elem_size=output.element_size(),
                                    dp_size=world, peers_intra=n_intra, peers_inter=n_inter)
         accounting.record_all_gather(name, kind="weight",
-                                     shard_bytes=_quantized_bytes(s, bits, group_size),
+                                     shard_bytes=QuantizedTensor.wire_bytes(s, bits, group_size),
                                      shard_elements=s, peers_intra=n_intra, peers_inter=n_inter)
 
     def run() -> None:

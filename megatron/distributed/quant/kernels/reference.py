@@ -56,6 +56,12 @@ class QuantizedTensor:
         """Bytes on the wire (codes + scales), used for communication accounting."""
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 4
 
+    @staticmethod
+    def wire_bytes(numel: int, bits: int, group_size: int) -> int:
+        """:attr:`nbytes` of a valid tensor of ``numel`` elements, before it exists (the
+        collectives account for a transfer in the caller's thread, the stages build it later)."""
+        return numel * bits // 8 + numel // group_size * 4
+
     def validate(self) -> None:
         """Raise ValueError if the fields are inconsistent (cheap shape checks only)."""
         _check_bits(self.bits)

@@ -130,7 +130,7 @@ class Scenario:
     run: Callable[[Any], None]
 
 
-def _typical_generator(T) -> "torch.Generator":
+def _typical_generator(T) -> Any:
     """A CPU generator whose first stochastic-rounding seed (drawn by the launcher's own ``_seed``)
     is neither 1 nor a multiple of 16: the specialisation 15 of 16 launches get (the JIT
     specialises the int ``seed`` argument on ``== 1`` and ``% 16``)."""
@@ -153,10 +153,10 @@ def scenarios(space: FlagSpace) -> List[Scenario]:
     LoCo the middle hop is ``dequantize_sum`` + ``quantize`` + ``dequantize`` instead and
     loco.py stores 8-bit error buffers); collectives.quantized_all_gather (qWD:
     ``quantize_difference`` + ``dequantize_add``; qW: ``quantize`` + ``dequantize`` into the
-    param buffer); paro_engine._quantized_param_sync (fp32 optimizer-state shard vs the param
-    dtype). Every trainer call site passes ``check_finite=False`` (finiteness is agreed on across
-    ranks first); the public-API default ``check_finite=True`` (bench_quant.py, tests) is the
-    last group. Sizes mimic a padded bucket (every count a multiple of 16), P = D*M = 32 ranks.
+    param buffer, and the PaRO engine's sync_params through the runtime: fp32 optimizer-state
+    shard vs the param dtype). Every trainer call site passes ``check_finite=False`` (finiteness
+    is agreed on across ranks first); the public-API default ``check_finite=True``
+    (bench_quant.py, tests) is the last group. Sizes mimic a padded bucket (every count a multiple of 16), P = D*M = 32 ranks.
     """
     import torch
 

@@ -14,7 +14,16 @@ from pathlib import Path
 from typing import Callable, List
 
 import pytest
-from dist_harness import free_port as free_port_number
+import torch
+
+if not torch.cuda.is_available():
+    # Triton's CPU interpreter must be chosen before anything imports ``triton.language``: its own
+    # @jit helpers (tl.max, ...) are decorated for the interpreter or the compiler at that import.
+    # megatron-core imports it (through torch._inductor), and test modules that import
+    # megatron-core at collection (tests/test_mcore_compat.py) run before test_triton_kernels.py.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dist_harness import free_port as free_port_number  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.distributed.quant.accounting import CommAccounting
-from megatron.distributed.quant.collectives import (PendingReduceScatter, quantized_all_gather,
+from megatron.distributed.quant.collectives import (PendingCollective, quantized_all_gather,
                                                     required_padding_multiple, swizzle_order,
                                                     two_level_reduce_scatter)
 from megatron.distributed.quant.kernels import NonFiniteError, hadamard_transform, inverse_hadamard_transform
@@ -173,7 +173,7 @@ def _scenario(rank: int, world: int, intra_sizes: list) -> dict:
                 h = two_level_reduce_scatter(x, o, g, hadamard=ht, generator=gen, async_op=async_op,
                                              pipeline=k, **kw)
                 if async_op:
-                    assert isinstance(h, PendingReduceScatter)
+                    assert isinstance(h, PendingCollective)
                     h.wait()
                     h.wait()  # idempotent
                 outs.append(o)

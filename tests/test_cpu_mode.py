@@ -1,20 +1,24 @@
 """CPU mode: megatron-core GPTModel + DDP + DistributedOptimizer train on 2 gloo CPU ranks.
 
-Why: every other CPU test (and the DDP/quantization engineers' tests) relies on
-``enable_cpu_mode()`` making megatron-core 0.16.1 run without CUDA. This test exercises all the
-touch points at once: bf16 Float16Module, DDP with overlapped grad reduce-scatter and param
-all-gather, the distributed optimizer with fp32 main grads and grad clipping, the no-pipelining
-schedule and the RNG tracker (dropout on).
+Why: every other CPU test (and the DDP/quantization engineers' tests) relies on CPU mode
+(``with cpu_mode():``, or the entered-forever ``enable_cpu_mode()``) making megatron-core 0.16.1
+run without CUDA. The training test exercises all the touch points at once: bf16 Float16Module,
+DDP with overlapped grad reduce-scatter and param all-gather, the distributed optimizer with fp32
+main grads and grad clipping, the no-pipelining schedule and the RNG tracker (dropout on).
+The scope tests pin that CPU mode is scoped: leaving it restores every object it replaced (a
+process, e.g. this test session, is not left patched), and it can be entered again.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import sys
 from functools import partial
 from pathlib import Path
-from typing import List
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -30,9 +34,12 @@ def _train_worker(rank: int, world: int, port: int, out_dir: str, steps: int) ->
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     init_process_group(rank, world, port)
-    cpu_mode.enable_cpu_mode()
-    cpu_mode.enable_cpu_mode()  # idempotent
+    with cpu_mode.cpu_mode():
+        _train(rank, world, out_dir, steps)
+    shutdown_process_group()  # final barrier: rank 0 hosts the store, it must not leave first
 
+
+def _train(rank: int, world: int, out_dir: str, steps: int) -> None:
     from megatron.core import parallel_state
     from megatron.core.distributed import (DistributedDataParallel,
                                            DistributedDataParallelConfig, finalize_model_grads)
@@ -116,7 +123,6 @@ def _train_worker(rank: int, world: int, port: int, out_dir: str, steps: int) ->
         "num_buckets": len(ddp.bucket_groups),
         "proxied": len(cpu_mode.proxied_modules()),
     }))
-    shutdown_process_group()  # final barrier: rank 0 hosts the store, it must not leave first
 
 
 def test_cpu_mode_ddp_distributed_optimizer_trains(tmp_path: Path) -> None:
@@ -139,18 +145,112 @@ def test_cpu_mode_ddp_distributed_optimizer_trains(tmp_path: Path) -> None:
     assert r[0]["losses"] != r[1]["losses"]
 
 
-def test_enable_cpu_mode_is_targeted() -> None:
-    """Only megatron-core sees the CPU redirect; global torch still refuses CUDA on CPU hosts."""
-    cpu_mode.enable_cpu_mode()
-    assert cpu_mode.enable_cpu_mode() == 0  # nothing new to proxy: idempotent
-    import megatron.core.optimizer.optimizer as mopt
-    import megatron.core.transformer.utils as tutils
+def _patchable_state() -> Dict[str, Any]:
+    """Every object CPU mode replaces, as it is now (identity matters, not equality)."""
+    import megatron.core.jit as mcore_jit
+    import megatron.core.tensor_parallel.random as tp_random
 
+    return {
+        "module_torch": {name: mod.torch for name, mod in list(sys.modules.items())
+                         if name.startswith("megatron.core") and mod is not None
+                         and hasattr(mod, "torch")},
+        "tensor_type": torch.Tensor.type, "tensor_cuda": torch.Tensor.cuda,
+        "tensor_own": {n for n in ("type", "cuda") if n in torch.Tensor.__dict__},
+        "rng_get": tp_random._get_cuda_rng_state, "rng_set": tp_random._set_cuda_rng_state,
+        "jit_fuser": mcore_jit.jit_fuser,
+        "log_filters": list(logging.getLogger(tp_random.__name__).filters),
+    }
+
+
+def _assert_same(before: Dict[str, Any], after: Dict[str, Any]) -> None:
+    for key in before:
+        if key == "module_torch":
+            changed = [n for n, t in before[key].items() if after[key].get(n) is not t]
+            assert not changed, f"modules whose torch was not restored: {changed[:5]}"
+        elif isinstance(before[key], (list, set)):
+            assert before[key] == after[key], key
+        else:
+            assert after[key] is before[key], key
+
+
+@pytest.fixture
+def cpu_mode_off() -> None:
+    if cpu_mode.is_cpu_mode():
+        pytest.skip("CPU mode was entered for this whole process by an earlier test")
+
+
+def _assert_patched() -> None:
+    import megatron.core.jit as mcore_jit
+    import megatron.core.optimizer.optimizer as mopt
+    import megatron.core.tensor_parallel.random as tp_random
+
+    assert cpu_mode.is_cpu_mode()
     assert mopt.torch is not torch
-    assert mopt.torch.tensor([1.0], device="cuda").device.type == "cpu"
-    assert mopt.torch.cuda.current_device() == torch.device("cpu")
-    assert tutils.get_default_causal_mask(4).device.type == "cpu"
-    assert torch.ones(1, dtype=torch.bfloat16).type() == "torch.BFloat16Tensor"
-    if not torch.cuda.is_available():
-        with pytest.raises((RuntimeError, AssertionError)):
-            torch.zeros(1, device="cuda")
+    assert tp_random._get_cuda_rng_state is cpu_mode._cpu_get_rng_state
+    assert torch.Tensor.type is cpu_mode._tensor_type
+    assert torch.Tensor.cuda is cpu_mode._tensor_cuda
+    assert mcore_jit.jit_fuser is mcore_jit.noop_decorator
+    assert any(isinstance(f, cpu_mode._DropCpuRngWarning)
+               for f in logging.getLogger(tp_random.__name__).filters)
+
+
+def test_cpu_mode_scope_restores_every_original_object(cpu_mode_off) -> None:
+    import megatron.core  # noqa: F401 -- so that "before" covers megatron-core's modules
+
+    before = _patchable_state()
+    scope = cpu_mode.cpu_mode()
+    for _ in range(2):  # re-entering the same scope object works
+        with scope as entered:
+            assert entered is scope and entered.proxied > 10
+            _assert_patched()
+            with cpu_mode.cpu_mode():  # nested: only the outermost exit restores
+                _assert_patched()
+            _assert_patched()
+        assert not cpu_mode.is_cpu_mode() and cpu_mode.proxied_modules() == []
+        _assert_same(before, _patchable_state())
+        assert not [n for n, m in list(sys.modules.items()) if n.startswith("megatron.core")
+                    and getattr(m, "torch", None) is cpu_mode._TORCH_PROXY]
+    with pytest.raises(RuntimeError):
+        scope.__exit__(None, None, None)  # left more often than entered
+    with cpu_mode.cpu_mode(enabled=False):
+        assert not cpu_mode.is_cpu_mode()
+
+
+def test_cpu_mode_scope_restores_on_error(cpu_mode_off) -> None:
+    before = _patchable_state()
+    with pytest.raises(ValueError):
+        with cpu_mode.cpu_mode():
+            raise ValueError("boom")
+    assert not cpu_mode.is_cpu_mode()
+    _assert_same(before, _patchable_state())
+
+
+def test_enable_cpu_mode_is_entered_forever_until_disabled(cpu_mode_off) -> None:
+    before = _patchable_state()
+    try:
+        cpu_mode.enable_cpu_mode()
+        assert cpu_mode.enable_cpu_mode() == 0  # nothing new to proxy: idempotent
+        with cpu_mode.cpu_mode():
+            pass
+        _assert_patched()  # a scope's exit does not end the entered-forever mode
+    finally:
+        cpu_mode.disable_cpu_mode()
+    assert not cpu_mode.is_cpu_mode()
+    _assert_same(before, _patchable_state())
+
+
+def test_cpu_mode_is_targeted() -> None:
+    """Only megatron-core sees the CPU redirect; global torch still refuses CUDA on CPU hosts."""
+    with cpu_mode.cpu_mode() as scope:
+        assert scope.refresh() == 0  # nothing new to proxy
+        import megatron.core.optimizer.optimizer as mopt
+        import megatron.core.transformer.utils as tutils
+
+        assert mopt.torch is not torch
+        assert mopt.torch.tensor([1.0], device="cuda").device.type == "cpu"
+        assert mopt.torch.cuda.current_device() == torch.device("cpu")
+        assert tutils.get_default_causal_mask(4).device.type == "cpu"
+        assert torch.ones(1, dtype=torch.bfloat16).type() == "torch.BFloat16Tensor"
+        if not torch.cuda.is_available():
+            with pytest.raises((RuntimeError, AssertionError)):
+                torch.zeros(1, device="cuda")

@@ -193,14 +193,14 @@ def max_scaled_grad(ddp) -> float:
 def main_param_shards(opt, ddp) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """(own shard of the bf16 param buffer, fp32 master values at the same positions) per bucket,
     only at positions this rank's main params cover (read through megatron-core's range maps)."""
-    from megatron.distributed.quant.ddp import _leaf_optimizers
+    from megatron.distributed.quant.mcore_compat import leaf_optimizers, model_param_range_map
 
     pairs = []
-    for leaf in _leaf_optimizers(opt):
+    for leaf in leaf_optimizers(opt):
         for main_group, model_group in zip(leaf.shard_fp32_from_float16_groups,
                                            leaf.model_float16_groups):
             for main, model_param in zip(main_group, model_group):
-                rng = leaf._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+                rng = model_param_range_map(leaf, model_param)["gbuf_world_in_bucket"]
                 gi, _, bi = leaf.model_param_gbuf_map[model_param]
                 buf = leaf.buffers[gi].buckets[bi].param_data.view(-1)[rng.start:rng.end]
                 pairs.append((buf.detach().float().clone(), main.detach().float().reshape(-1).clone()))
@@ -209,14 +209,14 @@ def main_param_shards(opt, ddp) -> List[Tuple[torch.Tensor, torch.Tensor]]:
 
 def full_masters(opt, ddp) -> torch.Tensor:
     """All fp32 master weights in module order (each rank fills its range, then a SUM)."""
-    from megatron.distributed.quant.ddp import _leaf_optimizers
+    from megatron.distributed.quant.mcore_compat import leaf_optimizers, model_param_range_map
 
     full = {p: torch.zeros(p.numel(), dtype=torch.float32) for p in ddp.module.parameters()}
-    for leaf in _leaf_optimizers(opt):
+    for leaf in leaf_optimizers(opt):
         for main_group, model_group in zip(leaf.shard_fp32_from_float16_groups,
                                            leaf.model_float16_groups):
             for main, model_param in zip(main_group, model_group):
-                rng = leaf._get_model_param_range_map(model_param)["param"]
+                rng = model_param_range_map(leaf, model_param)["param"]
                 full[model_param][rng.start:rng.end] = main.detach().float().reshape(-1)
     vec = torch.cat([full[p] for p in ddp.module.parameters()])
     dist.all_reduce(vec)

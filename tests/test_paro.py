@@ -1,14 +1,16 @@
-"""PaRO: strategy parsing, memory / communication model, auto choice, PaRO-CC collectives.
+"""PaRO: strategy parsing, memory / communication model, auto choice, PaRO-CC all-reduce.
 
 Why these tests: the strategy grid and its validity rule are easy to get subtly wrong (the spec
-derives 14 of 27 combinations), the cost model is what ``--paro-strategy auto`` will trust, and
-the hierarchical collectives must give exactly the flat collectives' results while sending what
-the model says. The distributed checks run once, on 4 gloo ranks laid out as 2 groups x 2.
+derives 14 of 27 combinations; paro_strategy), the cost model is what ``--paro-strategy auto``
+will trust (paro_cost), and the hierarchical all-reduce the engine uses for NNN must give exactly
+the flat all-reduce's result while sending what the model says (paro_comm). The distributed
+checks run once, on 4 gloo ranks laid out as 2 groups x 2, then 1 x 4 and 4 x 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import pytest
@@ -16,11 +18,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron.distributed.quant import paro
+from megatron.distributed.quant import paro_args, paro_comm, paro_cost, paro_strategy
 from megatron.distributed.quant.config import QuantizationConfig
-from megatron.distributed.quant.paro import (PaRoStrategy, StateBytes, choose_strategy_auto,
-                                             communication_volume, model_state_memory,
-                                             parse_paro_strategy, resolve_group_size)
+from megatron.distributed.quant.paro_cost import (StateBytes, choose_strategy_auto,
+                                                  communication_volume, model_state_memory)
+from megatron.distributed.quant.paro_strategy import (PaRoStrategy, parse_paro_strategy,
+                                                      resolve_group_size, uses_engine)
 from dist_harness import free_port, init_process_group, shutdown_process_group
 
 SPEC_VALID = ["NNN", "NNI", "NII", "INI", "III", "NNG", "NIG", "NGG", "ING", "IIG", "IGG", "GNG",
@@ -52,7 +55,7 @@ SPEC_PATTERN = {
 # ------------------------------------------------------------------------------------------------
 
 def test_exactly_the_spec_strategies_are_valid():
-    assert list(paro.VALID_STRATEGIES) == SPEC_VALID
+    assert list(paro_strategy.VALID_STRATEGIES) == SPEC_VALID
     for name in SPEC_VALID:
         assert PaRoStrategy.from_string(name).name == name
     letters = "NIG"
@@ -72,13 +75,20 @@ def test_aliases_case_and_prefix(text, expected):
 
 
 def test_auto_and_known_names():
-    assert parse_paro_strategy("AUTO") == paro.AUTO
+    assert parse_paro_strategy("AUTO") == paro_strategy.AUTO
     with pytest.raises(ValueError, match="choose_strategy_auto"):
         PaRoStrategy.from_string("auto")
     assert PaRoStrategy.from_string("NNG").known_as == "ZeRO-1"
     assert PaRoStrategy.from_string("NIG").known_as is None
-    stages = [PaRoStrategy.from_string(s).zero_stage for s in ("NNG", "NIG", "NII", "IIG", "ING")]
-    assert stages == [1, 2, 2, 3, 3]
+
+
+def test_which_strategies_use_the_engine():
+    """NNN / NNG (any spelling) stay on megatron-core; every other strategy, and 'auto' (it may
+    pick one), train on the PaRO engine; no strategy or an invalid one does not."""
+    assert [s for s in SPEC_VALID if not uses_engine(s)] == ["NNN", "NNG"]
+    assert not uses_engine("zero1") and not uses_engine("ddp") and uses_engine("nig")
+    assert uses_engine("auto") and uses_engine("AUTO")
+    assert not uses_engine(None) and not uses_engine("GNI")
 
 
 @pytest.mark.parametrize("text,pattern", [
@@ -111,12 +121,24 @@ def test_group_size(monkeypatch):
 
 
 def test_add_paro_args():
-    parser = paro.add_paro_args(argparse.ArgumentParser())
+    parser = paro_args.add_paro_args(argparse.ArgumentParser())
     args = parser.parse_args(["--paro-strategy", "nig", "--paro-group-size", "4"])
     assert parse_paro_strategy(args.paro_strategy).name == "NIG"
     assert args.paro_group_size == 4
     defaults = parser.parse_args([])
     assert defaults.paro_strategy is None and defaults.paro_group_size is None
+
+
+def test_integration_is_a_no_op_for_megatron_core_chunks():
+    """The trainer's checkpoint and report hooks leave a module that is not a PaRO engine alone."""
+    from megatron.distributed.quant import integration
+
+    chunk = torch.nn.Linear(2, 2)
+    with integration.full_model_params([chunk], writeback=True) as gathered:
+        assert gathered is False
+    assert integration.communication_report([chunk]) == {}
+    assert integration.communication_report([chunk], totals=True) == {}
+    assert integration.uses_sharded_engine("NIG") and not integration.uses_sharded_engine("zero1")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -144,7 +166,7 @@ def test_memory_partial_training_and_fp32_grads():
 
 def test_pattern_matches_spec_table():
     for name, expected in SPEC_PATTERN.items():
-        got = [(c.label, c.phase) for c in paro.strategy_collectives(name)]
+        got = [(c.label, c.phase) for c in paro_cost.strategy_collectives(name)]
         assert got == expected, name
 
 
@@ -183,7 +205,7 @@ def test_quantized_wire_bits():
     assert bits["global AG(p')"]["inter"] == pytest.approx((g - 1) / n * psi * w_b)
     # qWD ('diff') quantizes only the post-step sync; 'direct' (qwZ) also the micro-step gathers.
     diff = communication_volume("IIG", psi, n, m, quant_config=q).rows[0]
-    q.weight_quantization_mode = "direct"
+    q = dataclasses.replace(q, weight_quantization_mode="direct")
     direct = communication_volume("IIG", psi, n, m, quant_config=q).rows[0]
     assert diff["collective"] == "intra AG(p)x2"
     assert diff["intra"] == pytest.approx(2 * (m - 1) / m * psi * 2)
@@ -191,17 +213,17 @@ def test_quantized_wire_bits():
 
 
 def test_report_and_format():
-    rep = paro.paro_report("IIG", 1.3e9, 16, 8, micro_steps=4, gpu_memory_bytes=2e9,
+    rep = paro_cost.paro_report("IIG", 1.3e9, 16, 8, micro_steps=4, gpu_memory_bytes=2e9,
                            intra_bandwidth=150e9, inter_bandwidth=12.5e9)
     assert rep["num_groups"] == 2 and rep["fits"] is True
     assert rep["memory"]["total"] == pytest.approx(2 * 1.3e9 / 8 * 2 + 12 * 1.3e9 / 16)
     tot = rep["comm"]["per_step_total"]
     assert rep["comm_time_s"] == pytest.approx(tot["intra"] / 150e9 + tot["inter"] / 12.5e9)
-    text = paro.format_report(rep)
+    text = paro_cost.format_report(rep)
     for needle in ("PaRO strategy IIG", "intra AG(p)x2", "inter AG(p')", "fits", "total per step"):
         assert needle in text
-    small = paro.paro_report("NNN", 1.3e9, 16, 8, gpu_memory_bytes=2e9)
-    assert small["fits"] is False and "DOES NOT FIT" in paro.format_report(small)
+    small = paro_cost.paro_report("NNN", 1.3e9, 16, 8, gpu_memory_bytes=2e9)
+    assert small["fits"] is False and "DOES NOT FIT" in paro_cost.format_report(small)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -242,7 +264,7 @@ def test_auto_nothing_fits():
 
 
 # ------------------------------------------------------------------------------------------------
-# PaRO-CC collectives on 4 gloo ranks (2 groups x 2)
+# PaRO-CC all-reduce on 4 gloo ranks (2 groups x 2, one group of 4, 4 groups of 1)
 # ------------------------------------------------------------------------------------------------
 
 def _check_collectives(groups, rank: int, world: int) -> None:
@@ -255,12 +277,12 @@ def _check_collectives(groups, rank: int, world: int) -> None:
     x = torch.randint(-1000, 1000, (1001,), generator=gen).float()
     ref = x.clone()
     dist.all_reduce(ref)
-    counter = paro.CommCounter()
-    out = paro.hierarchical_all_reduce(x, intra, inter, counter=counter)
+    counter = paro_comm.CommCounter()
+    out = paro_comm.hierarchical_all_reduce(x, intra, inter, counter=counter)
     assert out is x and torch.equal(x, ref)
     padded = -(-1001 // m) * m
     expect = communication_volume("NNN", padded, world, m, state_bytes=StateBytes(grad=4))
-    assert (counter.intra, counter.inter) == (expect.intra, expect.inter)
+    assert counter.bytes == {"intra": expect.intra, "inter": expect.inter}
     if m > 1 and g > 1:
         assert counter.calls == [("intra", "reduce_scatter", padded, m),
                                  ("inter", "all_reduce", padded // m, g),
@@ -268,44 +290,8 @@ def _check_collectives(groups, rank: int, world: int) -> None:
     y = torch.randint(-9, 9, (6, 10), generator=gen).float().t()
     ref = y.clone()
     dist.all_reduce(ref)
-    paro.hierarchical_all_reduce(y, intra, inter)
+    paro_comm.hierarchical_all_reduce(y, intra, inter)
     assert torch.equal(y, ref)
-
-    # dispatcher: small messages (and single-group layouts) take the flat path.
-    z = torch.full((8,), float(rank))
-    counter = paro.CommCounter()
-    paro.paro_all_reduce(z, groups, min_numel=8 if m == 2 else 1, counter=counter)
-    assert torch.equal(z, torch.full((8,), float(sum(range(world)))))
-    assert len(counter.calls) == (3 if m == 2 else 1)
-    small = paro.CommCounter()
-    paro.paro_all_reduce(z, groups, min_numel=9, counter=small)
-    flat = 2 * (world - 1) / world * 8 * 4
-    crosses = g > 1 and groups.local == m - 1
-    assert small.bytes == {"intra": 0.0 if crosses else flat, "inter": flat if crosses else 0.0}
-
-    # reduce-scatter / all-gather: same layout as the flat collectives.
-    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    c = 7
-    inp = torch.randint(-1000, 1000, (world * c,), generator=gen).float()
-    ref = torch.empty(c)
-    rs(ref, inp.clone())
-    got = paro.hierarchical_reduce_scatter(torch.empty(c), inp, intra, inter)
-    assert torch.equal(got, ref)
-    shard = torch.arange(c, dtype=torch.float32) + 100 * rank
-    ref = torch.empty(world * c)
-    ag(ref, shard)
-    got = paro.hierarchical_all_gather(torch.empty(world * c), shard, intra, inter)
-    assert torch.equal(got, ref)
-
-    # every strategy: the bytes a replayed step sends equal the model's.
-    for name in paro.VALID_STRATEGIES:
-        counter = paro.run_strategy_comm_pattern(name, 96, intra, inter, trainable_params=48,
-                                                 micro_steps=2)
-        model = communication_volume(name, 96, world, m, trainable_params=48, micro_steps=2,
-                                     state_bytes=StateBytes(param=4, grad=4))
-        assert counter.intra == pytest.approx(model.intra), (name, m)
-        assert counter.inter == pytest.approx(model.inter), (name, m)
 
 
 def _worker(rank: int, world: int, port: int) -> None:
@@ -315,15 +301,15 @@ def _worker(rank: int, world: int, port: int) -> None:
     healthy = False
     try:
         for m in (2, 4, 1):  # 2 x 2, then one group of 4, then 4 groups of 1
-            groups = paro.build_paro_groups(m)
+            groups = paro_comm.build_paro_groups(m)
             assert groups.intra_size == m and groups.local == rank % m
             _check_collectives(groups, rank, world)
         with pytest.raises(ValueError, match="does not divide"):
-            paro.build_paro_groups(3)
+            paro_comm.build_paro_groups(3)
         healthy = True
     finally:
         shutdown_process_group(healthy)
 
 
-def test_hierarchical_collectives_on_four_ranks():
+def test_hierarchical_all_reduce_on_four_ranks():
     mp.spawn(_worker, args=(4, free_port()), nprocs=4, join=True)

@@ -10,9 +10,9 @@ DDP + DistributedOptimizer (NNG):
 
 * per-step losses and grad norms (fp32: rel 1e-6; bf16: 1e-4, see FP32_RTOL / BF16_RTOL);
 * the persistent model-state bytes per rank, measured from the storages of the resident
-  tensors, equal ``paro.model_state_memory`` for the padded parameter count (the sum of the
+  tensors, equal ``paro_cost.model_state_memory`` for the padded parameter count (the sum of the
   separately padded buckets);
-* the bytes counted on the intra / inter links in one step equal ``paro.communication_volume``;
+* the bytes counted on the intra / inter links in one step equal ``paro_cost.communication_volume``;
 * gathers, releases and gradient reduce-scatters are per bucket: the peak parameter + gradient
   bytes stay within the persistent bytes plus one bucket in use (plus the tied-embedding bucket),
   well below DDP's full parameters + gradients for IIG / GGG;
@@ -31,8 +31,9 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from megatron.distributed.quant import paro
-from megatron.distributed.quant.paro import StateBytes, communication_volume, model_state_memory
+from megatron.distributed.quant import paro_cost
+from megatron.distributed.quant.paro_cost import StateBytes, communication_volume, model_state_memory
+from megatron.distributed.quant.paro_strategy import VALID_STRATEGIES
 from tools.paro_strategy_table import synthetic_batches
 
 WORLD, GROUP = 4, 2
@@ -91,18 +92,12 @@ def _build(args, strategy: str, engine: bool, seed: int = 1234, bucket_numel=Non
         chunk = T.model_provider(args, config, vocab, True, True)
         if args.bf16:
             chunk = Float16Module(config, chunk)
-        if bucket_numel is None:
-            model = [T.build_paro_chunk(args, config, chunk)]
-        else:  # what build_paro_chunk does, with a bucket-size cap
-            from megatron.core import parallel_state as ps
-            from megatron.distributed.quant.paro_engine import ParoDataParallel
-
-            groups = paro.build_paro_groups(args.paro_group_size, dp_ranks=torch.distributed.
-                                            get_process_group_ranks(ps.get_data_parallel_group()))
-            model = [ParoDataParallel(config, chunk, paro.PaRoStrategy.from_string(strategy),
-                                      groups, grad_dtype=torch.float32,
-                                      quant_config=args.quant_config, seed=args.seed,
-                                      bucket_numel=bucket_numel)]
+        ddp_config = T.build_ddp_config(args)
+        if bucket_numel is not None:  # the engine's bucket-size cap (None: one per layer)
+            ddp_config.bucket_size = bucket_numel
+        model = T.integration.wrap_model(config, ddp_config, [chunk], args.quant_config,
+                                         strategy=strategy, group_size=args.paro_group_size,
+                                         engine=True)
     else:
         model = T.get_model(args, config, vocab)
     opt, sched = T.get_optimizer_and_scheduler(args, model)
@@ -112,7 +107,8 @@ def _build(args, strategy: str, engine: bool, seed: int = 1234, bucket_numel=Non
 
 def _train(args, model, opt, sched, first_step: int, steps: int, rank: int,
            measure: bool = False) -> Dict[str, Any]:
-    from megatron.distributed.quant.paro_engine import ParoDataParallel, model_state_bytes
+    from megatron.distributed.quant.paro_engine import ParoDataParallel
+    from megatron.distributed.quant.paro_optimizer import model_state_bytes
     from megatron.training import training as T
 
     it = _batches(rank, first_step, steps)
@@ -183,7 +179,7 @@ def _strategies_worker(rank: int, world: int, runs: List[tuple]) -> Dict[str, An
     return res
 
 
-ENGINE = list(paro.VALID_STRATEGIES)
+ENGINE = list(VALID_STRATEGIES)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +193,7 @@ def results(tmp_path_factory) -> List[Dict[str, Any]]:
     return run_distributed(WORLD, _strategies_worker, tmp_path_factory.mktemp("paro"), runs)
 
 
-QUANT_GRADS = [s for s in paro.VALID_STRATEGIES if s[2] == "G"]
+QUANT_GRADS = [s for s in VALID_STRATEGIES if s[2] == "G"]
 """Quantized gradients need every gradient collective to be a reduce-scatter (os = G)."""
 QUANT_WEIGHTS_ONLY = ["NNI", "NII"]
 """Their post-step sync is an intra all-gather (I -> N); gradients stay exact."""
@@ -311,7 +307,7 @@ def test_quantized_collectives_inside_groups(results, label):
 
 def test_auto_picks_what_the_model_says(results):
     got = results[0]["auto"]
-    want = paro.choose_strategy_auto(
+    want = paro_cost.choose_strategy_auto(
         got["num_params"], WORLD, GROUP, 0.0006e9, 150e9, 12.5e9, micro_steps=MICRO,
         state_bytes=StateBytes(param=4, grad=4, optim=12))
     assert got["chosen"] == want.strategy.name
@@ -410,8 +406,9 @@ def test_auto_and_rejections(monkeypatch):
                       "--quantized-weights").quant_config.enabled
     with pytest.raises(ArgumentError, match="is an all-reduce, which has no quantized collective"):
         _validated(monkeypatch, "--paro-strategy", "NII", "--quantized-gradients")
-    with pytest.raises(ArgumentError, match="does not support --loco"):
-        _validated(monkeypatch, "--paro-strategy", "NIG", "--quantized-gradients", "--loco")
+    loco = _validated(monkeypatch, "--paro-strategy", "NIG", "--quantized-gradients", "--loco",
+                      "--gradients-quantization-start-iteration", "3").quant_config
+    assert loco.loco and loco.gradients_quantization_start_iteration == 3  # the shared runtime's
     with pytest.raises(ArgumentError, match="direct: the per-micro-step parameter gathers"):
         _validated(monkeypatch, "--paro-strategy", "IIG", "--quantized-weights",
                    "--weight-quantization-mode", "direct")
@@ -423,7 +420,7 @@ def test_auto_and_rejections(monkeypatch):
 def test_engine_rejects_fp16_optimizer():
     from types import SimpleNamespace
 
-    from megatron.distributed.quant.paro_engine import ParoOptimizer
+    from megatron.distributed.quant.paro_optimizer import ParoOptimizer
 
     with pytest.raises(NotImplementedError, match="not fp16"):
         ParoOptimizer(SimpleNamespace(), SimpleNamespace(fp16=True, optimizer="adam"))

@@ -92,12 +92,13 @@ def _is_empty_dataset(prefix: str) -> bool:
     """True when ``prefix`` is a consistent dataset without documents (an empty ``.bin`` whose
     ``.idx`` lists no sequences), which the trainer's check refuses but a merge can skip."""
     # The index alone: IndexedDataset cannot memory-map a 0-byte .bin.
-    from megatron.core.datasets.indexed_dataset import _IndexReader, get_bin_path, get_idx_path
+    from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
+    from megatron.distributed.quant.mcore_compat import read_index_summary
 
     try:
         if os.path.getsize(get_bin_path(prefix)) != 0:
             return False
-        return _IndexReader(get_idx_path(prefix), multimodal=False).sequence_count == 0
+        return read_index_summary(get_idx_path(prefix)).sequence_count == 0
     except Exception:  # noqa: BLE001 -- unreadable: not "empty", report the check's error instead
         return False
 

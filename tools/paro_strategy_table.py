@@ -6,11 +6,11 @@ Usage (CPU, 4 gloo ranks on 127.0.0.1 laid out as 2 groups x 2, about a minute):
 
 Prints a Markdown table (docs/paro.md, "Measured"): per rank, the persistent model-state bytes
 measured from the storages of the engine's resident tensors next to
-``paro.model_state_memory``, the number of buckets (units of gather / release and of the gradient
+``paro_cost.model_state_memory``, the number of buckets (units of gather / release and of the gradient
 reduce-scatter; ``--bucket-numel`` caps their size, default one per transformer layer / top-level
 module) and the peak parameter + gradient bytes during a step, the intra / inter bytes counted in
 one step next to
-``paro.communication_volume``, and the largest relative loss difference to megatron-core's
+``paro_cost.communication_volume``, and the largest relative loss difference to megatron-core's
 DDP + DistributedOptimizer (NNG) over the steps. Same setup as tests/test_paro_training.py.
 ``--quantized`` adds ``--quantized-gradients --quantized-weights`` (SDP4Bit's TLq / qWD inside the
 PaRO groups) for the strategies that support them (os = G); the reference stays unquantized.
@@ -67,7 +67,7 @@ def _worker(rank: int, port: int, steps: int, bf16: bool, quantized: bool, bucke
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD)
     from megatron.core.transformer.module import Float16Module
-    from megatron.distributed.quant.paro_engine import model_state_bytes
+    from megatron.distributed.quant.paro_optimizer import model_state_bytes
     from megatron.training import training as T
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_megatron, set_random_seed
@@ -88,7 +88,9 @@ def _worker(rank: int, port: int, steps: int, bf16: bool, quantized: bool, bucke
             chunk = T.model_provider(args, config, VOCAB, True, True)
             chunk = Float16Module(config, chunk) if bf16 else chunk
             args.ddp_bucket_size = bucket_numel  # the engine's bucket-size cap (None: per layer)
-            model = [T.build_paro_chunk(args, config, chunk)]
+            model = T.integration.wrap_model(config, T.build_ddp_config(args), [chunk],
+                                             args.quant_config, strategy=label,
+                                             group_size=args.paro_group_size, engine=True)
         opt, sched = T.get_optimizer_and_scheduler(args, model)
         T.configure_schedule(args, config, model, opt)
         it, losses, row = synthetic_batches(rank, 0, steps), [], {}
@@ -109,25 +111,25 @@ def _worker(rank: int, port: int, steps: int, bf16: bool, quantized: bool, bucke
 
 
 def _strategies(quantized: bool) -> List[str]:
-    from megatron.distributed.quant import paro
+    from megatron.distributed.quant.paro_strategy import VALID_STRATEGIES
 
-    return [s for s in paro.VALID_STRATEGIES if not quantized or s[2] == "G"]
+    return [s for s in VALID_STRATEGIES if not quantized or s[2] == "G"]
 
 
 def _table(results: Dict[str, Any], bf16: bool, quantized: bool) -> str:
-    from megatron.distributed.quant import paro
+    from megatron.distributed.quant import paro_cost
     from megatron.distributed.quant.config import QuantizationConfig
 
     ref = results["core"]["losses"]
-    sb = paro.StateBytes(param=2 if bf16 else 4, grad=4, optim=12)
+    sb = paro_cost.StateBytes(param=2 if bf16 else 4, grad=4, optim=12)
     qc = QuantizationConfig(quantized_gradients=True, quantized_weights=True) if quantized else None
     lines = ["| strategy | params B | grads B | optim B | total B (model) | buckets | peak p+g B "
              "| intra B/step (model) | inter B/step (model) | max rel. loss diff vs ZeRO-1 |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in _strategies(quantized):
         r = results[s]
-        mem = paro.model_state_memory(s, r["padded"], WORLD, GROUP, state_bytes=sb)
-        vol = paro.communication_volume(s, r["padded"], WORLD, GROUP, micro_steps=MICRO,
+        mem = paro_cost.model_state_memory(s, r["padded"], WORLD, GROUP, state_bytes=sb)
+        vol = paro_cost.communication_volume(s, r["padded"], WORLD, GROUP, micro_steps=MICRO,
                                         state_bytes=sb, quant_config=qc)
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
         m = r["memory"]

@@ -18,9 +18,9 @@ gradients; bf16 gradients, ``--grad-reduce-in-bf16``, halve them):
 
 Neither changes megatron-core's source: :func:`install` rebinds
 ``torch.distributed.reduce_scatter_tensor``/``reduce_scatter_single``/``_reduce_scatter_base``
-and ``megatron.core.distributed.param_and_grad_buffer.dist_reduce_scatter_func`` (bound at import
-time to ``torch.distributed.reduce_scatter_tensor``). Calls on non-gloo groups, and reduce ops other
-than SUM/AVG, go to the original function.
+and, through ``mcore_compat.patch_bucket_collectives``, megatron-core's
+``dist_reduce_scatter_func`` (bound at import time to ``torch.distributed.reduce_scatter_tensor``).
+Calls on non-gloo groups, and reduce ops other than SUM/AVG, go to the original function.
 
 Semantics kept from ``reduce_scatter_single``: ``output`` may alias a chunk of ``input`` (megatron's
 bucket shard is a view into the bucket), ``input`` may be a concatenation or a stack of the
@@ -61,7 +61,6 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import queue
-import sys
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -143,6 +142,7 @@ class _Worker:
 
 
 _WORKER: Optional[_Worker] = None
+_UNDO: list = []  # the undo of the bucket-collective patch (mcore_compat), when installed
 _OPEN_CMS = threading.local()  # .stack: the _coalescing_manager objects open on this thread
 RING_TAG = 0x52494E47  # P2P tag of the ring steps run by the worker thread ("RING")
 
@@ -310,29 +310,27 @@ def install(algo: str, async_mode: str = "thread") -> Callable:
             _ORIG[name] = getattr(dist, name)
         if hasattr(dist, name):
             setattr(dist, name, fn)
-    import megatron.core.distributed.param_and_grad_buffer as pgb  # binds the names at import
-
-    pgb.dist_reduce_scatter_func = fn
     if "_coalescing_manager" not in _ORIG:
         _ORIG["_coalescing_manager"] = dist._coalescing_manager
-        _ORIG["pgb._coalescing_manager"] = pgb._coalescing_manager
         dist._coalescing_manager = _make_tracking_cm(_ORIG["_coalescing_manager"])
-        pgb._coalescing_manager = _make_tracking_cm(_ORIG["pgb._coalescing_manager"])
+    # megatron-core's bucket groups bound both names at import: re-point them (through the
+    # compat seam, megatron/distributed/quant/mcore_compat.py).
+    from megatron.distributed.quant import mcore_compat
+
+    if _UNDO:
+        _UNDO.pop()()
+    _UNDO.append(mcore_compat.patch_bucket_collectives(
+        reduce_scatter=fn, coalescing_manager=_make_tracking_cm(_ORIG["_coalescing_manager"])))
     STATS["algo"] = algo
     STATS["async_mode"] = async_mode
     return fn
 
 
 def uninstall() -> None:
-    pgb = sys.modules.get("megatron.core.distributed.param_and_grad_buffer")
+    if _UNDO:
+        _UNDO.pop()()
     for name, f in _ORIG.items():
-        if name == "pgb._coalescing_manager":
-            if pgb is not None:
-                pgb._coalescing_manager = f
-        else:
-            setattr(dist, name, f)
-    if pgb is not None and "reduce_scatter_tensor" in _ORIG:
-        pgb.dist_reduce_scatter_func = _ORIG["reduce_scatter_tensor"]
+        setattr(dist, name, f)
     _ORIG.clear()
     STATS["algo"] = None
     STATS["async_mode"] = "thread"

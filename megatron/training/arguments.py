@@ -3,10 +3,11 @@
 Why our own parser: Megatron-LM's ``megatron/training/arguments.py`` is not part of the
 megatron-core wheel, and we must not copy it.  The flags below keep Megatron-LM's spelling and
 semantics so existing launch scripts work; flags that only tune GPU kernels parse and are
-documented as no-ops.  The quantization flags come from
-:func:`megatron.distributed.quant.arguments.add_quantization_args` and become a
-:class:`~megatron.distributed.quant.config.QuantizationConfig` only via ``from_args`` (in
-:func:`validate_args`, stored as ``args.quant_config``).
+documented as no-ops.  The quantization and PaRO flags come from the communication layer
+(:func:`megatron.distributed.quant.integration.add_arguments`) and become the one
+``QuantizationConfig`` only via ``integration.build_quantization_config`` (in
+:func:`validate_args`, stored as ``args.quant_config``); ``--paro-strategy`` is checked by
+``integration.check_strategy_args``.
 """
 
 from __future__ import annotations
@@ -19,12 +20,7 @@ import time
 import warnings
 from typing import Callable, FrozenSet, List, NoReturn, Optional, Tuple
 
-from megatron.distributed.quant.arguments import (add_quantization_args, check_flag_dependencies,
-                                                  gradients_quantized)
-from megatron.distributed.quant.paro import AUTO as PARO_AUTO
-from megatron.distributed.quant.paro import add_paro_args, check_trainable, resolve_group_size
-from megatron.distributed.quant.paro_engine import quantization_support_error, uses_paro_engine
-from megatron.distributed.quant.config import QuantizationConfig
+from megatron.distributed.quant import integration
 
 NOOP = "(no-op in this trainer; accepted for Megatron-LM script compatibility)"
 
@@ -274,8 +270,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     _add_data_args(parser)
     _add_checkpoint_args(parser)
     _add_logging_args(parser)
-    add_quantization_args(parser)
-    add_paro_args(parser)
+    integration.add_arguments(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
     return parser
@@ -353,7 +348,7 @@ def _resolve_gradient_reduction(args: argparse.Namespace, given: FrozenSet[str])
         _require(args.grad_accum_dtype == "bf16",
                  f"{flag} sends bf16 gradients: add --grad-reduce-in-bf16 (or --grad-accum-dtype "
                  "bf16)")
-        _require(not gradients_quantized(args),
+        _require(not integration.gradients_quantized(args),
                  f"{flag} contradicts --quantized-gradients: the quantized reduce-scatter "
                  "replaces megatron-core's")
         _require(not args.ddp_average_in_collective,
@@ -363,8 +358,7 @@ def _resolve_gradient_reduction(args: argparse.Namespace, given: FrozenSet[str])
                                     args.ddp_reduce_scatter_with_fp32_accumulation),
                                    ("--ddp-average-in-collective", args.ddp_average_in_collective))
                    if on]
-    _require(not (mcore_only and args.paro_strategy is not None
-                  and (args.paro_strategy == PARO_AUTO or uses_paro_engine(args.paro_strategy))),
+    _require(not (mcore_only and integration.uses_sharded_engine(args.paro_strategy)),
              f"{', '.join(mcore_only)}: megatron-core DDP options; --paro-strategy "
              f"{args.paro_strategy} may train on the PaRO engine, which has its own collectives")
 
@@ -445,60 +439,23 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
                  "--overlap-param-gather needs --overlap-grad-reduce (as in megatron-core)")
 
     # Quantization: sub-flags need their switch (one table: quant.arguments.REQUIRES), then the
-    # one place flags become a QuantizationConfig.
+    # one place flags become a QuantizationConfig. Then the PaRO strategy: NNN / NNG on
+    # megatron-core, the other 12 on the PaRO engine, 'auto' resolved at startup.
     given = flags_given(args)
     try:
-        check_flag_dependencies(args, given)
-        args.quant_config = QuantizationConfig.from_args(args)
+        args.quant_config = integration.build_quantization_config(args, given)
+        integration.check_strategy_args(args)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
-    # PaRO partition strategy: NNN / NNG on megatron-core, the other 12 on the PaRO engine,
-    # 'auto' resolved at startup (training.resolve_paro_auto) once the model size is known.
-    if args.paro_strategy is not None:
-        try:
-            parsed = check_trainable(args.paro_strategy, args.use_distributed_optimizer)
-            args.paro_group_size = resolve_group_size(args.data_parallel_size, args.paro_group_size,
-                                                      args.tensor_model_parallel_size)
-        except ValueError as e:
-            raise ArgumentError(str(e)) from None
-        args.paro_strategy = parsed if parsed == PARO_AUTO else parsed.name
-        if args.paro_strategy == PARO_AUTO or uses_paro_engine(args.paro_strategy):
-            what = ("--paro-strategy auto (it may pick a PaRO-engine strategy)"
-                    if args.paro_strategy == PARO_AUTO else
-                    f"--paro-strategy {args.paro_strategy} (PaRO engine)")
-            _require(args.tensor_model_parallel_size == 1 and args.pipeline_model_parallel_size == 1,
-                     f"{what} needs --tensor-model-parallel-size 1 and "
-                     f"--pipeline-model-parallel-size 1 (pure data parallelism)")
-            _require(not args.fp16, f"{what} supports --bf16 and fp32, not --fp16 (no loss scaling)")
-            _require(not (args.overlap_grad_reduce or args.overlap_param_gather),
-                     f"{what} does not overlap communication: drop --overlap-grad-reduce / "
-                     f"--overlap-param-gather")
-            if args.paro_strategy == PARO_AUTO:
-                _require(not args.quant_config.enabled,
-                         "--paro-strategy auto cannot be combined with quantized communication "
-                         "(not every strategy supports it): pass an explicit strategy")
-            else:
-                err = quantization_support_error(args.paro_strategy, args.quant_config)
-                _require(err is None, err or "")
-                intra = args.quant_config.data_parallel_intra_node_size
-                _require(not args.quant_config.enabled or intra is None or intra == args.paro_group_size,
-                         f"{what}: --data-parallel-intra-node-size {intra} differs from "
-                         f"--paro-group-size {args.paro_group_size}; the engine quantizes inside "
-                         f"the PaRO groups")
 
-    _require(not (args.ckpt_format == "torch_dist" and (
-        args.paro_strategy == PARO_AUTO or uses_paro_engine(args.paro_strategy))),
-        f"--ckpt-format torch_dist saves megatron-core's sharded state dicts; --paro-strategy "
-        f"{args.paro_strategy} may train on the PaRO engine, which saves --ckpt-format torch")
-
-    if args.quant_config.enabled and not uses_paro_engine(args.paro_strategy):
+    if args.quant_config.enabled and not integration.uses_sharded_engine(args.paro_strategy):
         _require(args.use_distributed_optimizer,
                  "quantized communication (--quantized-weights / --quantized-gradients / "
                  "--quantized-grad-bits) needs --use-distributed-optimizer")
     # Two-level topology: checked here, once, instead of failing at model build on every rank.
     # The megatron-core quantized path builds its groups from it; an explicit value must make
     # sense whatever the path (the PaRO engine's groups come from --paro-group-size, above).
-    if ((args.quant_config.enabled and not uses_paro_engine(args.paro_strategy))
+    if ((args.quant_config.enabled and not integration.uses_sharded_engine(args.paro_strategy))
             or "data_parallel_intra_node_size" in given):
         try:
             args.quant_config.intra_node_size(args.data_parallel_size,

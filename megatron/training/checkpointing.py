@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from megatron.distributed.quant import integration, paro_engine
+from megatron.distributed.quant import integration
 
 from . import dist_checkpoint, fault_injection
 from .errors import StartupError
@@ -195,13 +195,11 @@ def _model_state_dicts(model: List[torch.nn.Module], keep: bool) -> List[Dict[st
     """
     out: List[Dict[str, Any]] = []
     for chunk in model:
-        if hasattr(chunk, "full_params"):
-            with chunk.full_params():
-                if keep:
-                    out.append({k: v.detach().clone() if torch.is_tensor(v) else v
-                                for k, v in chunk.module.state_dict().items()})
-        elif keep:
-            out.append(chunk.module.state_dict())
+        with integration.full_model_params([chunk]) as gathered:
+            if keep:
+                sd = chunk.module.state_dict()
+                out.append({k: v.detach().clone() if torch.is_tensor(v) else v
+                            for k, v in sd.items()} if gathered else sd)
     return out
 
 
@@ -363,7 +361,7 @@ def load_checkpoint(args: argparse.Namespace, model: List[torch.nn.Module], opti
     finetune = getattr(args, "finetune", False)
     load_optim = not finetune and not args.no_load_optim
     if dist_checkpoint.is_torch_dist_checkpoint(ckpt):
-        if paro_engine.uses_paro_engine(getattr(args, "paro_strategy", None)):
+        if integration.uses_sharded_engine(getattr(args, "paro_strategy", None)):
             raise StartupError(f"{ckpt} is a torch_dist checkpoint; PaRO engine strategies "
                                f"(--paro-strategy {args.paro_strategy}) load --ckpt-format torch")
         state = dist_checkpoint.load(ckpt, args, model, optimizer, load_optim, print_rank_0)
@@ -378,8 +376,8 @@ def load_checkpoint(args: argparse.Namespace, model: List[torch.nn.Module], opti
     if optimizer_loaded:
         if "opt_param_scheduler" in state:
             scheduler.load_state_dict(state["opt_param_scheduler"])
-    elif args.use_distributed_optimizer or args.bf16 or args.fp16 or paro_engine.uses_paro_engine(
-            getattr(args, "paro_strategy", None)):
+    elif (args.use_distributed_optimizer or args.bf16 or args.fp16
+          or integration.uses_sharded_engine(getattr(args, "paro_strategy", None))):
         # Main (fp32) params must follow the freshly loaded model weights.
         for opt in _sub_optimizers(optimizer):
             if hasattr(opt, "reload_model_params"):
@@ -411,10 +409,8 @@ def _load_torch_format(ckpt: str, args: argparse.Namespace, model: List[torch.nn
     model_state = state if "model" in state else torch.load(
         any_path, map_location="cpu", weights_only=False)
     for chunk, sd in zip(model, model_state["model"]):
-        if hasattr(chunk, "full_params"):  # PaRO engine: load into the gathered buffer, re-shard
-            with chunk.full_params(writeback=True):
-                chunk.module.load_state_dict(sd, strict=True)
-        else:
+        # PaRO engine: load into the gathered buffer, then re-shard; megatron-core: in place.
+        with integration.full_model_params([chunk], writeback=True):
             chunk.module.load_state_dict(sd, strict=True)
     del model_state
     if load_optim and "optimizer" in state:

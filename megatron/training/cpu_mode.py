@@ -8,7 +8,8 @@ schedule), DDP creates ``torch.cuda.Stream`` objects, the distributed optimizer 
 saves/restores CUDA generator states. None of that is needed for correctness on CPU, so we
 redirect those touch points to the CPU **inside megatron-core only**.
 
-How (each item is one patch, applied only by :func:`enable_cpu_mode`):
+How (each item is one patch; :func:`cpu_mode` applies them all on entry and undoes them all
+on exit, :func:`enable_cpu_mode` enters once for the rest of the process):
 
 1. ``torch`` proxy per megatron-core module.  Every loaded ``megatron.core.*`` module whose
    global ``torch`` is the real torch module gets a :class:`_TorchProxy` instead. The proxy
@@ -30,10 +31,11 @@ How (each item is one patch, applied only by :func:`enable_cpu_mode`):
    functions are compiled lazily (``torch.jit.script``/``torch.compile`` resolve globals at
    first call) are skipped, see :data:`_SKIP_MODULE_PREFIXES`.
 
-2. ``megatron.core.tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``:
-   replaced by CPU-generator versions, so ``get_cuda_rng_tracker().fork()`` (dropout in TP
-   regions) forks the CPU generator exactly as it would fork the CUDA one, and
-   ``model_parallel_cuda_manual_seed`` works.
+2. The RNG tracker's CUDA state getter/setter (private ``tensor_parallel.random`` globals,
+   replaced through :func:`megatron.distributed.quant.mcore_compat.patch_tp_rng_state`) become
+   CPU-generator versions, so ``get_cuda_rng_tracker().fork()`` (dropout in TP regions) forks the
+   CPU generator exactly as it would fork the CUDA one, and ``model_parallel_cuda_manual_seed``
+   works.
 
 3. ``torch.Tensor.type()`` (no-argument form) and ``torch.Tensor.cuda()``: when -- and only
    when -- the caller is a megatron-core module, ``type()`` of a CPU tensor reports the CUDA
@@ -43,16 +45,23 @@ How (each item is one patch, applied only by :func:`enable_cpu_mode`):
    Any other caller gets the original behaviour.
 
 4. Megatron-core's JIT fuser (``megatron.core.jit.jit_fuser``) is switched to a no-op
-   decorator: the bias-GELU/SwiGLU fusions otherwise go through ``torch.compile``, which
-   needs a C++ toolchain on CPU and buys nothing for tiny CPU runs.  (Only affects modules
-   imported after :func:`enable_cpu_mode`; the trainer also disables the fusion flags.)
+   decorator (``mcore_compat.suspend_jit_fuser``): the bias-GELU/SwiGLU fusions otherwise go
+   through ``torch.compile``, which needs a C++ toolchain on CPU and buys nothing for tiny CPU
+   runs.  (Only affects modules imported while CPU mode is on -- they keep their undecorated
+   functions after it is left; the trainer also disables the fusion flags.)
 
 5. A logging filter on ``megatron.core.tensor_parallel.random`` drops the per-forward warning
    "CPU RNG state changed within GPU RNG context": on CPU the forked generator *is* the CPU
    generator, so the warning is expected and would flood the logs.
 
-The call is idempotent and may be repeated: a repeated call only proxies megatron-core
-modules imported since the previous call.  Call it before building models/optimizers.
+Scope: ``with cpu_mode(): ...`` applies every patch on entry and restores every original object
+on exit (each module's ``torch`` global, ``Tensor.type`` / ``Tensor.cuda``, the RNG functions,
+the JIT fuser, the log filter), so a process (a test session, a tool) can leave CPU mode and
+enter it again.  Scopes nest: only the outermost entry patches and only its exit restores.
+:func:`enable_cpu_mode` is the entered-forever form kept for existing callers (spawned test
+ranks); it is idempotent and a repeated call only proxies megatron-core modules imported since
+the previous call, as :func:`refresh_cpu_mode` does inside a scope.  Enter before building
+models/optimizers; leave after the last use of megatron-core objects built inside.
 """
 
 from __future__ import annotations
@@ -62,14 +71,14 @@ import importlib
 import logging
 import sys
 import types
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-__all__ = ["enable_cpu_mode", "is_cpu_mode", "cpu_mode_requested"]
+__all__ = ["cpu_mode", "CpuMode", "enable_cpu_mode", "disable_cpu_mode", "refresh_cpu_mode",
+           "is_cpu_mode", "cpu_mode_requested", "proxied_modules"]
 
 _REAL_TORCH = torch
-_ENABLED = False
 _ORIG_TENSOR_TYPE = torch.Tensor.type
 _ORIG_TENSOR_CUDA = torch.Tensor.cuda
 
@@ -328,11 +337,27 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device: int = -1,
 class _DropCpuRngWarning(logging.Filter):
     """Drops the RNG-tracker warning that is expected in CPU mode (patch 5)."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self._message = message
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+        return self._message not in record.getMessage()
+
+
+# ------------------------------------------------------------------------------------ the scope
+Undo = Callable[[], None]
+
+_DEPTH = 0
+"""Open entries (scopes plus the entered-forever one); the patches are on while > 0."""
+_UNDO: List[Undo] = []
+"""How to undo the patches of the outermost entry, in application order."""
+_FOREVER: Optional["CpuMode"] = None
+"""The entry :func:`enable_cpu_mode` made (never left unless :func:`disable_cpu_mode`)."""
 
 
 def _proxy_loaded_modules() -> int:
+    """Give every loaded megatron-core module not yet proxied the torch proxy (patch 1)."""
     count = 0
     for name, mod in list(sys.modules.items()):
         if mod is None or not name.startswith("megatron.core") or name in _PROXIED:
@@ -346,6 +371,108 @@ def _proxy_loaded_modules() -> int:
     return count
 
 
+def _unproxy_modules() -> None:
+    """Give every proxied module its real ``torch`` back (undo of patch 1)."""
+    for mod in _PROXIED.values():
+        if getattr(mod, "torch", None) is _TORCH_PROXY:
+            mod.torch = _REAL_TORCH
+    _PROXIED.clear()
+
+
+def _patch_tensor_method(name: str, fn: Callable) -> Undo:
+    """Set ``torch.Tensor.<name>``; the undo restores exactly what was there (deleting our
+    attribute when the method came from torch's C base class)."""
+    had_own = name in torch.Tensor.__dict__
+    old = torch.Tensor.__dict__.get(name)
+    setattr(torch.Tensor, name, fn)
+
+    def undo() -> None:
+        if had_own:
+            setattr(torch.Tensor, name, old)
+        elif name in torch.Tensor.__dict__:
+            delattr(torch.Tensor, name)
+
+    return undo
+
+
+def _apply_patches() -> List[Undo]:
+    """Apply patches 1-5 (the proxying itself is :func:`_proxy_loaded_modules`); returns the
+    undos in application order. On a failure part-way, what was applied is undone first."""
+    from megatron.distributed.quant import mcore_compat
+
+    undo: List[Undo] = []
+    try:
+        undo.append(_unproxy_modules)
+        undo.append(mcore_compat.suspend_jit_fuser())
+        for name in _PRELOAD_MODULES:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # optional pieces of megatron-core
+                pass
+        undo.append(mcore_compat.patch_tp_rng_state(_cpu_get_rng_state, _cpu_set_rng_state))
+        logger = logging.getLogger(mcore_compat.TP_RNG_LOGGER)
+        log_filter = _DropCpuRngWarning(mcore_compat.TP_RNG_CPU_STATE_WARNING)
+        logger.addFilter(log_filter)
+        undo.append(lambda: logger.removeFilter(log_filter))
+        undo.append(_patch_tensor_method("type", _tensor_type))
+        undo.append(_patch_tensor_method("cuda", _tensor_cuda))
+    except BaseException:
+        for fn in reversed(undo):
+            fn()
+        raise
+    return undo
+
+
+class CpuMode:
+    """CPU mode as a scope: ``with CpuMode(): ...`` (or ``with cpu_mode(): ...``).
+
+    Entry applies every patch of the module docstring (the outermost entry only; nested entries
+    just count) and proxies the megatron-core modules loaded so far; exit of the outermost entry
+    restores every original object. ``enabled=False`` makes the scope do nothing, so a caller
+    can write ``with cpu_mode(args.device == "cpu"):``. An instance may be entered again after it
+    was left.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = bool(enabled)
+        self.proxied = 0
+        """Modules newly proxied by the last entry."""
+        self._open = 0
+
+    def __enter__(self) -> "CpuMode":
+        global _DEPTH
+        if not self.enabled:
+            return self
+        if _DEPTH == 0:
+            _UNDO[:] = _apply_patches()
+        _DEPTH += 1
+        self._open += 1
+        self.proxied = _proxy_loaded_modules()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        global _DEPTH
+        if not self.enabled:
+            return
+        if self._open <= 0:
+            raise RuntimeError("CpuMode left more often than it was entered")
+        self._open -= 1
+        _DEPTH -= 1
+        if _DEPTH == 0:
+            undo, _UNDO[:] = list(_UNDO), []
+            for fn in reversed(undo):
+                fn()
+
+    def refresh(self) -> int:
+        """Proxy megatron-core modules imported since the entry (see :func:`refresh_cpu_mode`)."""
+        return refresh_cpu_mode()
+
+
+def cpu_mode(enabled: bool = True) -> CpuMode:
+    """``with cpu_mode(): ...``: CPU mode for the block only (see :class:`CpuMode`)."""
+    return CpuMode(enabled)
+
+
 def cpu_mode_requested(device: Optional[str] = None) -> bool:
     """CPU mode when asked for (``--device cpu``) or when no CUDA device exists."""
     if device is not None:
@@ -354,31 +481,36 @@ def cpu_mode_requested(device: Optional[str] = None) -> bool:
 
 
 def is_cpu_mode() -> bool:
-    """Whether :func:`enable_cpu_mode` has run in this process."""
-    return _ENABLED
+    """Whether CPU mode is on (in a :func:`cpu_mode` scope, or after :func:`enable_cpu_mode`)."""
+    return _DEPTH > 0
+
+
+def refresh_cpu_mode() -> int:
+    """Proxy megatron-core modules imported since CPU mode was entered (e.g. dist_checkpointing's
+    strategies, imported at the first save); returns how many. 0 when CPU mode is off."""
+    return _proxy_loaded_modules() if _DEPTH > 0 else 0
 
 
 def enable_cpu_mode() -> int:
-    """Apply the CPU-mode patches (idempotent); returns the number of newly proxied modules."""
-    global _ENABLED
-    if not _ENABLED:
-        import megatron.core.jit as mcore_jit
+    """CPU mode for the rest of the process (the entered-forever form of :func:`cpu_mode`).
 
-        mcore_jit.disable_jit_fuser()
-        for name in _PRELOAD_MODULES:
-            try:
-                importlib.import_module(name)
-            except ImportError:  # optional pieces of megatron-core
-                pass
-        import megatron.core.tensor_parallel.random as tp_random
-
-        tp_random._get_cuda_rng_state = _cpu_get_rng_state
-        tp_random._set_cuda_rng_state = _cpu_set_rng_state
-        logging.getLogger(tp_random.__name__).addFilter(_DropCpuRngWarning())
-        torch.Tensor.type = _tensor_type  # type: ignore[method-assign]
-        torch.Tensor.cuda = _tensor_cuda  # type: ignore[method-assign]
-        _ENABLED = True
+    Idempotent; returns the number of newly proxied modules (a repeated call proxies only modules
+    imported since). Prefer the scope; :func:`disable_cpu_mode` leaves this entry."""
+    global _FOREVER
+    if _FOREVER is None:
+        _FOREVER = CpuMode()
+        _FOREVER.__enter__()
+        return _FOREVER.proxied
     return _proxy_loaded_modules()
+
+
+def disable_cpu_mode() -> None:
+    """Leave the entry :func:`enable_cpu_mode` made (no-op without one); the patches are undone
+    unless a :func:`cpu_mode` scope is still open."""
+    global _FOREVER
+    if _FOREVER is not None:
+        forever, _FOREVER = _FOREVER, None
+        forever.__exit__(None, None, None)
 
 
 def proxied_modules() -> list:

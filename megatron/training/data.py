@@ -13,7 +13,8 @@ Why checks of our own before megatron-core builds anything (megatron-core 0.16.1
 * the per-split document ranges come from megatron-core's own split code
   (``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``, run on a stand-in dataset
   class that only records the indices it is handed), so the check counts exactly the documents
-  the real build will use.
+  the real build will use.  Every megatron-core private touch point (the split code, the index
+  reader) goes through :mod:`megatron.distributed.quant.mcore_compat`.
 * a ``.bin`` that does not match its ``.idx`` (a truncated copy, files from two preprocessing
   runs) is not detected by megatron-core: it fails much later in a DataLoader worker, or reads
   garbage.  The ``.bin``'s size is compared with what the ``.idx`` (read with megatron-core's
@@ -117,22 +118,18 @@ def check_indexed_files(prefix: str) -> IndexedFileInfo:
     happen when the two files come from different preprocessing runs.  Only the .idx header and
     last entries are read (every rank does this; the arrays can be gigabytes).
     """
-    from megatron.core.datasets.indexed_dataset import _IndexReader, get_bin_path, get_idx_path
+    from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
+    from megatron.distributed.quant.mcore_compat import read_index_summary
 
     idx_path, bin_path = get_idx_path(prefix), get_bin_path(prefix)
     for path in (idx_path, bin_path):
         if not os.path.isfile(path):
             raise StartupError(f"data file {path} (from --data-path {prefix}) does not exist")
     try:
-        index = _IndexReader(idx_path, multimodal=False)
-        sequences = int(index.sequence_count)
-        doc_idx = index.document_indices
-        doc_first = int(doc_idx[0]) if len(doc_idx) else None
-        doc_last = int(doc_idx[-1]) if len(doc_idx) else None
-        dtype, itemsize = index.dtype, int(index.dtype_size)
-        expected = (int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * itemsize
-                    if sequences else 0)
-        del index, doc_idx  # closes the .idx memory map
+        summary = read_index_summary(idx_path)
+        sequences, doc_first, doc_last = (summary.sequence_count, summary.first_document,
+                                          summary.last_document)
+        dtype, itemsize, expected = summary.dtype, summary.dtype_size, summary.data_bytes
     except Exception as exc:  # noqa: BLE001 -- any failure to parse is the same user error
         raise StartupError(
             f"{idx_path} cannot be read as a megatron-core index ({type(exc).__name__}: {exc}): "
@@ -155,19 +152,6 @@ def check_indexed_files(prefix: str) -> IndexedFileInfo:
 
 
 # ----------------------------------------------------------------------------- splits
-def _split_probe_class():
-    """A GPTDataset stand-in that builds nothing and keeps what megatron-core hands it."""
-    from megatron.core.datasets.gpt_dataset import GPTDataset
-
-    class _SplitProbe(GPTDataset):
-        def __init__(self, indexed_dataset, dataset_path, indexed_indices, num_samples,
-                     index_split, config) -> None:
-            self.dataset = indexed_dataset
-            self.indices = indexed_indices
-
-    return _SplitProbe
-
-
 def split_parts(prefix: str, config) -> List[Optional[Any]]:
     """Per split (train, validation, test): what megatron-core hands that split's dataset, or None.
 
@@ -175,15 +159,12 @@ def split_parts(prefix: str, config) -> List[Optional[Any]]:
     file's megatron-core IndexedDataset).  Runs megatron-core's own split code on a stand-in
     class, so the ranges are by construction the ones the real build uses (0.16.1 has no public
     function for them; the rounding lives in ``_build_megatron_dataset_splits``).  None: the split
-    is not built (weight 0 in ``--split``, or not used by the run).
+    is not built (weight 0 in ``--split``, or not used by the run).  No barrier: every rank
+    runs this on its own.
     """
-    from megatron.core.datasets.blended_megatron_dataset_builder import \
-        BlendedMegatronDatasetBuilder
+    from megatron.distributed.quant.mcore_compat import dataset_split_parts
 
-    sizes = [0, 0, 0]
-    builder = BlendedMegatronDatasetBuilder(_split_probe_class(), sizes, lambda: True, config)
-    # synchronize_ranks=False: no barrier, every rank runs this on its own.
-    return builder._build_megatron_dataset_splits(prefix, config.split_matrix, sizes, False)
+    return dataset_split_parts(prefix, config)
 
 
 def split_tokens(indexed_dataset: Any, indices: Sequence[int]) -> int:
@@ -193,14 +174,9 @@ def split_tokens(indexed_dataset: Any, indices: Sequence[int]) -> int:
     consecutive documents, so two pointers give the count without reading every length (what
     every rank would otherwise do for every file); anything else is summed.
     """
-    if len(indices) == 0:
-        return 0
-    first, last = int(indices[0]), int(indices[-1])
-    index = indexed_dataset.index
-    if last - first + 1 == len(indices):
-        end = int(index.sequence_pointers[last]) + int(index.sequence_lengths[last]) * index.dtype_size
-        return (end - int(index.sequence_pointers[first])) // index.dtype_size
-    return int(index.sequence_lengths[indices].sum(dtype="int64"))
+    from megatron.distributed.quant.mcore_compat import index_token_count
+
+    return index_token_count(indexed_dataset, indices)
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.distributed.quant import integration
-
 RANK_STATE_DIR = "rank_state"
 # Every parameter's optimizer state saved in the parameter's own shape (Megatron-LM's
 # --dist-ckpt-optim-fully-reshardable): independent of DP size and bucket padding.
@@ -68,10 +66,9 @@ def _dist_checkpointing():
     # CPU-mode redirection below would have run.
     from megatron.core.dist_checkpointing.strategies import torch as _torch_strategy  # noqa: F401
 
-    from .cpu_mode import enable_cpu_mode, is_cpu_mode
+    from .cpu_mode import refresh_cpu_mode
 
-    if is_cpu_mode():
-        enable_cpu_mode()
+    refresh_cpu_mode()  # no-op outside CPU mode
     return dist_checkpointing
 
 
@@ -189,10 +186,11 @@ def _allocate_optimizer_states(optimizer: Any) -> None:
     writes is then overwritten by the load (master weights and moments, step from the param
     groups)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.distributed.quant.mcore_compat import init_optimizer_states_with_dummy_values
 
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
-            opt._init_optimizer_states_with_dummy_values()
+            init_optimizer_states_with_dummy_values(opt)
 
 
 def _load_optimizer(optimizer: Any, state: Any) -> None:

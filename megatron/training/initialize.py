@@ -22,7 +22,12 @@ from . import cpu_mode
 def initialize_distributed(args: argparse.Namespace) -> None:
     """``torch.distributed`` from the torchrun environment, then megatron-core's groups."""
     if args.device == "cpu":
-        cpu_mode.enable_cpu_mode()
+        # The trainer enters ``cpu_mode.cpu_mode()`` around the whole run; a caller that did not
+        # (an older entry point) gets the entered-forever form instead.
+        if cpu_mode.is_cpu_mode():
+            cpu_mode.refresh_cpu_mode()
+        else:
+            cpu_mode.enable_cpu_mode()
     else:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -76,12 +81,11 @@ def set_random_seed(seed: int, device: str) -> None:
 
 
 def init_num_microbatches(args: argparse.Namespace) -> None:
-    """megatron-core's global num-microbatches calculator (constant batch size)."""
-    from megatron.core import num_microbatches_calculator as nmc
+    """megatron-core's global num-microbatches calculator (constant batch size); replaces one a
+    previous initialization in this process left."""
+    from megatron.distributed.quant.mcore_compat import reinit_num_microbatches_calculator
 
-    if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
-        nmc.destroy_num_microbatches_calculator()
-    nmc.init_num_microbatches_calculator(
+    reinit_num_microbatches_calculator(
         rank=args.rank, rampup_batch_size=None, global_batch_size=args.global_batch_size,
         micro_batch_size=args.micro_batch_size, data_parallel_size=args.data_parallel_size)
 

@@ -2,13 +2,12 @@
 
 What it builds, in order: TransformerConfig -> GPTModel (TE spec when transformer_engine is
 importable and we are on GPU, else megatron-core's local spec) -> Float16Module (bf16/fp16) ->
-DDP via ``integration.wrap_model_with_ddp`` -> megatron-core optimizer + OptimizerParamScheduler
--> ``integration.on_optimizer_built``.  With ``--paro-strategy`` other than NNN / NNG the chunk is
-wrapped in the PaRO engine instead (``paro_engine.ParoDataParallel`` + ``ParoOptimizer``; the
-loop below is the same).  Data come from megatron-core's
+data-parallel wrapper via ``integration.wrap_model`` (megatron-core DDP, or the PaRO engine for
+``--paro-strategy`` other than NNN / NNG; the loop below is the same) -> optimizer via
+``integration.build_optimizer`` + OptimizerParamScheduler.  Data come from megatron-core's
 BlendedMegatronDatasetBuilder (GPTDataset, or MockGPTDataset with --mock-data) through a
-consumed-samples-aware sampler so a resumed run sees exactly the batches the uninterrupted run
-would have seen.
+consumed-samples-aware sampler (:mod:`.sampler`) so a resumed run sees exactly the batches the
+uninterrupted run would have seen.
 
 Why our own optimizer step (:func:`optimizer_step`): megatron-core only skips a step on fp16
 overflow; with bf16 a NaN/Inf gradient would be applied.  We use the optimizer's own building
@@ -26,12 +25,13 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.distributed.quant import integration, paro, paro_engine
+from megatron.distributed.quant import integration
 
 from . import checkpointing
 from .arguments import padded_vocab_size
-from .logging_utils import MetricsLogger, print_rank_0
 from .layer_specs import gpt_layer_spec, uses_transformer_engine
+from .logging_utils import MetricsLogger, print_rank_0
+from .sampler import build_data_iterator
 from .throughput import tflops_per_gpu
 from .tokenizer import build_tokenizer
 
@@ -143,82 +143,18 @@ def get_model(args: argparse.Namespace, config: Any, vocab_size: int) -> List[to
         chunk.cuda(torch.cuda.current_device())
     if args.bf16 or args.fp16:
         chunk = Float16Module(config, chunk)
-    if args.paro_strategy == paro.AUTO:
-        resolve_paro_auto(args, sum(p.numel() for p in chunk.parameters()))
-    if paro_engine.uses_paro_engine(args.paro_strategy):
-        return [build_paro_chunk(args, config, chunk)]
-    return integration.wrap_model_with_ddp(config, build_ddp_config(args), [chunk],
-                                           args.quant_config)
-
-
-def _paro_state_bytes(args: argparse.Namespace) -> "paro.StateBytes":
-    """Bytes per element of parameters / gradients as this run stores them (K = 12 for Adam)."""
-    mixed = args.bf16 or args.fp16
-    return paro.StateBytes(param=2.0 if mixed else 4.0,
-                           grad=4.0 if (args.accumulate_allreduce_grads_in_fp32 or not mixed) else 2.0)
-
-
-def _memory_for_auto(args: argparse.Namespace) -> float:
-    """Bytes per rank that --paro-strategy auto may fill: the flag, else the device's memory (CPU:
-    host memory shared by the ranks of this node); the minimum over all ranks."""
-    import os
-
-    if args.paro_gpu_memory_gb is not None:
-        mem = args.paro_gpu_memory_gb * 1e9
-    elif args.device == "cuda":
-        mem = float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    else:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        mem = host / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
-    t = torch.tensor([mem], dtype=torch.float64, device=dev)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-    return float(t.item())
-
-
-def resolve_paro_auto(args: argparse.Namespace, num_params: int) -> "paro.AutoChoice":
-    """``--paro-strategy auto``: the cheapest modelled communication that fits (spec §3); prints
-    the choice and why, and sets ``args.paro_strategy`` (and, for NNN / NNG, the matching
-    ``--use-distributed-optimizer``)."""
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-
-    choice = paro.choose_strategy_auto(
-        num_params, args.data_parallel_size, args.paro_group_size, _memory_for_auto(args),
-        args.paro_intra_bandwidth_gbs * 1e9, args.paro_inter_bandwidth_gbs * 1e9,
-        micro_steps=get_num_microbatches(), state_bytes=_paro_state_bytes(args),
-        reserved_bytes=args.paro_reserved_memory_gb * 1e9)
-    args.paro_strategy = choice.strategy.name
-    if args.paro_strategy in paro.TRAINABLE_STRATEGIES:
-        args.use_distributed_optimizer = paro.TRAINABLE_STRATEGIES[args.paro_strategy]
-    print_rank_0(f" > --paro-strategy {choice.explanation}")
-    return choice
-
-
-def build_paro_chunk(args: argparse.Namespace, config: Any,
-                     chunk: torch.nn.Module) -> "paro_engine.ParoDataParallel":
-    """Wrap one model chunk in the PaRO engine with the run's groups and gradient dtype."""
-    from megatron.core import parallel_state as ps
-
-    groups = paro.build_paro_groups(args.paro_group_size,
-                                    dp_ranks=torch.distributed.get_process_group_ranks(
-                                        ps.get_data_parallel_group()))
-    grad_dtype = torch.float32 if (args.accumulate_allreduce_grads_in_fp32 or not
-                                   (args.bf16 or args.fp16)) else args.params_dtype
-    return paro_engine.ParoDataParallel(config, chunk, paro.PaRoStrategy.from_string(
-        args.paro_strategy), groups, grad_dtype=grad_dtype, quant_config=args.quant_config,
-        seed=args.seed, bucket_numel=args.ddp_bucket_size)
+    note = integration.resolve_auto_strategy(args, sum(p.numel() for p in chunk.parameters()))
+    if note:
+        print_rank_0(f" > --paro-strategy {note}")
+    return integration.wrap_model(config, build_ddp_config(args), [chunk], args.quant_config,
+                                  strategy=args.paro_strategy, group_size=args.paro_group_size)
 
 
 def configure_schedule(args: argparse.Namespace, config: Any, model: List[torch.nn.Module],
                        optimizer: Any) -> None:
     """The hooks megatron-core's schedule calls: loss scaling, gradient finalization, no_sync."""
-    from megatron.core.distributed import finalize_model_grads
-
     config.grad_scale_func = optimizer.scale_loss
-    if isinstance(model[0], paro_engine.ParoDataParallel):
-        config.finalize_model_grads_func = model[0].finalize_model_grads
-    else:
-        config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = integration.finalize_model_grads_func(model)
     config.no_sync_func = model[0].no_sync
     if args.overlap_grad_reduce:
         config.grad_sync_func = model[0].start_grad_sync
@@ -226,13 +162,9 @@ def configure_schedule(args: argparse.Namespace, config: Any, model: List[torch.
 
 
 def get_optimizer_and_scheduler(args: argparse.Namespace, model: List[torch.nn.Module]):
-    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    if isinstance(model[0], paro_engine.ParoDataParallel):
-        optimizer = paro_engine.ParoOptimizer(model[0], build_optimizer_config(args))
-    else:
-        optimizer = get_megatron_optimizer(build_optimizer_config(args), model)
+    optimizer = integration.build_optimizer(build_optimizer_config(args), model, args.quant_config)
     gbs = args.global_batch_size
     decay_steps = args.lr_decay_iters * gbs
     if args.lr_warmup_fraction is not None:
@@ -245,7 +177,6 @@ def get_optimizer_and_scheduler(args: argparse.Namespace, model: List[torch.nn.M
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
         end_wd=args.weight_decay, wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False)
-    integration.on_optimizer_built(optimizer, model, args.quant_config)
     return optimizer, scheduler
 
 
@@ -256,63 +187,6 @@ def build_datasets(args: argparse.Namespace, tokenizer: Any):
     from .data import build_datasets as build_checked_datasets
 
     return build_checked_datasets(args, tokenizer)
-
-
-class PretrainingSampler:
-    """Sequential batches of micro-batch indices for this DP rank, starting at consumed_samples.
-
-    Global batch g covers samples [g*GBS, (g+1)*GBS); each micro-step takes MBS*DP consecutive
-    samples and DP rank r gets [r*MBS, (r+1)*MBS) of them -- so resuming at consumed_samples
-    reproduces the exact data order.
-    """
-
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int) -> None:
-        self.total = total_samples
-        self.consumed = consumed_samples
-        self.mbs = micro_batch_size
-        self.rank = dp_rank
-        self.dp = dp_size
-
-    def __len__(self) -> int:
-        return max(0, (self.total - self.consumed) // (self.mbs * self.dp))
-
-    def __iter__(self) -> Iterator[List[int]]:
-        step = self.mbs * self.dp
-        start = self.consumed
-        while start + step <= self.total:
-            yield list(range(start + self.rank * self.mbs, start + (self.rank + 1) * self.mbs))
-            start += step
-
-
-def build_data_iterator(dataset: Any, consumed: int, args: argparse.Namespace,
-                        cyclic: bool = False) -> Optional[Iterator]:
-    if dataset is None or len(dataset) == 0:
-        return None
-    from megatron.core import parallel_state as ps
-
-    def make(consumed_: int):
-        sampler = PretrainingSampler(len(dataset), consumed_ % max(1, len(dataset)),
-                                     args.micro_batch_size, ps.get_data_parallel_rank(),
-                                     ps.get_data_parallel_world_size())
-        # Own generator: creating a DataLoader iterator draws a base seed, which must not
-        # advance the global torch RNG (a resumed run builds its loaders after restoring it).
-        gen = torch.Generator().manual_seed(args.seed)
-        return iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
-                                                num_workers=args.num_workers, pin_memory=False,
-                                                persistent_workers=False, generator=gen))
-
-    if not cyclic:
-        return make(consumed)
-
-    def cycle():
-        c = consumed
-        while True:
-            for batch in make(c):
-                yield batch
-            c = 0
-
-    return cycle()
 
 
 # ----------------------------------------------------------------------------- steps
@@ -498,7 +372,17 @@ def _should_exit_on_time(args, start_time: float, device) -> bool:
 
 
 def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]:
-    """Initialize, build, (resume), train, evaluate, save.  Returns the summary dict."""
+    """Initialize, build, (resume), train, evaluate, save.  Returns the summary dict.
+
+    ``--device cpu``: megatron-core's CUDA touch points are redirected to the CPU for the run
+    only (:func:`.cpu_mode.cpu_mode`, left when the run ends, even on an error)."""
+    from .cpu_mode import cpu_mode
+
+    with cpu_mode(args.device == "cpu"):
+        return _pretrain(args, forward_step_func)
+
+
+def _pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     from .initialize import initialize_megatron
@@ -542,26 +426,12 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
     print_rank_0(f" > device: {args.device}, backend: {args.distributed_backend}, world size: "
                  f"{args.world_size} (TP={args.tensor_model_parallel_size}, "
                  f"PP={args.pipeline_model_parallel_size}, DP={args.data_parallel_size})")
-    if args.paro_strategy is not None:
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
-
-        n_total = n_params * args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-        if isinstance(model[0], paro_engine.ParoDataParallel):
-            n_total = model[0].padded_numel  # what the engine allocates and sends (padded to n)
-        print_rank_0(paro.format_report(paro.paro_report(
-            args.paro_strategy, n_total, args.data_parallel_size, args.paro_group_size,
-            micro_steps=get_num_microbatches(), quant_config=args.quant_config,
-            state_bytes=_paro_state_bytes(args))))
-        if isinstance(model[0], paro_engine.ParoDataParallel):
-            mem = paro_engine.model_state_bytes(model[0], optimizer)
-            print_rank_0(f" > PaRO engine, resident model states on rank 0: parameters "
-                         f"{mem['params']} B, gradients {mem['grads']} B, optimizer states "
-                         f"{mem['optimizer_states']} B, total {mem['total']} B (padded to "
-                         f"{model[0].padded_numel} elements)")
+    report = integration.strategy_report(args, model, optimizer)
+    if report:
+        print_rank_0(report)
 
     tokens_per_iter = args.global_batch_size * args.seq_length
     interval = {"loss": 0.0, "n": 0, "time": 0.0, "skipped": 0, "nan": 0}
-    paro_totals: Dict[str, float] = {}
     run_iters, run_time = 0, 0.0
     last_saved = iteration if args.load else None
     last_loss: Optional[float] = None
@@ -619,7 +489,7 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
             ms = 1000.0 * interval["time"] / n_it
             avg_loss = interval["loss"] / interval["n"] if interval["n"] else float("nan")
             tps = tokens_per_iter * n_it / interval["time"] if interval["time"] > 0 else 0.0
-            comm = _communication_report(model, paro_totals)
+            comm = integration.communication_report(model, reset=True)
             line = _fmt_log_line(iteration, args, consumed_train, ms, lr, avg_loss,
                                  _loss_scale(optimizer), grad_norm, interval["skipped"],
                                  interval["nan"], tps, comm)
@@ -659,7 +529,7 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
     # log intervals add up to the summary's totals: the iterations since then, and traffic no
     # log line saw -- with --overlap-param-gather the last update's parameter all-gather only
     # runs at the next forward (end-of-run evaluation) or at the checkpoint's forced sync.
-    tail = _communication_report(model, paro_totals)
+    tail = integration.communication_report(model, reset=True)
     since_log = min(run_iters, iteration % args.log_interval)
     if since_log or any(v for k, v in tail.items() if k.endswith(("_bytes", "_calls"))):
         final = {"iterations": since_log, "skipped_iterations": interval["skipped"],
@@ -667,7 +537,7 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
         print_rank_0(f" final interval (after the last log line, to iteration {iteration}) | "
                      + " | ".join(f"{k}: {v:g}" for k, v in final.items()) + " |")
         metrics.record({"type": "final_interval", "iteration": iteration, **final})
-    comm_total = {**integration.communication_report(model, totals=True), **paro_totals}
+    comm_total = integration.communication_report(model, totals=True)
     summary = {"type": "summary", "iterations": iteration, "iterations_this_run": run_iters,
                "exit_reason": exit_reason, "final_lm_loss": last_loss, "final_val_loss": last_val,
                "skipped_iterations": skipped_total, "nan_iterations": nan_total,
@@ -681,22 +551,6 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
     metrics.record(summary)
     metrics.close()
     return summary
-
-
-def _communication_report(model: List[torch.nn.Module],
-                          paro_totals: Dict[str, float]) -> Dict[str, float]:
-    """Quantization accounting plus, for PaRO-engine chunks, the bytes this rank sent on the
-    intra / inter links since the last call (cost-model convention); both reset. The PaRO bytes
-    are also added to ``paro_totals`` (the run's totals, for the summary)."""
-    comm = integration.communication_report(model, reset=True)
-    for chunk in model:
-        if isinstance(chunk, paro_engine.ParoDataParallel):
-            for link in ("intra", "inter"):
-                key = f"paro_{link}_bytes"
-                comm[key] = comm.get(key, 0.0) + chunk.counter.bytes[link]
-                paro_totals[key] = paro_totals.get(key, 0.0) + chunk.counter.bytes[link]
-            chunk.counter.reset()
-    return comm
 
 
 def _run_eval(args, forward_step_func, valid_iter, model, device, metrics, iteration,

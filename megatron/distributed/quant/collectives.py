@@ -50,13 +50,13 @@ from .kernels import (NoiseIndex, NonFiniteError, QuantizedTensor, all_finite, b
                       count_nonfinite, dequantize,
                       dequantize_add, dequantize_sum, dequantize_sum_requantize, quantize,
                       quantize_difference, quantize_partitions)
-from .streams import INLINE, CommStreams, Job
+from .streams import INLINE, CommStreams, CommTiming, Job
 from .topology import TwoLevelGroups
 
 __all__ = [
     "two_level_reduce_scatter", "quantized_all_gather", "required_padding_multiple",
     "required_padding_multiple_from_config", "swizzle_order", "PendingCollective",
-    "PendingReduceScatter", "pipeline_bounds", "NonFiniteError",
+    "pipeline_bounds", "NonFiniteError",
 ]
 
 GRAD_COLLECTIVE = "grad_reduce_scatter"
@@ -185,25 +185,47 @@ def _unswizzle(slots: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
 
 
 class PendingCollective:
-    """Handle of an asynchronous quantized collective (``async_op=True``): :meth:`wait` returns
-    once the output holds the result, re-raising a failure of any of its jobs (idempotent).
+    """Handle of asynchronous quantized collectives: :meth:`wait` returns once the outputs hold
+    the results, re-raising a failure of any of their jobs; idempotent once it succeeded.
 
-    The input must stay untouched until then (the stages read it), and the output must not be
-    read before: megatron-core's bucket handles guarantee both."""
+    One class for every pending quantized collective: one call's jobs (``async_op=True``), or
+    several calls' (:meth:`combine`, a bucket group's buckets) with the time waited counted as
+    exposed ``kind`` time by a :class:`~.streams.CommTiming` and an optional ``finish`` step run
+    once after the last job (the AVG division of megatron-core's ``average_in_collective``).
+    The inputs must stay untouched until then (the stages read them), and the outputs must not
+    be read before: megatron-core's bucket handles guarantee both."""
 
-    def __init__(self, jobs: Sequence[Job]) -> None:
-        self._jobs = list(jobs)
+    def __init__(self, jobs: Sequence[Job], *, timing: Optional[CommTiming] = None,
+                 kind: str = "grad", finish: Optional[Callable[[], None]] = None) -> None:
+        self.jobs = list(jobs)
+        self._timing = timing
+        self._kind = kind
+        self._finish = finish
+        self._done = False
+
+    @classmethod
+    def combine(cls, handles: Sequence[Optional["PendingCollective"]], *,
+                timing: Optional[CommTiming] = None, kind: str = "grad",
+                finish: Optional[Callable[[], None]] = None) -> "PendingCollective":
+        """One handle for the jobs of several calls (None entries: calls that finished inline)."""
+        return cls([j for h in handles if h is not None for j in h.jobs], timing=timing,
+                   kind=kind, finish=finish)
 
     def wait(self) -> None:
-        for job in self._jobs:
-            job.wait()
+        if self._done:
+            return
+        for job in self.jobs:
+            if self._timing is not None:
+                self._timing.wait(self._kind, job)
+            else:
+                job.wait()
+        self._done = True
+        if self._finish is not None:
+            self._finish()
 
     def is_completed(self) -> bool:
-        return all(job.is_completed() for job in self._jobs)
+        return self._done or all(job.is_completed() for job in self.jobs)
 
-
-PendingReduceScatter = PendingCollective
-"""The handle :func:`two_level_reduce_scatter` returns with ``async_op=True``."""
 
 _ASYNC_STREAMS: dict = {}
 
@@ -434,6 +456,7 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
                          group_size: int, generator: Optional[torch.Generator] = None,
                          stochastic: bool = True, accounting: Optional[CommAccounting] = None,
                          link_of_peer: Optional[Callable[[int], str]] = None,
+                         hop_links: Optional[Sequence[str]] = None,
                          check_finite: bool = True, nonfinite_flag: Optional[torch.Tensor] = None,
                          async_op: bool = False, streams: Optional[CommStreams] = None,
                          name: str = WEIGHT_COLLECTIVE):
@@ -449,9 +472,14 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
 
     ``mode='direct'`` (qW / ZeRO++ qwZ): send Q(shard) and dequantize; ``full_reference`` unused.
 
-    ``link_of_peer(group_rank) -> 'intra' | 'inter'`` classifies peers for the accounting
-    (e.g. ``TwoLevelGroups.link_of_peer`` when ``group`` is the DP group); without it every peer
-    is counted as inter-node (conservative).
+    ``group`` is one process group (output in group-rank order), or a sequence of groups, the
+    *hops* (PaRO's hierarchical gathers): the shard is quantized once and its codes are forwarded
+    hop by hop, so the first hop's pieces are innermost in ``output`` (position of this rank's
+    shard = sum of rank_h * prod(sizes before h)) and nothing is quantized twice.
+    ``hop_links`` gives each hop's link ('intra' / 'inter') for the accounting; for one group,
+    ``link_of_peer(group_rank) -> 'intra' | 'inter'`` classifies peers instead (e.g.
+    ``TwoLevelGroups.link_of_peer`` when ``group`` is the DP group); without either every peer is
+    counted as inter-node (conservative).
 
     Returns ``output``; with ``async_op`` a :class:`PendingCollective` instead: quantize,
     all-gather and dequantize[-add] run on the ``weights`` stage of ``streams`` while the caller
@@ -460,8 +488,15 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
     """
     if mode not in ("diff", "direct"):
         raise ValueError(f"mode must be 'diff' or 'direct', got {mode!r}")
-    world = dist.get_world_size(group)
-    me = dist.get_rank(group)
+    hops = list(group) if isinstance(group, (list, tuple)) else [group]
+    if hop_links is not None and len(hop_links) != len(hops):
+        raise ValueError(f"{len(hop_links)} hop_links for {len(hops)} hops")
+    sizes = [dist.get_world_size(g) for g in hops]
+    world = math.prod(sizes)
+    me, stride = 0, 1
+    for g, k in zip(hops, sizes):
+        me += dist.get_rank(g) * stride
+        stride *= k
     s = shard.numel()
     if output.numel() != s * world:
         raise ValueError(f"output has {output.numel()} elements; expected {world} x shard {s}")
@@ -475,18 +510,32 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
             raise ValueError(f"output dtype {output.dtype} must match full_reference dtype "
                              f"{full_reference.dtype} (the reconstruction is done in that dtype)")
     if nonfinite_flag is None and check_finite:
-        _agree_finite(shard, group, "quantized_all_gather")
+        for g in hops:
+            _agree_finite(shard, g, "quantized_all_gather")
 
     if accounting is not None:  # sizes are known now: record in the caller's thread
-        links = [(link_of_peer(r) if link_of_peer is not None else "inter")
-                 for r in range(world) if r != me]
-        n_intra = sum(1 for link in links if link == "intra")
-        n_inter = len(links) - n_intra
+        if len(hops) == 1 and hop_links is None:
+            links = [(link_of_peer(r) if link_of_peer is not None else "inter")
+                     for r in range(world) if r != me]
+            n_intra = sum(1 for link in links if link == "intra")
+        else:
+            links_h = list(hop_links) if hop_links is not None else ["inter"] * len(hops)
+            n_intra = math.prod(k for k, link in zip(sizes, links_h) if link == "intra") - 1
+        n_inter = world - 1 - n_intra
         accounting.record_baseline(name, kind="weight", numel=s * world, elem_size=output.element_size(),
                                    dp_size=world, peers_intra=n_intra, peers_inter=n_inter)
-        accounting.record_all_gather(name, kind="weight",
-                                     shard_bytes=QuantizedTensor.wire_bytes(s, bits, group_size),
-                                     shard_elements=s, peers_intra=n_intra, peers_inter=n_inter)
+        if len(hops) == 1 and hop_links is None:
+            accounting.record_all_gather(name, kind="weight",
+                                         shard_bytes=QuantizedTensor.wire_bytes(s, bits, group_size),
+                                         shard_elements=s, peers_intra=n_intra, peers_inter=n_inter)
+        else:
+            held = s
+            for k, link in zip(sizes, links_h):  # hop h forwards what the earlier hops gathered
+                accounting.record_all_gather(
+                    name, kind="weight", shard_bytes=QuantizedTensor.wire_bytes(held, bits, group_size),
+                    shard_elements=held, peers_intra=(k - 1) * (link == "intra"),
+                    peers_inter=(k - 1) * (link != "intra"))
+                held *= k
 
     def run() -> None:
         if nonfinite_flag is not None:
@@ -499,10 +548,15 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
         else:
             q = quantize(shard.reshape(-1), bits, group_size, stochastic=stochastic,
                          generator=generator, check_finite=False)
-        codes = torch.empty(q.codes.numel() * world, dtype=q.codes.dtype, device=q.codes.device)
-        scales = torch.empty(q.scales.numel() * world, dtype=q.scales.dtype, device=q.scales.device)
-        all_gather_flat(codes, q.codes, group)
-        all_gather_flat(scales, q.scales, group)
+        codes, scales = q.codes, q.scales
+        for g, k in zip(hops, sizes):
+            if k == 1:
+                continue
+            c2 = torch.empty(codes.numel() * k, dtype=codes.dtype, device=codes.device)
+            s2 = torch.empty(scales.numel() * k, dtype=scales.dtype, device=scales.device)
+            all_gather_flat(c2, codes, g)
+            all_gather_flat(s2, scales, g)
+            codes, scales = c2, s2
         full = QuantizedTensor(codes, scales, bits, group_size, s * world)
         if mode == "diff":
             if output.is_contiguous():

@@ -8,39 +8,56 @@ megatron-core's habit of dataclass configs (``DistributedDataParallelConfig``).
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
-SUPPORTED_BITS = (2, 4, 8)
+from .kernels.reference import SUPPORTED_BITS  # the one definition (the kernels' numerics)
+from .loco import LOCO_ERROR_BITS  # the one definition (the error buffers' storage)
+
+__all__ = ["QuantizationConfig", "SUPPORTED_BITS"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class QuantizationConfig:
     """All quantization options of the communication layer.
 
-    Defaults follow the SDP4Bit reference flags (see ../shared/research/sdp4bit.md §1.1).
+    Frozen: built once (:meth:`from_args`), then shared by every bucket group, the runtime and the
+    optimizer hooks, so no component can change an option under another's feet; derive a variant
+    with ``dataclasses.replace``. Defaults follow the SDP4Bit reference flags (see
+    ../shared/research/sdp4bit.md §1.1). Each field is the flag of the same name with dashes.
     """
 
     # --- qWD / qW: weight all-gather ---------------------------------------------------------
     quantized_weights: bool = False
     """Quantize the distributed optimizer's parameter all-gather (qWD by default)."""
     weight_quantization_bits: int = 4
+    """Bits per weight code on the all-gather wire; one of :data:`SUPPORTED_BITS`."""
     wq_group_size: int = 2048
+    """Elements per weight quantization group (one fp32 scale each); a positive multiple of 8."""
     weight_quantization_mode: str = "diff"
     """'diff' = qWD (quantize new - reconstructed weights); 'direct' = qW / ZeRO++ qwZ
     (quantize the weights themselves)."""
 
     # --- TLq / TLq-HS: gradient reduce-scatter ------------------------------------------------
     quantized_gradients: bool = False
+    """Replace the gradient reduce-scatter by the two-level quantized one (TLq, or TLq-HS with
+    :attr:`hadamard_transform`)."""
     gradient_quantization_bits_intra: int = 8
+    """Bits per gradient code on the intra-node hop; one of :data:`SUPPORTED_BITS`."""
     gq_group_size_intra: int = 512
+    """Elements per quantization group on the intra-node hop; a positive multiple of 8."""
     gradient_quantization_bits_inter: int = 4
+    """Bits per gradient code on the inter-node hop; one of :data:`SUPPORTED_BITS`."""
     gq_group_size_inter: int = 128
-    """Unlike the reference (which silently used the intra group size on both hops) the inter hop
-    really uses this group size."""
+    """Elements per quantization group on the inter-node hop. Unlike the reference (which
+    silently used the intra group size on both hops) the inter hop really uses this size."""
     hadamard_transform: bool = False
+    """Walsh-Hadamard transform of the gradients before quantization (TLq-HS): spreads outliers
+    over a block so a group's scale is not set by one element."""
     hadamard_block_size: int = 32
+    """Elements per Hadamard block; a power of two dividing both gradient group sizes."""
     gradients_quantization_start_iteration: int = 0
+    """Iterations before this one reduce gradients exactly (megatron-core's collective)."""
     gradient_alltoall_pipeline: int = 1
     """Pipeline chunks per bucket (the reference's name): the exchanges of a bucket's two-level
     reduce-scatter run in this many chunks, so the intra-node hop of chunk y+1 overlaps the
@@ -50,14 +67,19 @@ class QuantizationConfig:
 
     # --- stochastic rounding ---------------------------------------------------------------------
     stochastic_rounding: bool = True
+    """Round codes stochastically (unbiased) instead of to nearest."""
     seed: int = 1234
     """Seed of the stochastic-rounding generators (reference used the clock; we are reproducible)."""
 
     # --- LoCo error feedback ---------------------------------------------------------------------
     loco: bool = False
+    """LoCo error feedback on the quantized gradient hops (one buffer per bucket and hop)."""
     loco_error_beta: float = 0.8
+    """Decay of the stored error, ``e <- beta * e + (1 - beta) * new error``; in [0, 1)."""
     loco_reset_interval: int = 1024
+    """Optimizer steps between resets of every error buffer; positive."""
     loco_error_bits: int = 8
+    """Storage of the error buffers: 8 (int8 + per-group scale), 16 (bf16) or 32 (fp32) bits."""
 
     # --- gradient accumulation dtype -------------------------------------------------------------
     grad_accum_dtype: Optional[str] = None
@@ -65,6 +87,7 @@ class QuantizationConfig:
 
     @property
     def enabled(self) -> bool:
+        """Whether any collective is quantized."""
         return self.quantized_weights or self.quantized_gradients
 
     def validate(self) -> None:
@@ -78,8 +101,9 @@ class QuantizationConfig:
             bits = getattr(self, name)
             if bits not in SUPPORTED_BITS:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {SUPPORTED_BITS}, got {bits}")
-        if self.loco_error_bits not in (8, 16, 32):
-            raise ValueError(f"--loco-error-bits must be 8, 16 or 32, got {self.loco_error_bits}")
+        if self.loco_error_bits not in LOCO_ERROR_BITS:
+            raise ValueError(f"--loco-error-bits must be one of {LOCO_ERROR_BITS}, got "
+                             f"{self.loco_error_bits}")
         for name in ("wq_group_size", "gq_group_size_intra", "gq_group_size_inter"):
             gs = getattr(self, name)
             if gs <= 0 or gs % 8 != 0:
@@ -140,10 +164,11 @@ class QuantizationConfig:
                 kwargs[name] = getattr(args, name)
         cfg = cls(**kwargs)
         if getattr(args, "quantized_grad_bits", None) is not None:
-            cfg.quantized_gradients = True
-            cfg.gradient_quantization_bits_inter = args.quantized_grad_bits
+            cfg = replace(cfg, quantized_gradients=True,
+                          gradient_quantization_bits_inter=args.quantized_grad_bits)
         cfg.validate()
         return cfg
 
     def to_dict(self) -> dict:
+        """Plain dict of every field (logs, dry run, the quantization state's config record)."""
         return asdict(self)

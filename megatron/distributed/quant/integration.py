@@ -1,28 +1,83 @@
 """The training layer's only entry points into the quantized communication layer.
 
-`megatron/training` calls these functions and nothing else from `megatron.distributed.quant`, so
-the trainer stays unaware of how quantization is wired into megatron-core. With quantization off
-every function reduces to plain megatron-core behaviour (bit-identical results): the model chunks
-are plain ``DistributedDataParallel`` objects and every hook below is a no-op for them.
+`megatron/training` calls these functions and nothing else from `megatron.distributed.quant`
+(apart from :mod:`.mcore_compat`, the one seam to megatron-core's private names, which the
+trainer's own megatron-core touch points use too), so the trainer stays unaware of how
+quantization and the PaRO strategies are wired into megatron-core: flags (:func:`add_arguments`,
+:func:`build_quantization_config`, :func:`check_strategy_args`), the data-parallel wrapper and
+optimizer for a strategy
+(:func:`wrap_model`, :func:`build_optimizer`, :func:`finalize_model_grads_func`), per-iteration
+hooks, checkpoint hooks (:func:`full_model_params`, the quantization state) and reports
+(:func:`strategy_report`, :func:`communication_report`). With quantization off and no PaRO engine
+strategy every function reduces to plain megatron-core behaviour (bit-identical results): the
+model chunks are plain ``DistributedDataParallel`` objects and every hook below is a no-op for
+them. Heavy modules (megatron-core, the DDP subclasses, the PaRO engine) are imported inside the
+functions that need them; the PaRO-specific building lives in :mod:`.paro_integration`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import argparse
+import contextlib
+import weakref
+from typing import TYPE_CHECKING, AbstractSet, Any, Dict, Iterator, List, Optional
 
 import torch
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.transformer import TransformerConfig
 
+from .arguments import gradients_quantized  # noqa: F401 (re-export)
 from .config import QuantizationConfig
 from .grad_accum import apply_grad_accum_dtype, resolve_grad_dtypes  # noqa: F401 (re-export)
 
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
 __all__ = [
-    "wrap_model_with_ddp", "on_optimizer_built", "set_iteration", "on_step_skipped",
-    "on_loss_scale_changed", "quantization_state_dict", "load_quantization_state_dict",
-    "reset_quantization_state",
+    "add_arguments", "build_quantization_config", "check_strategy_args", "uses_sharded_engine",
+    "gradients_quantized", "wrap_model", "wrap_model_with_ddp", "resolve_auto_strategy",
+    "build_optimizer", "on_optimizer_built", "finalize_model_grads_func", "set_iteration",
+    "on_step_skipped", "on_loss_scale_changed", "full_model_params", "quantization_state_dict",
+    "load_quantization_state_dict", "reset_quantization_state", "strategy_report",
     "communication_report", "resolve_grad_dtypes",
 ]
+
+
+# ----------------------------------------------------------------------------- flags
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register the quantized-communication flags and the PaRO flags (``--paro-*``)."""
+    from .arguments import add_quantization_args
+    from .paro_args import add_paro_args
+
+    add_quantization_args(parser)
+    add_paro_args(parser)
+    return parser
+
+
+def build_quantization_config(args: argparse.Namespace,
+                              given: AbstractSet[str]) -> QuantizationConfig:
+    """The one :class:`QuantizationConfig` of the run, after checking that every quantization
+    sub-flag in ``given`` (the dests set on the command line) has its switch. ValueError."""
+    from .arguments import check_flag_dependencies
+
+    check_flag_dependencies(args, given)
+    return QuantizationConfig.from_args(args)
+
+
+def check_strategy_args(args: argparse.Namespace) -> None:
+    """Accept or refuse ``--paro-strategy`` for this run (ValueError with the fix); normalises
+    ``args.paro_strategy`` / ``args.paro_group_size``. Needs ``args.quant_config`` and the
+    parallel sizes."""
+    from .paro_args import check_paro_args
+
+    check_paro_args(args)
+
+
+def uses_sharded_engine(strategy: Optional[str]) -> bool:
+    """True when ``strategy`` (``--paro-strategy``, any spelling) trains on the PaRO engine
+    rather than megatron-core's DDP; ``'auto'`` counts (it may pick one), None does not."""
+    from .paro_strategy import uses_engine
+
+    return uses_engine(strategy)
 
 
 def _runtimes(model_chunks: List[torch.nn.Module]) -> List[Any]:
@@ -35,18 +90,61 @@ def _runtimes(model_chunks: List[torch.nn.Module]) -> List[Any]:
     return list(seen.values())
 
 
+def _engine_chunks(model_chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
+    """The chunks wrapped by the PaRO engine (none for megatron-core DDP)."""
+    from .paro_integration import is_engine
+
+    return [chunk for chunk in model_chunks if is_engine(chunk)]
+
+
+# ----------------------------------------------------------------------------- model, optimizer
+def wrap_model(config: "TransformerConfig", ddp_config: "DistributedDataParallelConfig",
+               model_chunks: List[torch.nn.Module], quant_config: QuantizationConfig, *,
+               strategy: Optional[str] = None, group_size: Optional[int] = None,
+               engine: Optional[bool] = None) -> List[torch.nn.Module]:
+    """Wrap the model chunks for data parallelism under ``strategy`` (``--paro-strategy``,
+    resolved: not ``'auto'``).
+
+    No strategy, NNN or NNG: megatron-core DDP (:func:`wrap_model_with_ddp`, a quantizing
+    subclass when enabled). Any other strategy: the PaRO engine over groups of ``group_size``
+    data-parallel ranks (quantizing through the same runtime when enabled). ``engine=True``
+    forces the engine (e.g. to measure NNN / NNG on it)."""
+    from .paro_strategy import AUTO
+
+    if strategy == AUTO:
+        raise ValueError("--paro-strategy auto must be resolved first (resolve_auto_strategy)")
+    if not (uses_sharded_engine(strategy) if engine is None else engine):
+        return wrap_model_with_ddp(config, ddp_config, model_chunks, quant_config)
+    from .paro_integration import wrap_with_engine
+
+    if strategy is None or group_size is None:
+        raise ValueError("the PaRO engine needs a strategy and a group size")
+    return wrap_with_engine(config, ddp_config, model_chunks, quant_config, strategy, group_size)
+
+
+def resolve_auto_strategy(args: argparse.Namespace, num_params: int) -> Optional[str]:
+    """``--paro-strategy auto``: choose the strategy (cheapest modelled communication that fits in
+    memory), set ``args.paro_strategy`` (and ``--use-distributed-optimizer`` for NNN / NNG) and
+    return why; None for any other value. Collective."""
+    from .paro_integration import resolve_auto_strategy as resolve
+
+    return resolve(args, num_params)
+
+
 def wrap_model_with_ddp(
-    config: TransformerConfig,
-    ddp_config: DistributedDataParallelConfig,
+    config: "TransformerConfig",
+    ddp_config: "DistributedDataParallelConfig",
     model_chunks: List[torch.nn.Module],
     quant_config: QuantizationConfig,
-) -> List[DistributedDataParallel]:
+) -> List["DistributedDataParallel"]:
     """Wrap each model chunk in megatron-core DDP (a quantizing subclass when enabled).
 
     ``--grad-accum-dtype`` (if given) sets ``ddp_config.grad_reduce_in_fp32`` first, whether or not
     communication is quantized. All chunks of a model share one runtime (groups, accounting,
     LoCo, iteration counter).
     """
+    from megatron.core.distributed import DistributedDataParallel
+
     params_dtype = getattr(config, "params_dtype", None) or torch.float32
     apply_grad_accum_dtype(ddp_config, quant_config, params_dtype)
     if not quant_config.enabled:
@@ -67,17 +165,46 @@ def wrap_model_with_ddp(
     ]
 
 
+def build_optimizer(optimizer_config: Any, model_chunks: List[torch.nn.Module],
+                    quant_config: QuantizationConfig) -> Any:
+    """The optimizer of the wrapped chunks: megatron-core's ``get_megatron_optimizer`` (then
+    :func:`on_optimizer_built`), or the PaRO engine's own optimizer for engine chunks."""
+    if _engine_chunks(model_chunks):
+        from .paro_integration import build_engine_optimizer
+
+        return build_engine_optimizer(optimizer_config, model_chunks)
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
+    on_optimizer_built(optimizer, model_chunks, quant_config)
+    return optimizer
+
+
 def on_optimizer_built(optimizer: Any, model_chunks: List[torch.nn.Module],
                        quant_config: QuantizationConfig) -> None:
     """Hook called once the megatron-core optimizer exists (qWD reference snapshots, non-finite
-    quantized gradients reported as ``found_inf``)."""
-    if not _runtimes(model_chunks):
+    quantized gradients reported as ``found_inf``); :func:`build_optimizer` calls it. Nothing to
+    do for PaRO-engine chunks (their optimizer is the engine's own)."""
+    if not _runtimes(model_chunks) or _engine_chunks(model_chunks):
         return
     from .ddp import install_optimizer_hooks
 
     install_optimizer_hooks(optimizer, model_chunks)
 
 
+def finalize_model_grads_func(model_chunks: List[torch.nn.Module]) -> Any:
+    """What megatron-core's schedule calls at the accumulation boundary
+    (``config.finalize_model_grads_func``): megatron-core's ``finalize_model_grads``, or the PaRO
+    engine's gradient sync (gradient level -> optimizer-state level)."""
+    engines = _engine_chunks(model_chunks)
+    if engines:
+        return engines[0].finalize_model_grads
+    from megatron.core.distributed import finalize_model_grads
+
+    return finalize_model_grads
+
+
+# ----------------------------------------------------------------------------- per iteration
 def set_iteration(model_chunks: List[torch.nn.Module], iteration: int) -> None:
     """Called at the start of every training iteration (start-iteration switch, LoCo resets)."""
     for rt in _runtimes(model_chunks):
@@ -96,6 +223,22 @@ def on_loss_scale_changed(model_chunks: List[torch.nn.Module], ratio: float) -> 
     LoCo errors are kept in loss-scaled units (DeepSpeed's ``_loco_err_buf_update``)."""
     for rt in _runtimes(model_chunks):
         rt.rescale_errors(ratio)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+@contextlib.contextmanager
+def full_model_params(model_chunks: List[torch.nn.Module],
+                      writeback: bool = False) -> Iterator[bool]:
+    """Every chunk's full parameters inside the block (``chunk.module.state_dict()`` /
+    ``load_state_dict`` see the whole model). Yields True when some were gathered for the block
+    only (PaRO engine with partitioned parameters: collective, and released on exit, so copy what
+    you keep); with ``writeback`` the block's changes are copied back into this rank's shard.
+    A no-op yielding False for megatron-core chunks, whose parameters are always full."""
+    with contextlib.ExitStack() as stack:
+        engines = _engine_chunks(model_chunks)
+        for chunk in engines:
+            stack.enter_context(chunk.full_params(writeback=writeback))
+        yield bool(engines)
 
 
 def quantization_state_dict(model_chunks: List[torch.nn.Module]) -> Dict[str, Any]:
@@ -128,6 +271,17 @@ def reset_quantization_state(model_chunks: List[torch.nn.Module], iteration: int
         rt.set_iteration(iteration)
 
 
+# ----------------------------------------------------------------------------- reports
+def strategy_report(args: argparse.Namespace, model_chunks: List[torch.nn.Module],
+                    optimizer: Any) -> Optional[str]:
+    """The startup report of ``--paro-strategy`` (model-state memory and bytes per link of one
+    step, from the cost model; for the PaRO engine also the resident bytes it measures), or None
+    without a strategy."""
+    from .paro_integration import strategy_report as report
+
+    return report(args, model_chunks, optimizer)
+
+
 def _flatten(report: Dict[str, Any]) -> Dict[str, float]:
     out: Dict[str, float] = {}
     for kind in ("grad", "weight"):
@@ -151,19 +305,29 @@ def _flatten(report: Dict[str, Any]) -> Dict[str, float]:
 
 def communication_report(model_chunks: List[torch.nn.Module], reset: bool = True,
                          totals: bool = False) -> Dict[str, float]:
-    """Bytes/bits per element on each link since the last call (empty when quantization is off);
-    with ``totals``, over the whole run instead (for the end-of-run summary; resets nothing).
+    """Bytes/bits per element on each link since the last call (empty when quantization is off
+    and no chunk is a PaRO engine); with ``totals``, over the whole run instead (for the
+    end-of-run summary; resets nothing).
 
     Keys ``{grad|weight}_{intra|inter|total}_{bytes|bits_per_element|ratio_vs_baseline|...}``,
     ``{kind}_bits_per_model_element`` (bytes on all links per bucket element), ``{kind}_calls``,
     ``nonfinite_events`` (quantized collectives that met NaN/Inf in the interval),
     ``comm_{grad_intra|grad_inter|grad_exposed|weight|weight_exposed}_ms`` (per iteration: time
-    the collectives took vs time the training thread waited for them, streams.CommTiming) and, with LoCo,
-    ``loco_error_bytes_per_param`` (error-buffer memory on this rank per local parameter).
+    the collectives took vs time the training thread waited for them, streams.CommTiming), with
+    LoCo ``loco_error_bytes_per_param`` (error-buffer memory on this rank per local parameter),
+    and for PaRO-engine chunks ``paro_{intra|inter}_bytes`` (every byte the engine sent on each
+    link, quantized or not, in the cost model's convention: comparable with its report).
     """
+    merged: Dict[str, float] = {}
     rts = _runtimes(model_chunks)
-    if not rts:
-        return {}
+    if rts:
+        merged.update(_runtime_report(rts, model_chunks, reset, totals))
+    merged.update(_engine_bytes(model_chunks, reset, totals))
+    return merged
+
+
+def _runtime_report(rts: List[Any], model_chunks: List[torch.nn.Module], reset: bool,
+                    totals: bool) -> Dict[str, float]:
     merged: Dict[str, float] = {}
     nonfinite = 0
     for rt in rts:
@@ -186,3 +350,25 @@ def communication_report(model_chunks: List[torch.nn.Module], reset: bool = True
         n_params = sum(p.numel() for chunk in model_chunks for p in chunk.parameters())
         merged["loco_error_bytes_per_param"] = sum(l.memory_bytes() for l in locos) / max(1, n_params)
     return merged
+
+
+_ENGINE_RUN_BYTES: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[str, float]]" = (
+    weakref.WeakKeyDictionary())
+"""Per PaRO-engine chunk, the bytes of the intervals already reported (the engine's counter holds
+only those since the last report)."""
+
+
+def _engine_bytes(model_chunks: List[torch.nn.Module], reset: bool,
+                  totals: bool) -> Dict[str, float]:
+    out: Dict[str, float] = {}
+    for chunk in _engine_chunks(model_chunks):
+        run = _ENGINE_RUN_BYTES.setdefault(chunk, {"intra": 0.0, "inter": 0.0})
+        counted = chunk.counter.bytes
+        for link in ("intra", "inter"):
+            key = f"paro_{link}_bytes"
+            out[key] = out.get(key, 0.0) + counted[link] + (run[link] if totals else 0.0)
+        if reset and not totals:
+            for link in ("intra", "inter"):
+                run[link] += counted[link]
+            chunk.counter.reset()
+    return out

@@ -36,6 +36,9 @@ from .kernels import QuantizedTensor, dequantize, quantize
 
 __all__ = ["LoCoErrorFeedback", "LoCoBucketErrors"]
 
+LOCO_ERROR_BITS = (8, 16, 32)
+"""Storage of the error buffers: 8-bit codes + scales, bf16 or fp32 (the one definition; the
+config validates ``--loco-error-bits`` against it)."""
 _WHICH = ("e1", "e2")
 
 
@@ -191,8 +194,8 @@ class LoCoErrorFeedback:
             raise ValueError(f"LoCo beta must be in [0, 1), got {beta}")
         if reset_interval <= 0:
             raise ValueError(f"LoCo reset interval must be positive, got {reset_interval}")
-        if error_bits not in (8, 16, 32):
-            raise ValueError(f"LoCo error bits must be 8, 16 or 32, got {error_bits}")
+        if error_bits not in LOCO_ERROR_BITS:
+            raise ValueError(f"LoCo error bits must be one of {LOCO_ERROR_BITS}, got {error_bits}")
         self.beta = float(beta)
         self.reset_interval = int(reset_interval)
         self.error_bits = int(error_bits)

@@ -1,45 +1,55 @@
-"""The state the quantized bucket groups of one model share (:class:`QuantizationRuntime`).
+"""One object per model that owns its quantized data-parallel communication.
 
-One object per model (shared by its chunks): the config, the two-level process groups, the
-iteration counter behind the start-iteration switch, the communication accounting and timing, the
-LoCo error buffers, the stochastic-rounding generators and the once-per-step NaN/Inf agreement.
-Kept apart from :mod:`.ddp`, which wires it into megatron-core's bucket groups, so that the
-checkpoint, reporting and integration code reads the state without the megatron-core subclasses.
+:class:`QuantizationRuntime` holds the config, the two-level process groups and their scopes,
+the iteration counter behind the start-iteration switch, the communication accounting and
+timing, the LoCo error buffers, the seeded stochastic-rounding generators, the qWD reference
+shards and the once-per-step NaN/Inf agreement -- and offers the collectives in the papers'
+vocabulary, :meth:`~QuantizationRuntime.reduce_scatter` and
+:meth:`~QuantizationRuntime.all_gather` over a *scope* ('global' = the DP group in two hops,
+'intra' = the node, 'inter' = the ranks of one local index), on flat buffers identified by a
+*key*. Both data-parallel paths call it: megatron-core's bucket groups (:mod:`.ddp`) and the
+PaRO engine (:mod:`.paro_engine`), so LoCo, TLq-HS, qWD/qW, the start iteration, accounting,
+NaN/Inf skipping, pipelining and overlap behave the same on every strategy. The collectives
+themselves (no state) are :mod:`.collectives`; where they run is :mod:`.streams`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from .accounting import CommAccounting
+from .collectives import PendingCollective, quantized_all_gather, two_level_reduce_scatter
 from .config import QuantizationConfig
 from .loco import LoCoErrorFeedback
 from .streams import CommStreams, CommTiming
 from .topology import TwoLevelGroups, build_two_level_groups_for_all
 
-if TYPE_CHECKING:
-    from .ddp import QuantizedBucketGroup
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["QuantizationRuntime", "build_runtime"]
+__all__ = ["QuantizationRuntime", "build_runtime", "SCOPES"]
 
-# ------------------------------------------------------------------------------------------------
-# shared runtime state (one per model, shared by its chunks)
-# ------------------------------------------------------------------------------------------------
+SCOPES = ("global", "intra", "inter")
+"""Where a collective runs: the whole DP group (two hops), the node, or across nodes."""
+
+# Seed offsets: one generator per (rank, buffer, direction) so that the rounding stream of a
+# buffer does not depend on the order in which buffers happen to be reduced (overlap vs. no
+# overlap give identical numerics) nor on whether the other direction is quantized.
+_SEED_RANK_STRIDE = 1_000_003
+_SEED_BUCKET_STRIDE = 7_919
+_SEED_WEIGHT_OFFSET = 104_729
+
 
 class QuantizationRuntime:
-    """Everything the quantized bucket groups of one model share.
+    """Quantized data-parallel communication of one model (shared by its chunks).
 
-    Holds the config, the two-level process groups, the iteration counter (start-iteration
-    switch), the communication accounting, the LoCo error buffers and the non-finite bookkeeping.
-    Stochastic-rounding generators live per bucket (see :class:`QuantizedBucketGroup`) but are
-    registered here so the checkpoint state is collected in one place.
+    A *buffer* is a flat gradient / parameter bucket, registered once with :meth:`register`
+    under a ``key`` (checkpoint name, LoCo buffer, generators) and an ``index`` (seed). The
+    caller owns the buffers and decides *when* to communicate; this object decides *how*.
     """
 
     def __init__(self, config: QuantizationConfig, groups: TwoLevelGroups) -> None:
@@ -52,13 +62,17 @@ class QuantizationRuntime:
         self.loco: Optional[LoCoErrorFeedback] = (
             LoCoErrorFeedback.from_config(config) if config.loco else None)
         self.generators: Dict[str, torch.Generator] = {}
+        self.reference_shards: Dict[str, Optional[torch.Tensor]] = {}
+        """qWD: per buffer key, this rank's shard of the last reconstructed weights, taken right
+        before the optimizer overwrote it (None once a gather used it)."""
+        self.updated: Dict[str, bool] = {}
+        """Per buffer key: an optimizer update reached it since its last weight gather."""
         self._nonfinite_flag: Optional[torch.Tensor] = None
         """1.0 on the device once a quantized collective of this step met NaN/Inf on this rank
         (:func:`~.collectives.note_nonfinite`); agreed and reset once per step by
         :meth:`agree_nonfinite`, so no bucket waits for the host."""
         self.nonfinite_events = 0
         self.nonfinite_events_interval = 0
-        self.bucket_groups: List["QuantizedBucketGroup"] = []
         self.timing = CommTiming(CommStreams("inline"))
         """Total vs exposed communication time per iteration (the log line's ``comm_*_ms``)."""
 
@@ -70,10 +84,14 @@ class QuantizationRuntime:
             self.timing.overlapped = CommStreams.for_device(device)
         return self.timing.overlapped
 
+    def streams(self, device: torch.device, overlap: bool) -> CommStreams:
+        """The overlapped stages, or the inline runner (timed as exposed)."""
+        return self.overlap_streams(device) if overlap else self.timing.inline
+
     # -- decisions ----------------------------------------------------------------------------
     @property
     def quantize_gradients_now(self) -> bool:
-        """Quantized reduce-scatter this iteration (else megatron-core's exact one)."""
+        """Quantized reduce-scatter this iteration (else the caller's exact one)."""
         c = self.config
         return c.quantized_gradients and self.iteration >= c.gradients_quantization_start_iteration
 
@@ -81,7 +99,30 @@ class QuantizationRuntime:
     def quantize_weights(self) -> bool:
         return self.config.quantized_weights
 
-    # -- generators ---------------------------------------------------------------------------
+    @property
+    def weights_as_difference(self) -> bool:
+        """qWD (quantize new - reconstructed weights) rather than qW (the weights themselves)."""
+        return self.config.weight_quantization_mode == "diff"
+
+    # -- buffers and their generators ----------------------------------------------------------
+    def register(self, key: str, index: int) -> None:
+        """Declare buffer ``key``: creates its generators now, so a checkpoint loaded before the
+        first step finds them."""
+        self.grad_generator(key, index)
+        self.weight_generator(key, index)
+        self.reference_shards.setdefault(key, None)
+        self.updated.setdefault(key, False)
+
+    def _seed(self, index: int) -> int:
+        return (self.config.seed + _SEED_RANK_STRIDE * self.groups.dp_rank
+                + _SEED_BUCKET_STRIDE * (index + 1))
+
+    def grad_generator(self, key: str, index: int) -> torch.Generator:
+        return self.generator("grad/" + key, self._seed(index))
+
+    def weight_generator(self, key: str, index: int) -> torch.Generator:
+        return self.generator("weight/" + key, self._seed(index) + _SEED_WEIGHT_OFFSET)
+
     def generator(self, key: str, seed: int) -> torch.Generator:
         """The stochastic-rounding generator registered under ``key`` (created seeded once).
 
@@ -94,6 +135,85 @@ class QuantizationRuntime:
             gen.manual_seed(int(seed) % (2 ** 63))
             self.generators[key] = gen
         return gen
+
+    # -- collectives ----------------------------------------------------------------------------
+    def scope_groups(self, scope: str) -> TwoLevelGroups:
+        """The groups of ``scope`` (:data:`SCOPES`, :meth:`TwoLevelGroups.scope`)."""
+        return self.groups.scope(scope)
+
+    def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, *,  # noqa: A002
+                       key: str, index: int, scope: str = "global",
+                       streams: Optional[CommStreams] = None) -> Optional[PendingCollective]:
+        """Quantized SUM reduce-scatter of buffer ``key`` over ``scope`` into ``output`` (this
+        rank's shard, in the layout of ``dist.reduce_scatter_tensor`` over the scope's group):
+        TLq / TLq-HS in two hops for 'global', one hop for 'intra' / 'inter', with the buffer's
+        LoCo error feedback and seeded generator; NaN/Inf noted for :meth:`agree_nonfinite`.
+        With ``streams`` (overlap) the hops run there and a handle is returned."""
+        cfg = self.config
+        ef = None
+        if self.loco is not None:
+            ef = self.loco.bucket(key if scope == "global" else f"{scope}/{key}")
+        return two_level_reduce_scatter(
+            input, output, self.scope_groups(scope),
+            bits_intra=cfg.gradient_quantization_bits_intra,
+            group_size_intra=cfg.gq_group_size_intra,
+            bits_inter=cfg.gradient_quantization_bits_inter,
+            group_size_inter=cfg.gq_group_size_inter,
+            hadamard=cfg.hadamard_transform, hadamard_block=cfg.hadamard_block_size,
+            generator=self.grad_generator(key, index), stochastic=cfg.stochastic_rounding,
+            accounting=self.accounting, error_feedback=ef, async_op=streams is not None,
+            nonfinite_flag=self.nonfinite_flag(input.device),
+            pipeline=cfg.gradient_alltoall_pipeline, streams=streams)
+
+    def all_gather(self, shard: torch.Tensor, output: torch.Tensor, *, key: str, index: int,
+                   reference: Optional[torch.Tensor] = None, scope: str = "global",
+                   hops: Optional[Sequence[str]] = None,
+                   streams: Optional[CommStreams] = None) -> Any:
+        """Quantized (qWD / qW) all-gather of this rank's updated ``shard`` of buffer ``key``
+        into ``output``; for qWD ``reference`` is the last reconstructed buffer (identical on
+        every rank; ``output`` may alias it).
+
+        One collective over ``scope`` (output in the scope's rank order), or, with ``hops``
+        (scope names, e.g. ``('inter', 'intra')``, PaRO's local-major layout), the codes
+        forwarded hop by hop. With ``streams`` (overlap) a handle is returned."""
+        cfg = self.config
+        kwargs: Dict[str, Any] = {}
+        if hops is None:
+            g = self.scope_groups(scope)
+            group: Any = g.dp_group
+            kwargs["link_of_peer"] = g.link_of_peer
+        else:
+            parts = [(self.scope_groups(h).dp_group, h) for h in hops]
+            parts = [(grp, h) for grp, h in parts if grp is not None]
+            group = [grp for grp, _ in parts]
+            kwargs["hop_links"] = [h for _, h in parts]
+            if not group:  # every hop has one rank: the shard is the buffer
+                output.copy_(shard.to(output.dtype).view(output.shape))
+                return None
+        return quantized_all_gather(
+            shard, reference if self.weights_as_difference else None, output, group,
+            mode=cfg.weight_quantization_mode, bits=cfg.weight_quantization_bits,
+            group_size=cfg.wq_group_size, generator=self.weight_generator(key, index),
+            stochastic=cfg.stochastic_rounding, accounting=self.accounting,
+            nonfinite_flag=self.nonfinite_flag(shard.device),
+            async_op=streams is not None, streams=streams, **kwargs)
+
+    # -- qWD reference shards -----------------------------------------------------------------
+    def note_weights_updated(self, key: str, shard: torch.Tensor) -> None:
+        """The optimizer is about to overwrite this rank's ``shard`` of buffer ``key``: for qWD
+        keep a copy (the reference the next gather's difference is taken against; a snapshot not
+        consumed yet is kept, it is still the true reference) and mark the buffer updated."""
+        if self.weights_as_difference and self.reference_shards.get(key) is None:
+            self.reference_shards[key] = shard.detach().clone()
+        self.updated[key] = True
+
+    def take_update(self, key: str) -> Tuple[bool, Optional[torch.Tensor]]:
+        """(updated since the last gather, qWD reference) of buffer ``key``; both reset."""
+        updated = self.updated.get(key, False)
+        ref = self.reference_shards.get(key)
+        self.updated[key] = False
+        self.reference_shards[key] = None
+        return updated, ref
 
     # -- accounting of the exact (megatron-core) collectives -------------------------------------
     def record_exact(self, name: str, kind: str, numel: int, elem_size: int) -> None:
@@ -160,19 +280,14 @@ class QuantizationRuntime:
 
     # -- checkpoint ---------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        refs: Dict[str, Optional[torch.Tensor]] = {}
-        updated: Dict[str, bool] = {}
-        for bg in self.bucket_groups:
-            for idx, ref in enumerate(bg._reference_shards):
-                refs[bg._bucket_key(idx)] = None if ref is None else ref.clone()
-                updated[bg._bucket_key(idx)] = bool(bg._updated[idx])
         return {
             "iteration": self.iteration,
             "last_stepped_iteration": self.last_stepped_iteration,
             "generators": {k: g.get_state() for k, g in self.generators.items()},
             "loco": None if self.loco is None else self.loco.state_dict(),
-            "reference_shards": refs,
-            "updated_buckets": updated,
+            "reference_shards": {k: None if r is None else r.clone()
+                                 for k, r in self.reference_shards.items()},
+            "updated_buckets": dict(self.updated),
             "nonfinite_events": self.nonfinite_events,
             "config": self.config.to_dict(),
         }
@@ -192,11 +307,10 @@ class QuantizationRuntime:
             self.loco.load_state_dict(loco_sd)
         refs = state.get("reference_shards", {})
         updated = state.get("updated_buckets", {})
-        for bg in self.bucket_groups:
-            for idx in range(len(bg.buckets)):
-                ref = refs.get(bg._bucket_key(idx))
-                bg._reference_shards[idx] = None if ref is None else ref.clone()
-                bg._updated[idx] = bool(updated.get(bg._bucket_key(idx), False))
+        for key in list(self.reference_shards):
+            ref = refs.get(key)
+            self.reference_shards[key] = None if ref is None else ref.clone()
+            self.updated[key] = bool(updated.get(key, False))
         self.nonfinite_events = int(state.get("nonfinite_events", 0))
 
 

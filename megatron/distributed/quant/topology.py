@@ -71,6 +71,31 @@ class TwoLevelGroups:
         """'intra' or 'inter': which kind of link traffic to ``peer_dp_rank`` crosses (for accounting)."""
         return "intra" if self.same_node(peer_dp_rank) else "inter"
 
+    def scope(self, name: str) -> "TwoLevelGroups":
+        """The groups of one communication scope, as a ``TwoLevelGroups`` of its own.
+
+        ``'global'``: this object (the whole DP group, two hops). ``'intra'``: the node's ranks
+        alone (D ranks, one intra hop); ``'inter'``: the ranks sharing this local index (M ranks,
+        one inter hop). The quantized collectives take the one-hop path on the latter two, so a
+        PaRO strategy's intra / inter reduce-scatter is the same code as SDP4Bit's global one.
+        """
+        if name == "global":
+            return self
+        if name == "intra":
+            return TwoLevelGroups(
+                dp_group=self.intra_group, intra_group=self.intra_group, inter_group=None,
+                dp_size=self.intra_size, dp_rank=self.local, intra_size=self.intra_size,
+                inter_size=1, node=0, local=self.local,
+                dp_ranks=list(self.dp_ranks[self.node * self.intra_size:
+                                            (self.node + 1) * self.intra_size]))
+        if name == "inter":
+            return TwoLevelGroups(
+                dp_group=self.inter_group, intra_group=None, inter_group=self.inter_group,
+                dp_size=self.inter_size, dp_rank=self.node, intra_size=1,
+                inter_size=self.inter_size, node=self.node, local=0,
+                dp_ranks=list(self.dp_ranks[self.local::self.intra_size]))
+        raise ValueError(f"scope must be 'global', 'intra' or 'inter', got {name!r}")
+
 
 def _validate(dp_ranks: Sequence[int], intra_size: int) -> List[int]:
     ranks = [int(r) for r in dp_ranks]

@@ -28,7 +28,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_BITS = (2, 4, 8)  # the one definition: config.py (flag validation) imports it
 
 
 @dataclass

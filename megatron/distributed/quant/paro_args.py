@@ -1,0 +1,92 @@
+"""The PaRO flags (``--paro-*``) and their checks against the rest of the command line.
+
+:func:`add_paro_args` registers them (the trainer's parser calls it through
+:func:`.integration.add_arguments`); :func:`check_paro_args` is the one place a ``--paro-strategy``
+is accepted or refused for training, with the reason and the fix. See docs/paro.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .paro_strategy import AUTO, check_trainable, resolve_group_size, uses_engine
+
+__all__ = ["add_paro_args", "check_paro_args"]
+
+
+def add_paro_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register the PaRO flags (the trainer's parser must call this; see docs/paro.md)."""
+    group = parser.add_argument_group(title="PaRO (partial redundancy optimizer)")
+    group.add_argument("--paro-strategy", type=str, default=None,
+                       help="Partition levels of parameters, gradients, optimizer states, each "
+                            "N (replicated), I (within a group) or G (global), e.g. NIG, IIG; "
+                            "aliases ddp, zero1, zero2, zero3, mics; or 'auto' (cheapest modelled "
+                            "communication that fits in memory). NNN and NNG (ZeRO-1, needs "
+                            "--use-distributed-optimizer) run on megatron-core, the other 12 on the "
+                            "PaRO engine (TP=PP=1, bf16/fp32); prints the memory/communication report.")
+    group.add_argument("--paro-group-size", type=int, default=None,
+                       help="Data-parallel ranks per PaRO group (default LOCAL_WORLD_SIZE // TP, "
+                            "i.e. one node).")
+    group.add_argument("--paro-gpu-memory-gb", type=float, default=None,
+                       help="Memory per GPU (GB = 1e9 bytes) that --paro-strategy auto may fill "
+                            "(default: the device's total memory).")
+    group.add_argument("--paro-reserved-memory-gb", type=float, default=0.0,
+                       help="Memory per GPU kept for activations and workspace when choosing "
+                            "automatically.")
+    group.add_argument("--paro-intra-bandwidth-gbs", type=float, default=150.0,
+                       help="Intra-group (NVLink) bandwidth per GPU in GB/s for the cost model.")
+    group.add_argument("--paro-inter-bandwidth-gbs", type=float, default=12.5,
+                       help="Inter-group (RDMA) bandwidth per GPU in GB/s for the cost model.")
+    return parser
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_paro_args(args: argparse.Namespace) -> None:
+    """Accept or refuse ``--paro-strategy`` for this run (ValueError with the fix).
+
+    Needs the validated parallel sizes (``args.data_parallel_size``) and ``args.quant_config``.
+    Normalises ``args.paro_strategy`` (a canonical name, or ``'auto'``, resolved at startup once
+    the model size is known) and ``args.paro_group_size``. NNN / NNG run on megatron-core (with
+    the matching ``--use-distributed-optimizer``); the other 12 on the PaRO engine, which needs
+    pure data parallelism, bf16 or fp32, no overlap, ``--ckpt-format torch``, and quantization
+    only where the engine supports it (``paro_engine.quantization_support_error``).
+    """
+    if args.paro_strategy is not None:
+        parsed = check_trainable(args.paro_strategy, args.use_distributed_optimizer)
+        args.paro_group_size = resolve_group_size(args.data_parallel_size, args.paro_group_size,
+                                                  args.tensor_model_parallel_size)
+        args.paro_strategy = parsed if parsed == AUTO else parsed.name
+    if uses_engine(args.paro_strategy):
+        what = ("--paro-strategy auto (it may pick a PaRO-engine strategy)"
+                if args.paro_strategy == AUTO else
+                f"--paro-strategy {args.paro_strategy} (PaRO engine)")
+        _require(args.tensor_model_parallel_size == 1 and args.pipeline_model_parallel_size == 1,
+                 f"{what} needs --tensor-model-parallel-size 1 and "
+                 f"--pipeline-model-parallel-size 1 (pure data parallelism)")
+        _require(not args.fp16, f"{what} supports --bf16 and fp32, not --fp16 (no loss scaling)")
+        _require(not (args.overlap_grad_reduce or args.overlap_param_gather),
+                 f"{what} does not overlap communication: drop --overlap-grad-reduce / "
+                 f"--overlap-param-gather")
+        quant = args.quant_config
+        if args.paro_strategy == AUTO:
+            _require(not quant.enabled,
+                     "--paro-strategy auto cannot be combined with quantized communication "
+                     "(not every strategy supports it): pass an explicit strategy")
+        else:
+            from .paro_engine import quantization_support_error
+
+            err = quantization_support_error(args.paro_strategy, quant)
+            _require(err is None, err or "")
+            intra = quant.data_parallel_intra_node_size
+            _require(not quant.enabled or intra is None or intra == args.paro_group_size,
+                     f"{what}: --data-parallel-intra-node-size {intra} differs from "
+                     f"--paro-group-size {args.paro_group_size}; the engine quantizes inside "
+                     f"the PaRO groups")
+        _require(args.ckpt_format != "torch_dist",
+                 f"--ckpt-format torch_dist saves megatron-core's sharded state dicts; "
+                 f"--paro-strategy {args.paro_strategy} may train on the PaRO engine, which saves "
+                 f"--ckpt-format torch")

@@ -1,0 +1,142 @@
+"""The PaRO side of :mod:`.integration`: build the engine, resolve ``auto``, the startup report.
+
+Only :mod:`.integration` calls this module (the trainer never does). NNN / NNG (and no
+``--paro-strategy``) stay on megatron-core's DDP; every other strategy wraps the model chunk in
+:class:`.paro_engine.ParoDataParallel` and uses :class:`.paro_optimizer.ParoOptimizer`. The
+functions that need the run's flags take the trainer's ``args`` (``--paro-*``, ``--bf16`` /
+``--fp16``, ``--accumulate-allreduce-grads-in-fp32``, the parallel sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, List, Optional
+
+import torch
+
+from .config import QuantizationConfig
+
+__all__ = ["is_engine", "wrap_with_engine", "build_engine_optimizer", "resolve_auto_strategy",
+           "strategy_report"]
+
+
+def is_engine(chunk: Any) -> bool:
+    """True for a model chunk wrapped by the PaRO engine."""
+    from .paro_engine import ParoDataParallel
+
+    return isinstance(chunk, ParoDataParallel)
+
+
+def wrap_with_engine(config: Any, ddp_config: Any, model_chunks: List[torch.nn.Module],
+                     quant_config: QuantizationConfig, strategy: str,
+                     group_size: int) -> List[torch.nn.Module]:
+    """Wrap the (single) model chunk in the PaRO engine over this rank's data-parallel group.
+
+    The engine takes what megatron-core's DDP would: the gradient-accumulation dtype
+    (``ddp_config.grad_reduce_in_fp32`` after ``--grad-accum-dtype``, else the parameter dtype) and
+    the bucket-size cap (``ddp_config.bucket_size``; None: one bucket per layer)."""
+    from megatron.core import parallel_state as ps
+
+    from .grad_accum import apply_grad_accum_dtype
+    from .paro_comm import build_paro_groups
+    from .paro_engine import ParoDataParallel
+    from .paro_strategy import PaRoStrategy
+
+    if len(model_chunks) != 1:
+        raise ValueError(f"the PaRO engine wraps one model chunk, got {len(model_chunks)} "
+                         "(no virtual pipeline parallelism)")
+    params_dtype = getattr(config, "params_dtype", None) or torch.float32
+    grad_dtype = apply_grad_accum_dtype(ddp_config, quant_config, params_dtype)
+    groups = build_paro_groups(group_size, dp_ranks=torch.distributed.get_process_group_ranks(
+        ps.get_data_parallel_group()))
+    return [ParoDataParallel(config, model_chunks[0], PaRoStrategy.from_string(strategy), groups,
+                             grad_dtype=grad_dtype, quant_config=quant_config,
+                             bucket_numel=ddp_config.bucket_size)]
+
+
+def build_engine_optimizer(optimizer_config: Any, model_chunks: List[torch.nn.Module]) -> Any:
+    """The PaRO engine's optimizer (AdamW / SGD on the engine's flat fp32 shards)."""
+    from .paro_optimizer import ParoOptimizer
+
+    return ParoOptimizer(model_chunks[0], optimizer_config)
+
+
+def _state_bytes(args: argparse.Namespace) -> Any:
+    """Bytes per element of parameters / gradients as this run stores them (K = 12 for Adam)."""
+    from .paro_cost import StateBytes
+
+    mixed = args.bf16 or args.fp16
+    return StateBytes(param=2.0 if mixed else 4.0,
+                      grad=4.0 if (args.accumulate_allreduce_grads_in_fp32 or not mixed) else 2.0)
+
+
+def _memory_for_auto(args: argparse.Namespace) -> float:
+    """Bytes per rank that --paro-strategy auto may fill: the flag, else the device's memory (CPU:
+    host memory shared by the ranks of this node); the minimum over all ranks (collective)."""
+    if args.paro_gpu_memory_gb is not None:
+        mem = args.paro_gpu_memory_gb * 1e9
+    elif args.device == "cuda":
+        mem = float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    else:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        mem = host / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
+    t = torch.tensor([mem], dtype=torch.float64, device=dev)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return float(t.item())
+
+
+def resolve_auto_strategy(args: argparse.Namespace, num_params: int) -> Optional[str]:
+    """``--paro-strategy auto``: the cheapest modelled communication that fits (spec §3).
+
+    Sets ``args.paro_strategy`` (and, for NNN / NNG, the matching ``--use-distributed-optimizer``)
+    and returns the choice with its reasons; None (nothing changed) for any other value.
+    Collective (the memory budget is the minimum over the ranks)."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    from .paro_cost import choose_strategy_auto
+    from .paro_strategy import AUTO, MEGATRON_CORE_STRATEGIES
+
+    if args.paro_strategy != AUTO:
+        return None
+    choice = choose_strategy_auto(
+        num_params, args.data_parallel_size, args.paro_group_size, _memory_for_auto(args),
+        args.paro_intra_bandwidth_gbs * 1e9, args.paro_inter_bandwidth_gbs * 1e9,
+        micro_steps=get_num_microbatches(), state_bytes=_state_bytes(args),
+        reserved_bytes=args.paro_reserved_memory_gb * 1e9)
+    args.paro_strategy = choice.strategy.name
+    if args.paro_strategy in MEGATRON_CORE_STRATEGIES:
+        args.use_distributed_optimizer = MEGATRON_CORE_STRATEGIES[args.paro_strategy]
+    return choice.explanation
+
+
+def strategy_report(args: argparse.Namespace, model_chunks: List[torch.nn.Module],
+                    optimizer: Any) -> Optional[str]:
+    """The startup report of ``--paro-strategy`` (memory and communication per rank, from the
+    cost model; for the engine also the resident bytes it measures), or None without one."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    from .paro_cost import format_report, paro_report
+
+    if args.paro_strategy is None:
+        return None
+    chunk = model_chunks[0]
+    n_total = (sum(p.numel() for p in chunk.parameters()) * args.tensor_model_parallel_size
+               * args.pipeline_model_parallel_size)
+    engine = is_engine(chunk)
+    if engine:
+        n_total = chunk.padded_numel  # what the engine allocates and sends (padded to n)
+    text = format_report(paro_report(
+        args.paro_strategy, n_total, args.data_parallel_size, args.paro_group_size,
+        micro_steps=get_num_microbatches(), quant_config=args.quant_config,
+        state_bytes=_state_bytes(args)))
+    if engine:
+        from .paro_optimizer import model_state_bytes
+
+        mem = model_state_bytes(chunk, optimizer)
+        text += (f"\n > PaRO engine, resident model states on rank 0: parameters "
+                 f"{mem['params']} B, gradients {mem['grads']} B, optimizer states "
+                 f"{mem['optimizer_states']} B, total {mem['total']} B (padded to "
+                 f"{chunk.padded_numel} elements)")
+    return text

@@ -1,0 +1,185 @@
+"""The PaRO engine's flat layout: which parameters share a bucket, and where each one lives.
+
+Flat layout (why it looks like this). The parameters are grouped into *buckets*, the unit of
+gather / release and of the per-micro-step gradient reduce-scatter (as FSDP / ZeRO-3): contiguous
+runs of parameters in module order, one per unit module (:func:`_units`: the embedding, every
+transformer layer, the final norm, the output layer; a unit above ``bucket_numel`` elements is
+split into its children), and a bucket of its own for a parameter several modules use (the tied
+word-embedding / output weight). The flat buffer is the concatenation of the buckets, each padded
+to a multiple of the DP size ``n`` (and of the quantization unit when quantized);
+``padded_numel`` = S is the sum. Inside a bucket of ``s`` elements the layout is local-major: the
+I-shard of local index ``l`` is ``[l*s/m, (l+1)*s/m)`` and the G-shard of the rank in group ``k``
+with local index ``l`` is sub-chunk ``k`` of it, ``[l*s/m + k*s/n, l*s/m + (k+1)*s/n)``. A rank's
+shard at a level (what it keeps for p / g / os at I or G) is the concatenation of its shards of
+the buckets, S/m or S/n elements. With this order every PaRO transition of a bucket is one plain
+collective on a contiguous slice and nothing is reordered:
+
+* full -> I: intra reduce-scatter; I -> G: inter reduce-scatter of the I slice;
+* global reduce-scatter (full -> G) = intra RS + inter RS (PaRO-CC, spec §4);
+* G -> I: inter all-gather; I -> full: intra all-gather; global all-gather = inter AG + intra AG;
+* global all-reduce (NNN) = :func:`.paro_comm.hierarchical_all_reduce` (whole buffer).
+
+Byte totals do not depend on the bucketing (ring bytes are linear in the element count).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+__all__ = ["Slot", "Bucket", "plan_buckets", "output_tensors"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives in the flat buffer."""
+
+    name: str
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass
+class Bucket:
+    """A contiguous, separately padded piece of the flat buffer: the unit of gather / release and
+    of the per-micro-step gradient reduce-scatter.
+
+    ``start`` / ``size``: its range in the flat (level-N) buffer; ``size`` is a multiple of the
+    padding unit (n, or the quantization unit), so each of its I / G shards is whole.
+    ``params``: indices into ``ParoDataParallel.params``. ``owners``: the modules that use its
+    parameters, in forward order (gathered before the first one's forward, released after the last
+    one's; several owners for tied / shared weights).
+    """
+
+    index: int
+    start: int
+    size: int
+    params: List[int]
+    owners: List[torch.nn.Module]
+    numel: int = 0
+    full: Optional[torch.Tensor] = None  # full parameters of this bucket (own storage for p = I / G)
+    gathered: bool = True
+    tmp_grad: Optional[torch.Tensor] = None  # g = I / G: this micro-step's full gradient
+    pending: int = 0  # parameters whose gradient has not arrived yet in this backward
+    reduced: bool = False  # gradients of this micro-step already reduce-scattered
+
+    def shard_offset(self, k: int) -> int:
+        """Offset of this bucket's piece in a shard-space tensor with k ranks per element."""
+        return self.start // k
+
+    def shard(self, t: torch.Tensor, k: int) -> torch.Tensor:
+        """This bucket's piece (a view) of ``t``, a shard-space tensor with k ranks per element."""
+        return t[self.start // k:(self.start + self.size) // k]
+
+
+def _has_module_list(mod: torch.nn.Module) -> bool:
+    return any(isinstance(x, torch.nn.ModuleList) for x in mod.modules())
+
+
+def _units(mod: torch.nn.Module, cap: Optional[int], child_of_list: bool = False
+           ) -> List[Tuple[torch.nn.Module, List[torch.nn.Parameter]]]:
+    """Owner modules and the parameters of each, in module order (FSDP-style wrap policy).
+
+    A module is one unit unless it contains a ``ModuleList`` (then its children -- e.g. the
+    embedding, every transformer layer, the final norm, the output layer -- are considered in
+    turn, and the children of the ModuleList are units) or it holds more than ``cap`` elements and
+    has children to split into. Parameters held directly by a split module form their own unit.
+    """
+    params = list(mod.parameters())
+    if not params:
+        return []
+    total = sum(p.numel() for p in params)
+    has_children = any(True for c in mod.children() if any(True for _ in c.parameters()))
+    split = has_children and ((not child_of_list and _has_module_list(mod))
+                              or (cap is not None and total > cap))
+    if not split:
+        return [(mod, params)]
+    out = []
+    direct = list(mod.parameters(recurse=False))
+    if direct:
+        out.append((mod, direct))
+    is_list = isinstance(mod, torch.nn.ModuleList)
+    for child in mod.children():
+        out += _units(child, cap, child_of_list=is_list)
+    return out
+
+
+def _tied_output_users(module: torch.nn.Module) -> Dict[int, List[torch.nn.Module]]:
+    """id(weight) -> modules that use it without registering it: megatron-core's GPT with tied
+    embeddings passes the word-embedding weight to ``output_layer`` at call time."""
+    out: Dict[int, List[torch.nn.Module]] = {}
+    for mod in module.modules():
+        if getattr(mod, "share_embeddings_and_output_weights", False) and \
+                getattr(mod, "post_process", True) and hasattr(mod, "output_layer") and \
+                hasattr(mod, "shared_embedding_or_output_weight"):
+            w = mod.shared_embedding_or_output_weight()
+            if w is not None:
+                out.setdefault(id(w), []).append(mod.output_layer)
+    return out
+
+
+def plan_buckets(module: torch.nn.Module, bucket_numel: Optional[int], unit: int
+                 ) -> Tuple[List[torch.nn.Parameter], List[Slot], List[Bucket], int]:
+    """(parameters in flat order, their slots, the buckets, padded size S) of ``module``.
+
+    Buckets: unit modules in module order; a parameter used by several units (or passed to a
+    module at call time, tied embeddings) gets a bucket of its own owned by all of them. Each
+    bucket is padded to a multiple of ``unit`` (the DP size, and the quantization unit when
+    quantized), so each of its I / G shards is whole.
+    """
+    named = [(name, p) for name, p in module.named_parameters()]
+    names = {id(p): name for name, p in named}
+    units = _units(module, bucket_numel)
+    extra_users = _tied_output_users(module)
+    users: Dict[int, List[torch.nn.Module]] = {}
+    for mod, ps in units:
+        for p in ps:
+            users.setdefault(id(p), []).append(mod)
+    for pid, mods in extra_users.items():
+        users.setdefault(pid, []).extend(mods)
+    groups_of_params: List[Tuple[List[torch.nn.Module], List[torch.nn.Parameter]]] = []
+    placed = set()
+    for mod, ps in units:
+        own = []
+        for p in ps:
+            if id(p) in placed:
+                continue
+            placed.add(id(p))
+            if len(users[id(p)]) > 1:
+                groups_of_params.append((list(users[id(p)]), [p]))
+            else:
+                own.append(p)
+        if own:
+            groups_of_params.append(([mod], own))
+    assert len(placed) == len(named), "every parameter belongs to one bucket"
+    params: List[torch.nn.Parameter] = []
+    slots: List[Slot] = []
+    buckets: List[Bucket] = []
+    start = 0
+    for owners, ps in groups_of_params:
+        idx, offset = [], start
+        for p in ps:
+            idx.append(len(params))
+            params.append(p)
+            slots.append(Slot(names[id(p)], offset, p.numel(), p.shape))
+            offset += p.numel()
+        numel = offset - start
+        size = -(-numel // unit) * unit
+        buckets.append(Bucket(len(buckets), start, size, idx, owners, numel=numel))
+        start += size
+    return params, slots, buckets, start
+
+
+def output_tensors(x: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a module output (tensor, or tuples / lists / dicts of them)."""
+    if torch.is_tensor(x):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from output_tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from output_tensors(y)

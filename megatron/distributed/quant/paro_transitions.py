@@ -1,0 +1,148 @@
+"""Collectives between the PaRO partition levels of one engine's flat buffers.
+
+A mixin of :class:`~.paro_engine.ParoDataParallel` (it reads the engine's groups, sizes, buckets
+and counters): exact all-gather / reduce-scatter / all-reduce at the 'intra' or 'inter' scope,
+counted in the cost model's convention (:class:`~.paro_comm.CommCounter`), the PaRO-CC global
+ones built from them (spec §4), the level transitions of a whole shard-space tensor bucket by
+bucket, and -- with ``--quantized-gradients`` -- the model's
+:class:`~.runtime.QuantizationRuntime` in place of the exact reduce-scatter (its bytes, as its
+accounting measured them, added to the same counter).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .paro_comm import _all_gather, _count, _reduce_scatter
+from .paro_layout import Bucket
+from .paro_strategy import Level
+
+__all__ = ["LevelCollectives"]
+
+
+class LevelCollectives:
+    """Level-transition collectives (mixin; see the module docstring)."""
+
+    def _scope(self, scope: str) -> Tuple[Any, int]:
+        """(process group, its size) of the 'intra' or 'inter' scope."""
+        return (self.intra_group, self.m) if scope == "intra" else (self.inter_group, self.g)
+
+    def _ag(self, out: torch.Tensor, inp: torch.Tensor, scope: str) -> None:
+        """All-gather at 'intra' / 'inter' scope ('inter' works on the 1/m slice), counted."""
+        group, k = self._scope(scope)
+        if k == 1:
+            out.copy_(inp)
+            return
+        _all_gather(out, inp.contiguous(), group)
+        _count(self.counter, scope, "all_gather", out.numel(), out, k)
+
+    def _rs(self, out: torch.Tensor, inp: torch.Tensor, scope: str, b: Bucket) -> None:
+        """Reduce-scatter of bucket ``b``'s gradients at 'intra' / 'inter' scope (SUM), counted;
+        the runtime's one-hop quantized path with --quantized-gradients (from its start
+        iteration on)."""
+        group, k = self._scope(scope)
+        if k == 1:
+            out.copy_(inp)
+            return
+        if self._quantize_gradients_now():
+            self._quantized_rs(out, inp, scope, b)
+            return
+        _reduce_scatter(out, inp.contiguous(), group, dist.ReduceOp.SUM)
+        _count(self.counter, scope, "reduce_scatter", inp.numel(), inp, k)
+
+    def _ar(self, t: torch.Tensor, scope: str) -> None:
+        group, k = self._scope(scope)
+        if k == 1:
+            return
+        dist.all_reduce(t, group=group)
+        _count(self.counter, scope, "all_reduce", t.numel(), t, k)
+
+    # -- quantized (SDP4Bit) versions: the runtime's collectives, on this engine's buckets
+    @staticmethod
+    def _bucket_key(b: Bucket) -> str:
+        return f"paro/bucket{b.index}"
+
+    def _quantize_gradients_now(self) -> bool:
+        return self.quant_runtime is not None and self.quant_runtime.quantize_gradients_now
+
+    def _count_quantized(self, kind: str, scope: str, op: str, numel: int, ranks: int,
+                         before: Dict[str, float]) -> None:
+        """Add what the runtime's accounting measured for one call to the cost-model counter."""
+        after = self._quantized_link_bytes(kind)
+        for link in ("intra", "inter"):
+            self.counter.bytes[link] += after[link] - before[link]
+        self.counter.calls.append((scope, op, numel, ranks))
+
+    def _quantized_link_bytes(self, kind: str) -> Dict[str, float]:
+        rep = self.quant_runtime.accounting.totals().get(kind) or {}
+        return {link: float(rep[link]["bytes"]) if link in rep else 0.0
+                for link in ("intra", "inter")}
+
+    def _quantized_rs(self, out: torch.Tensor, inp: torch.Tensor, scope: str, b: Bucket) -> None:
+        """Quantized SUM reduce-scatter of bucket ``b`` at ``scope`` (TLq / TLq-HS, LoCo; the
+        runtime's :meth:`~.runtime.QuantizationRuntime.reduce_scatter`), bytes from its accounting.
+
+        For 'global' the local-major buffer is first permuted into DP-rank order (chunk of rank
+        k*m + l = our chunk (l, k)): one local copy, the layout the runtime expects.
+
+        A NaN / Inf in any rank's input is noted on the device (the payload moves anyway, a
+        poisoned quantization group arrives as NaN); :meth:`ParoOptimizer.prepare_grads` agrees
+        on it once per step, so every rank skips the step together.
+        """
+        rt = self.quant_runtime
+        x = inp.reshape(-1)
+        if scope == "global":
+            x = x.view(self.m, self.g, -1).transpose(0, 1).contiguous().view(-1)
+        before = self._quantized_link_bytes("grad")
+        rt.reduce_scatter(x.contiguous(), out, key=self._bucket_key(b), index=b.index, scope=scope)
+        self._count_quantized("grad", scope, "quantized_reduce_scatter", x.numel(),
+                              rt.scope_groups(scope).dp_size, before)
+
+    def _global_rs(self, full: torch.Tensor, b: Bucket) -> torch.Tensor:
+        """PaRO-CC reduce-scatter of bucket ``b``'s full buffer to this rank's G shard (intra RS,
+        inter RS; quantized: the runtime's two-level TLq in one call)."""
+        if self._quantize_gradients_now():
+            g_shard = torch.empty(full.numel() // self.n, dtype=full.dtype, device=full.device)
+            self._quantized_rs(g_shard, full, "global", b)
+            return g_shard
+        i_slice = torch.empty(full.numel() // self.m, dtype=full.dtype, device=full.device)
+        self._rs(i_slice, full, "intra", b)
+        g_shard = torch.empty(full.numel() // self.n, dtype=full.dtype, device=full.device)
+        self._rs(g_shard, i_slice, "inter", b)
+        return g_shard
+
+    def _global_ag(self, full: torch.Tensor, g_shard: torch.Tensor) -> None:
+        """PaRO-CC all-gather of G shards into the full buffer (inter AG, intra AG)."""
+        i_slice = torch.empty(full.numel() // self.m, dtype=full.dtype, device=full.device)
+        self._ag(i_slice, g_shard, "inter")
+        self._ag(full, i_slice, "intra")
+
+    # ------------------------------------------------------------------ level transitions
+    def _reduce_to(self, src: torch.Tensor, frm: Level, to: Level) -> torch.Tensor:
+        """Reduce-scatter a shard-space tensor at level ``frm`` to level ``to``, bucket by bucket
+        (N -> I: intra RS; I -> G: inter RS; N -> G: PaRO-CC global RS)."""
+        kf, kt = self.level_ranks(frm), self.level_ranks(to)
+        out = torch.empty(src.numel() * kf // kt, dtype=src.dtype, device=src.device)
+        for b in self.buckets:
+            x = b.shard(src, kf)
+            y = b.shard(out, kt)
+            if (frm, to) == (Level.N, Level.G):
+                y.copy_(self._global_rs(x, b))
+            else:
+                self._rs(y, x, "intra" if frm == Level.N else "inter", b)
+        return out
+
+    def _gather_to(self, dst: torch.Tensor, src: torch.Tensor, frm: Level, to: Level) -> None:
+        """All-gather a shard-space tensor at level ``frm`` into ``dst`` at level ``to``, bucket by
+        bucket (G -> I: inter AG; I -> N: intra AG; G -> N: PaRO-CC global AG)."""
+        kf, kt = self.level_ranks(frm), self.level_ranks(to)
+        for b in self.buckets:
+            x = b.shard(src, kf)
+            y = b.shard(dst, kt)
+            if (frm, to) == (Level.G, Level.N):
+                self._global_ag(y, x)
+            else:
+                self._ag(y, x, "inter" if frm == Level.G else "intra")

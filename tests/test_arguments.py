@@ -137,6 +137,8 @@ def test_bad_combinations_fail_clearly(extra: List[str], message: str, capsys) -
     (["--weight-quantization-mode", "direct"], "--weight-quantization-mode",
      "--quantized-weights"),
     (["--no-stochastic-rounding"], "--no-stochastic-rounding", "--quantized-weights or "),
+    (["--quantization-error-interval", "5"], "--quantization-error-interval",
+     "--quantized-weights or "),
     # Given explicitly counts, even with the default value (the user meant to configure it).
     (["--wq-group-size", "2048"], "--wq-group-size", "--quantized-weights"),
     (["--hadamard-transform", "--gq-group-size-inter", "64"],
@@ -160,6 +162,7 @@ def test_sub_flag_without_its_switch_is_refused(extra: List[str], flags: str, sw
     ["--quantized-weights", "--weight-quantization-mode", "direct", "--weight-quantization-bits",
      "8", "--wq-group-size", "1024", "--no-stochastic-rounding"],
     ["--data-parallel-intra-node-size", "1", "--grad-accum-dtype", "fp32"],  # no switch needed
+    ["--quantized-weights", "--quantization-error-interval", "10"],
 ])
 def test_sub_flags_with_their_switch_are_accepted(extra: List[str]) -> None:
     a = parse_args(BASE + ["--use-distributed-optimizer"] + extra)
@@ -362,3 +365,23 @@ def test_megatron_gradient_reduction_knobs_resolve_in_one_place() -> None:
     q = parse_args(base + ["--grad-reduce-in-bf16", "--quantized-gradients",
                            "--data-parallel-intra-node-size", "1"])
     assert q.quant_config.grad_accum_dtype == "bf16"
+
+
+def test_risky_settings_warn_with_the_measured_reason(capsys) -> None:
+    """2-bit codes are outside what the error study found safe: the config names the flag and the
+    measurement (the trainer prints these at startup); SDP4Bit's defaults warn about nothing."""
+    sdp = parse_args(BASE + ["--use-distributed-optimizer", "--quantized-weights",
+                             "--quantized-gradients"]).quant_config
+    assert sdp.fidelity_warnings() == []
+    risky = parse_args(BASE + ["--use-distributed-optimizer", "--quantized-weights",
+                               "--weight-quantization-bits", "2", "--quantized-grad-bits", "2"]
+                       ).quant_config
+    warnings = risky.fidelity_warnings()
+    assert len(warnings) == 2
+    assert warnings[0].startswith("--gradient-quantization-bits-inter 2:") and "cosine" in warnings[0]
+    assert warnings[1].startswith("--weight-quantization-bits 2:")
+    assert all("--quantization-error-interval" in w for w in warnings)
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--use-distributed-optimizer", "--quantized-weights",
+                           "--quantization-error-interval", "-1"])
+    assert "--quantization-error-interval must be >= 0, got -1" in capsys.readouterr().err

@@ -358,8 +358,8 @@ def _fmt_log_line(iteration: int, args, consumed: int, ms_per_iter: float, lr: f
         parts.append(f"throughput per GPU (TFLOP/s/GPU): "
                      f"{tflops_per_gpu(args, ms_per_iter / 1000.0):.3f}")
         parts.append(f"throughput (tokens/s): {tokens_per_s:.1f}")
-    for k, v in comm.items():
-        parts.append(f"{k}: {v:.3f}")
+    for k, v in comm.items():  # quantization errors are small: keep their digits
+        parts.append(f"{k}: {v:.4e}" if k.startswith("quant_error_") else f"{k}: {v:.3f}")
     return " | ".join(parts) + " |"
 
 
@@ -389,6 +389,8 @@ def _pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any
 
     start_time = time.time()
     initialize_megatron(args)
+    for warning in args.quant_config.fidelity_warnings():  # settings the error study flags
+        print_rank_0(f"WARNING: {warning}")
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" \
         else torch.device("cpu")
     if forward_step_func is None:

@@ -79,6 +79,13 @@ def add_quantization_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     group.add_argument("--loco-error-bits", type=int, default=8, choices=(8, 32),
                        help="Storage precision of the error buffers (8 = int8 with per-group "
                             "scales; needs --loco).")
+    group.add_argument("--quantization-error-interval", type=int, default=0, metavar="N",
+                       help="Every N iterations also run the exact reduce-scatter beside each "
+                            "quantized one (and compare the quantized weight gather with the exact "
+                            "weights) and log the relative error and cosine (quant_error_* in the "
+                            "log line, tensorboard and jsonl); those iterations run without "
+                            "communication overlap. 0 = off. Needs --quantized-weights or "
+                            "--quantized-gradients.")
     group.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"), default=None,
                        help="dtype micro-batch gradients accumulate in, independent of the wire "
                             "format (default: megatron-core's, fp32 for --bf16).")
@@ -118,6 +125,7 @@ REQUIRES: Dict[str, Tuple[str, str]] = {
     "loco_reset_interval": ("--loco-reset-interval", "loco"),
     "loco_error_bits": ("--loco-error-bits", "loco"),
     "stochastic_rounding": ("--no-stochastic-rounding", "any"),
+    "quantization_error_interval": ("--quantization-error-interval", "any"),
 }
 """Sub-flag dest -> (its option string, the switch in :data:`SWITCHES` it only acts under).
 ``--data-parallel-intra-node-size`` and ``--grad-accum-dtype`` are not here: they describe the

@@ -313,8 +313,10 @@ def communication_report(model_chunks: List[torch.nn.Module], reset: bool = True
     ``{kind}_bits_per_model_element`` (bytes on all links per bucket element), ``{kind}_calls``,
     ``nonfinite_events`` (quantized collectives that met NaN/Inf in the interval),
     ``comm_{grad_intra|grad_inter|grad_exposed|weight|weight_exposed}_ms`` (per iteration: time
-    the collectives took vs time the training thread waited for them, streams.CommTiming), with
-    LoCo ``loco_error_bytes_per_param`` (error-buffer memory on this rank per local parameter),
+    the collectives took vs time the training thread waited for them, streams.CommTiming),
+    ``quant_error_{grad|weight}_{rel|cos}`` (``--quantization-error-interval``: relative L2 error
+    and cosine of the monitored quantized results vs the exact ones, this rank's shards, in
+    intervals that held a monitored iteration), with LoCo ``loco_error_bytes_per_param`` (error-buffer memory on this rank per local parameter),
     and for PaRO-engine chunks ``paro_{intra|inter}_bytes`` (every byte the engine sent on each
     link, quantized or not, in the cost model's convention: comparable with its report).
     """
@@ -340,6 +342,8 @@ def _runtime_report(rts: List[Any], model_chunks: List[torch.nn.Module], reset: 
         nonfinite += rt.nonfinite_events if totals else rt.nonfinite_events_interval
         if not totals:  # total vs exposed communication ms per iteration (one runtime per model)
             merged.update(rt.timing.interval_report(reset=reset))
+            # --quantization-error-interval: quantized vs exact over the interval's samples
+            merged.update(rt.errors.report(reset=reset))
         if reset and not totals:
             rt.accounting.reset_interval()
             rt.nonfinite_events_interval = 0

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from .accounting import CommAccounting
-from .collectives import PendingCollective, quantized_all_gather, two_level_reduce_scatter
+from .collectives import (PendingCollective, quantized_all_gather, reduce_scatter_flat,
+                          two_level_reduce_scatter)
 from .config import QuantizationConfig
 from .loco import LoCoErrorFeedback
 from .streams import CommStreams, CommTiming
@@ -31,7 +32,7 @@ from .topology import TwoLevelGroups, build_two_level_groups_for_all
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QuantizationRuntime", "build_runtime", "SCOPES"]
+__all__ = ["QuantizationRuntime", "QuantizationErrorMonitor", "build_runtime", "SCOPES"]
 
 SCOPES = ("global", "intra", "inter")
 """Where a collective runs: the whole DP group (two hops), the node, or across nodes."""
@@ -42,6 +43,38 @@ SCOPES = ("global", "intra", "inter")
 _SEED_RANK_STRIDE = 1_000_003
 _SEED_BUCKET_STRIDE = 7_919
 _SEED_WEIGHT_OFFSET = 104_729
+
+
+class QuantizationErrorMonitor:
+    """Quantized vs exact results of the monitored collectives, summed over an interval.
+
+    Per kind ('grad': reduce-scatter outputs, 'weight': this rank's reconstructed weight shard):
+    ``sum |q - e|^2``, ``sum |e|^2``, ``sum <q, e>``, ``sum |q|^2`` in fp64, so the report is the
+    relative L2 error and cosine over every buffer of the interval (this rank's shards)."""
+
+    KINDS = ("grad", "weight")
+
+    def __init__(self) -> None:
+        self._sums = {k: torch.zeros(4, dtype=torch.float64) for k in self.KINDS}
+
+    def add(self, kind: str, quantized: torch.Tensor, exact: torch.Tensor) -> None:
+        q = quantized.detach().reshape(-1).to(torch.float64).cpu()
+        e = exact.detach().reshape(-1).to(torch.float64).cpu()
+        self._sums[kind] += torch.stack([(q - e).square().sum(), e.square().sum(),
+                                         (q * e).sum(), q.square().sum()])
+
+    def report(self, reset: bool = True) -> Dict[str, float]:
+        """``quant_error_{kind}_rel`` and ``quant_error_{kind}_cos`` for each kind measured since
+        the last reset (nothing for a kind that was not)."""
+        out: Dict[str, float] = {}
+        for kind, (err, ref, dot, qq) in ((k, v.tolist()) for k, v in self._sums.items()):
+            if ref > 0 or qq > 0:
+                out[f"quant_error_{kind}_rel"] = (err / ref) ** 0.5 if ref > 0 else float("inf")
+                out[f"quant_error_{kind}_cos"] = dot / (ref * qq) ** 0.5 if ref * qq > 0 else 0.0
+        if reset:
+            for v in self._sums.values():
+                v.zero_()
+        return out
 
 
 class QuantizationRuntime:
@@ -75,6 +108,9 @@ class QuantizationRuntime:
         self.nonfinite_events_interval = 0
         self.timing = CommTiming(CommStreams("inline"))
         """Total vs exposed communication time per iteration (the log line's ``comm_*_ms``)."""
+        self.errors = QuantizationErrorMonitor()
+        """``--quantization-error-interval``: quantized vs exact, per interval (the log line's
+        ``quant_error_*``)."""
 
     # -- where the collectives run ---------------------------------------------------------
     def overlap_streams(self, device: torch.device) -> CommStreams:
@@ -94,6 +130,13 @@ class QuantizationRuntime:
         """Quantized reduce-scatter this iteration (else the caller's exact one)."""
         c = self.config
         return c.quantized_gradients and self.iteration >= c.gradients_quantization_start_iteration
+
+    @property
+    def monitor_now(self) -> bool:
+        """This iteration measures the quantization error (``--quantization-error-interval``):
+        its collectives run inline, the exact ones beside them on the same groups."""
+        n = self.config.quantization_error_interval
+        return n > 0 and self.iteration % n == 0
 
     @property
     def quantize_weights(self) -> bool:
@@ -153,7 +196,11 @@ class QuantizationRuntime:
         ef = None
         if self.loco is not None:
             ef = self.loco.bucket(key if scope == "global" else f"{scope}/{key}")
-        return two_level_reduce_scatter(
+        exact = None
+        if self.monitor_now:  # before the call: ``output`` may alias a shard of ``input``
+            exact = self._exact_reduce_scatter(input, scope)
+            streams = self.timing.inline  # no stage may use the groups while the exact one runs
+        handle = two_level_reduce_scatter(
             input, output, self.scope_groups(scope),
             bits_intra=cfg.gradient_quantization_bits_intra,
             group_size_intra=cfg.gq_group_size_intra,
@@ -164,6 +211,20 @@ class QuantizationRuntime:
             accounting=self.accounting, error_feedback=ef, async_op=streams is not None,
             nonfinite_flag=self.nonfinite_flag(input.device),
             pipeline=cfg.gradient_alltoall_pipeline, streams=streams)
+        if exact is not None:
+            self.errors.add("grad", output, exact)
+        return handle
+
+    def _exact_reduce_scatter(self, input: torch.Tensor, scope: str) -> torch.Tensor:  # noqa: A002
+        """fp32 SUM reduce-scatter of ``input`` over ``scope``'s group (the monitor's reference;
+        the DP-rank layout the quantized one writes)."""
+        g = self.scope_groups(scope)
+        x = input.detach().reshape(-1).to(torch.float32, copy=True)
+        if g.dp_size == 1:
+            return x
+        out = torch.empty(x.numel() // g.dp_size, dtype=torch.float32, device=x.device)
+        reduce_scatter_flat(out, x, g.dp_group)
+        return out
 
     def all_gather(self, shard: torch.Tensor, output: torch.Tensor, *, key: str, index: int,
                    reference: Optional[torch.Tensor] = None, scope: str = "global",
@@ -178,10 +239,15 @@ class QuantizationRuntime:
         forwarded hop by hop. With ``streams`` (overlap) a handle is returned."""
         cfg = self.config
         kwargs: Dict[str, Any] = {}
+        monitor = self.monitor_now
+        if monitor:
+            streams = self.timing.inline  # so the reconstruction can be read right after
+            exact = shard.detach().to(output.dtype).to(torch.float64).reshape(-1)
         if hops is None:
             g = self.scope_groups(scope)
             group: Any = g.dp_group
             kwargs["link_of_peer"] = g.link_of_peer
+            position = g.dp_rank
         else:
             parts = [(self.scope_groups(h).dp_group, h) for h in hops]
             parts = [(grp, h) for grp, h in parts if grp is not None]
@@ -190,13 +256,22 @@ class QuantizationRuntime:
             if not group:  # every hop has one rank: the shard is the buffer
                 output.copy_(shard.to(output.dtype).view(output.shape))
                 return None
-        return quantized_all_gather(
+            position, stride = 0, 1  # the first hop's pieces are innermost
+            for h in hops:
+                sg = self.scope_groups(h)
+                position += sg.dp_rank * stride
+                stride *= sg.dp_size
+        handle = quantized_all_gather(
             shard, reference if self.weights_as_difference else None, output, group,
             mode=cfg.weight_quantization_mode, bits=cfg.weight_quantization_bits,
             group_size=cfg.wq_group_size, generator=self.weight_generator(key, index),
             stochastic=cfg.stochastic_rounding, accounting=self.accounting,
             nonfinite_flag=self.nonfinite_flag(shard.device),
             async_op=streams is not None, streams=streams, **kwargs)
+        if monitor:
+            n = exact.numel()
+            self.errors.add("weight", output.reshape(-1)[position * n:(position + 1) * n], exact)
+        return handle
 
     # -- qWD reference shards -----------------------------------------------------------------
     def note_weights_updated(self, key: str, shard: torch.Tensor) -> None:

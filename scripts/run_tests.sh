@@ -6,4 +6,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/ensure_deps.sh
-exec python3 -m pytest -q -p no:cacheprovider tests "$@"
+exec python3 -m pytest -q -p no:cacheprovider --durations=15 tests "$@"

@@ -17,11 +17,12 @@ from .loco import LOCO_ERROR_BITS  # the one definition (the error buffers' stor
 __all__ = ["QuantizationConfig", "SUPPORTED_BITS", "FIDELITY_NOTES"]
 
 FIDELITY_NOTES = {
-    "grad_2bit": ("2-bit gradient codes are outside what was found safe: on the quickstart GPT "
-                  "(2 nodes x 2, docs/results.md) 2-bit inter-node gradients measured a relative "
-                  "gradient error of 0.93-1.02 (cosine 0.71-0.73) against 0.17 (0.986) at 4 bits, "
-                  "and raised the tiny GPT's loss by 23% within 30 iterations; use 4 bits "
-                  "(SDP4Bit's setting), or watch --quantization-error-interval"),
+    "grad_2bit": ("2-bit gradient codes are outside what was found safe: the M x D error study "
+                  "(docs/results.md) measured 38-113% relative error of the 2-bit inter-node "
+                  "reduce-scatter against 5.5-17% at 4 bits (M = 2..16 nodes), a real 2 x 2 run "
+                  "logged a gradient cosine of 0.71-0.73 (0.986 at 4 bits), and the tiny GPT's "
+                  "loss rose 23% within 30 iterations; use 4 bits (SDP4Bit's setting), or watch "
+                  "--quantization-error-interval"),
     "weight_2bit": ("2-bit weight codes are outside what was found safe (qW/qWD were studied at 4 "
                     "bits and above, docs/results.md); use 4 bits, or watch "
                     "--quantization-error-interval"),

@@ -145,6 +145,16 @@ def update_results_md(path: Path, block: str) -> None:
     path.write_text(text)
 
 
+def _save(fig: Any, path: Path) -> str:
+    """Lay out, write (PNG, 110 dpi) and close one figure; returns its path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
 def plots(res: Dict[str, Any], img: Path) -> List[str]:
     """Error vs M per D, bits / group sizes at the largest D, and the series; PNG paths."""
     import matplotlib
@@ -164,10 +174,7 @@ def plots(res: Dict[str, Any], img: Path) -> List[str]:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("relative L2 error vs exact mean")
     axes[0].legend()
-    fig.tight_layout()
-    out.append(str(img / "quant_error_vs_nodes.png"))
-    fig.savefig(out[-1], dpi=110)
-    plt.close(fig)
+    out.append(_save(fig, img / "quant_error_vs_nodes.png"))
 
     dmax = max(ds)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -179,10 +186,7 @@ def plots(res: Dict[str, Any], img: Path) -> List[str]:
     ax.set_xticks(ms, [str(m) for m in ms])
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.append(str(img / "quant_error_bits_groups.png"))
-    fig.savefig(out[-1], dpi=110)
-    plt.close(fig)
+    out.append(_save(fig, img / "quant_error_bits_groups.png"))
 
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 3.8))
     series: Dict[Tuple[str, str, int, int], List[Dict[str, Any]]] = defaultdict(list)
@@ -202,10 +206,7 @@ def plots(res: Dict[str, Any], img: Path) -> List[str]:
     for a in (a1, a2, a3):
         a.grid(True, which="both", alpha=0.3)
         a.legend(fontsize=6)
-    fig.tight_layout()
-    out.append(str(img / "quant_error_series.png"))
-    fig.savefig(out[-1], dpi=110)
-    plt.close(fig)
+    out.append(_save(fig, img / "quant_error_series.png"))
     return out
 
 

@@ -180,6 +180,17 @@ class CommAccounting:
         }
         return out
 
+    def link_bytes(self, kind: str) -> Dict[str, int]:
+        """Bytes sent on each link by ``kind`` collectives over the whole run (no report built:
+        cheap enough to read around every call, as the PaRO engine's cost-model counter does)."""
+        _check_kind(kind)
+        out = dict.fromkeys(_LINKS, 0)
+        for st in self._total.values():
+            if st.kind == kind:
+                for link in _LINKS:
+                    out[link] += st.links[link].bytes
+        return out
+
     def interval_report(self) -> Dict[str, dict]:
         """Counters since the last :meth:`reset_interval`, aggregated per kind ('grad', 'weight')
         and per link ('intra', 'inter', 'total'), plus a per-collective breakdown."""

@@ -451,6 +451,18 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
 # weight all-gather (qWD / qW)
 # ------------------------------------------------------------------------------------------------
 
+def gather_layout(hops: Sequence[Any]) -> Tuple[List[int], int]:
+    """(size of each hop's group, position of this rank's shard in the gathered output) of an
+    all-gather whose codes are forwarded over ``hops`` in order: the first hop's pieces are
+    innermost, so the position is the sum of rank_h * prod(sizes before h)."""
+    sizes = [dist.get_world_size(g) for g in hops]
+    me, stride = 0, 1
+    for g, k in zip(hops, sizes):
+        me += dist.get_rank(g) * stride
+        stride *= k
+    return sizes, me
+
+
 def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Tensor],
                          output: torch.Tensor, group, *, mode: str = "diff", bits: int,
                          group_size: int, generator: Optional[torch.Generator] = None,
@@ -491,12 +503,8 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
     hops = list(group) if isinstance(group, (list, tuple)) else [group]
     if hop_links is not None and len(hop_links) != len(hops):
         raise ValueError(f"{len(hop_links)} hop_links for {len(hops)} hops")
-    sizes = [dist.get_world_size(g) for g in hops]
+    sizes, me = gather_layout(hops)
     world = math.prod(sizes)
-    me, stride = 0, 1
-    for g, k in zip(hops, sizes):
-        me += dist.get_rank(g) * stride
-        stride *= k
     s = shard.numel()
     if output.numel() != s * world:
         raise ValueError(f"output has {output.numel()} elements; expected {world} x shard {s}")

@@ -406,7 +406,7 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
             for b in self.buckets:
                 src = b.shard(os_params, ko)
                 target = b.shard(target_all, kp)
-                before = self._quantized_link_bytes("weight")
+                before = rt.accounting.link_bytes("weight")
                 rt.all_gather(src, target, key=self._bucket_key(b), index=b.index,
                               reference=target, hops=hops)
                 self._count_quantized("weight", "+".join(hops), "quantized_all_gather",

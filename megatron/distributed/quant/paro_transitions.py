@@ -69,17 +69,13 @@ class LevelCollectives:
         return self.quant_runtime is not None and self.quant_runtime.quantize_gradients_now
 
     def _count_quantized(self, kind: str, scope: str, op: str, numel: int, ranks: int,
-                         before: Dict[str, float]) -> None:
-        """Add what the runtime's accounting measured for one call to the cost-model counter."""
-        after = self._quantized_link_bytes(kind)
+                         before: Dict[str, int]) -> None:
+        """Add what the runtime's accounting measured for one call (its link bytes now minus
+        ``before``) to the cost-model counter."""
+        after = self.quant_runtime.accounting.link_bytes(kind)
         for link in ("intra", "inter"):
-            self.counter.bytes[link] += after[link] - before[link]
+            self.counter.bytes[link] += float(after[link] - before[link])
         self.counter.calls.append((scope, op, numel, ranks))
-
-    def _quantized_link_bytes(self, kind: str) -> Dict[str, float]:
-        rep = self.quant_runtime.accounting.totals().get(kind) or {}
-        return {link: float(rep[link]["bytes"]) if link in rep else 0.0
-                for link in ("intra", "inter")}
 
     def _quantized_rs(self, out: torch.Tensor, inp: torch.Tensor, scope: str, b: Bucket) -> None:
         """Quantized SUM reduce-scatter of bucket ``b`` at ``scope`` (TLq / TLq-HS, LoCo; the
@@ -96,7 +92,7 @@ class LevelCollectives:
         x = inp.reshape(-1)
         if scope == "global":
             x = x.view(self.m, self.g, -1).transpose(0, 1).contiguous().view(-1)
-        before = self._quantized_link_bytes("grad")
+        before = rt.accounting.link_bytes("grad")
         rt.reduce_scatter(x.contiguous(), out, key=self._bucket_key(b), index=b.index, scope=scope)
         self._count_quantized("grad", scope, "quantized_reduce_scatter", x.numel(),
                               rt.scope_groups(scope).dp_size, before)

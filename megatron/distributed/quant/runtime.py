@@ -23,8 +23,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from .accounting import CommAccounting
-from .collectives import (PendingCollective, quantized_all_gather, reduce_scatter_flat,
-                          two_level_reduce_scatter)
+from .collectives import (PendingCollective, gather_layout, quantized_all_gather,
+                          reduce_scatter_flat, two_level_reduce_scatter)
 from .config import QuantizationConfig
 from .loco import LoCoErrorFeedback
 from .streams import CommStreams, CommTiming
@@ -247,7 +247,6 @@ class QuantizationRuntime:
             g = self.scope_groups(scope)
             group: Any = g.dp_group
             kwargs["link_of_peer"] = g.link_of_peer
-            position = g.dp_rank
         else:
             parts = [(self.scope_groups(h).dp_group, h) for h in hops]
             parts = [(grp, h) for grp, h in parts if grp is not None]
@@ -256,11 +255,6 @@ class QuantizationRuntime:
             if not group:  # every hop has one rank: the shard is the buffer
                 output.copy_(shard.to(output.dtype).view(output.shape))
                 return None
-            position, stride = 0, 1  # the first hop's pieces are innermost
-            for h in hops:
-                sg = self.scope_groups(h)
-                position += sg.dp_rank * stride
-                stride *= sg.dp_size
         handle = quantized_all_gather(
             shard, reference if self.weights_as_difference else None, output, group,
             mode=cfg.weight_quantization_mode, bits=cfg.weight_quantization_bits,
@@ -268,8 +262,9 @@ class QuantizationRuntime:
             stochastic=cfg.stochastic_rounding, accounting=self.accounting,
             nonfinite_flag=self.nonfinite_flag(shard.device),
             async_op=streams is not None, streams=streams, **kwargs)
-        if monitor:
+        if monitor:  # this rank's shard of the reconstruction, where the gather put it
             n = exact.numel()
+            _, position = gather_layout(group if isinstance(group, list) else [group])
             self.errors.add("weight", output.reshape(-1)[position * n:(position + 1) * n], exact)
         return handle
 

@@ -100,6 +100,8 @@ def test_quantization_config_built_from_args() -> None:
     (["--bf16", "--fp16"], "mutually exclusive"),
     (["--global-batch-size", "5"], "must be divisible by --micro-batch-size"),
     (["--overlap-param-gather", "--overlap-grad-reduce"], "needs --use-distributed-optimizer"),
+    (["--overlap-param-gather-with-optimizer-step", "--use-distributed-optimizer"],
+     "--overlap-param-gather-with-optimizer-step needs --overlap-param-gather"),
     (["--loco", "--use-distributed-optimizer"],
      "--loco acts only with --quantized-gradients (or --quantized-grad-bits N)"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "only one of"),

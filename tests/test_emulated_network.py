@@ -461,7 +461,9 @@ def test_baseline_bf16_args(emu):
     assert script[1:] == ["--rs-algo", "ring", "--rs-async", "thread"]  # default: the ring
     assert flags[:len(base) - 1] == base[1:]  # same model and schedule as the baseline
     assert flags[len(base) - 1:] == ["--grad-reduce-in-bf16", "--overlap-grad-reduce",
-                                     "--overlap-param-gather", "--ddp-bucket-size", "4000000"]
+                                     "--overlap-param-gather",
+                                     "--overlap-param-gather-with-optimizer-step",
+                                     "--ddp-bucket-size", "4000000"]
     assert emu.DEFAULT_BUCKET_SIZE == 4_000_000 and emu.DEFAULT_BF16_RS_ALGO == "ring"
     b = emu.train_args(m, "baseline-bf16", 8, "/tmp/x.jsonl", dp_size=4, bucket_size=123,
                        bf16_rs_algo="a2a", pipeline=7)
@@ -481,7 +483,8 @@ def test_sdp4bit_overlap_and_limit_args(emu):
     q = emu.train_args(m, "sdp4bit", 8, "/tmp/x.jsonl", dp_size=4)
     o = emu.train_args(m, "sdp4bit-overlap", 8, "/tmp/x.jsonl", dp_size=4)
     assert o[:len(q)] == q  # SDP4BIT_FLAGS as in sdp4bit, then the overlap flags
-    assert o[len(q):] == ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size",
+    assert o[len(q):] == ["--overlap-grad-reduce", "--overlap-param-gather",
+                          "--overlap-param-gather-with-optimizer-step", "--ddp-bucket-size",
                           "4000000", "--gradient-alltoall-pipeline", "2"]
     assert o[0].endswith("/pretrain_gpt.py")
     for kw in ({}, {"bucket_size": 1000, "pipeline": 4}, {"pipeline": 1, "bf16_rs_algo": "a2a"}):
@@ -505,6 +508,7 @@ def test_new_variant_flags_are_known_to_the_trainer(emu):
         _, rest = la.parse_launcher_args(a[1:])
         ns = arguments.parse_args(rest)
         assert ns.overlap_grad_reduce and ns.overlap_param_gather and ns.ddp_bucket_size == 5000
+        assert ns.overlap_param_gather_with_optimizer_step
         if v == "baseline-bf16":
             assert ns.grad_reduce_in_bf16 and not ns.quantized_gradients
         else:

@@ -54,8 +54,10 @@ def run_distributed(fn: Callable[[int, int], Dict[str, Any]], world: int) -> Lis
 
 def build(qkw: Optional[Dict[str, Any]] = None, ddpkw: Optional[Dict[str, Any]] = None,
           *, plain: bool = False, clip_grad: float = 0.0, bf16: bool = True,
-          grad_reduce_in_fp32: bool = True, num_layers: int = 2, hidden: int = 32):
-    """Tiny bf16 GPTModel -> DDP (via integration unless ``plain``) -> distributed optimizer."""
+          grad_reduce_in_fp32: bool = True, num_layers: int = 2, hidden: int = 32,
+          optkw: Optional[Dict[str, Any]] = None):
+    """Tiny bf16 GPTModel -> DDP (via integration unless ``plain``) -> distributed optimizer
+    (``optkw``: OptimizerConfig overrides)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -84,9 +86,11 @@ def build(qkw: Optional[Dict[str, Any]] = None, ddpkw: Optional[Dict[str, Any]] 
     else:
         chunks = integration.wrap_model_with_ddp(cfg, ddpc, [model], qc)
     optc = OptimizerConfig(optimizer="adam", lr=3e-3, bf16=bf16, use_distributed_optimizer=True,
-                           clip_grad=clip_grad)
-    opt = get_megatron_optimizer(optc, chunks)
-    integration.on_optimizer_built(opt, chunks, qc)
+                           clip_grad=clip_grad, **(optkw or {}))
+    if plain:
+        opt = get_megatron_optimizer(optc, chunks)
+    else:
+        opt = integration.build_optimizer(optc, chunks, qc)
     return chunks, opt, qc
 
 
@@ -119,8 +123,10 @@ class _null:
 
 
 def train(chunks, opt, rank: int, steps: int, *, start: int = 0,
-          on_grads: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
-    """``steps`` optimizer steps the way Megatron's train_step drives megatron-core."""
+          on_grads: Optional[Callable[[int], None]] = None,
+          on_step: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
+    """``steps`` optimizer steps the way Megatron's train_step drives megatron-core
+    (``on_grads`` / ``on_step``: called after the gradient sync / the optimizer step)."""
     from megatron.distributed.quant import integration
 
     ddp = chunks[0]
@@ -135,6 +141,8 @@ def train(chunks, opt, rank: int, steps: int, *, start: int = 0,
         ddp.finish_grad_sync()
         ok, _, _ = opt.step()
         oks.append(bool(ok))
+        if on_step is not None:
+            on_step(it)
         if not ok:
             integration.on_step_skipped(chunks, None)
     if ddp.ddp_config.overlap_param_gather:
@@ -270,6 +278,20 @@ def scenarios_2ranks(rank: int, world: int) -> Dict[str, Any]:
     res["off_identical"] = base["losses"] == off["losses"] and torch.equal(base["params"], off["params"])
     res["off_report_empty"] = integration.communication_report(chunks) == {}
     res["off_state_empty"] = integration.quantization_state_dict(chunks) == {}
+
+    # --- flags off + --overlap-param-gather-with-optimizer-step (our dispatch after the step,
+    # one model chunk): megatron-core's exact gathers, bit-identical to its own overlap -------
+    overlap = {"overlap_grad_reduce": True, "overlap_param_gather": True, "bucket_size": 3000}
+    chunks, opt, _ = build(ddpkw=overlap, plain=True)
+    base_overlap = train(chunks, opt, rank, 3)
+    chunks, opt, _ = build({}, overlap, optkw={"overlap_param_gather_with_optimizer_step": True})
+    in_flight: List[bool] = []
+    after = train(chunks, opt, rank, 3, on_step=lambda it: in_flight.append(all(
+        g.param_gather_dispatched for g in chunks[0].bucket_groups)))
+    res["off_gather_after_step_identical"] = (base_overlap["losses"] == after["losses"] and
+                                              torch.equal(base_overlap["params"], after["params"]))
+    res["off_gather_after_step_dispatched"] = in_flight
+    res["off_gather_after_step_groups"] = len(chunks[0].bucket_groups)
 
     # --- quantized DDP before the start iteration: megatron-core's exact path ---------------
     chunks, opt, _ = build({"quantized_gradients": True,
@@ -443,6 +465,11 @@ def test_flags_off_is_plain_megatron_core(two):
         assert r["off_type_is_plain"]
         assert r["off_identical"]
         assert r["off_report_empty"] and r["off_state_empty"]
+        # --overlap-param-gather-with-optimizer-step on megatron-core's exact path: every
+        # bucket group's gather dispatched by the step, numbers unchanged
+        assert r["off_gather_after_step_identical"]
+        assert r["off_gather_after_step_groups"] >= 2
+        assert r["off_gather_after_step_dispatched"] == [True, True, True]
 
 
 def test_before_start_iteration_bit_identical_to_megatron_core(two):

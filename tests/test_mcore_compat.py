@@ -463,6 +463,49 @@ def test_optimizer_step_looks_up_prepare_grads_on_the_instance(world1) -> None:
     assert opt.step() == (False, None, None) and calls == ["orig", "extra"]
 
 
+def test_step_looks_up_step_with_ready_grads_on_the_instance(world1) -> None:
+    """``--overlap-param-gather-with-optimizer-step`` with one chunk: the dispatch runs after a
+    successful step only, once however often the wrapper is installed."""
+    ddp, opt = _build()
+    calls: List[str] = []
+    mc.wrap_step_with_ready_grads(opt, lambda: calls.append("after"))
+    mc.wrap_step_with_ready_grads(opt, lambda: calls.append("twice"))  # idempotent
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    ddp(torch.ones(2, 10)).sum().backward()
+    ddp.finish_grad_sync()
+    ok, _, _ = opt.step()
+    assert ok and calls == ["after"]
+    calls.clear()
+    opt.prepare_grads = lambda: True  # found inf: no step, no dispatch
+    assert opt.step() == (False, None, None) and calls == []
+
+
+def test_bucket_groups_are_in_reverse_forward_order_and_pre_hook_skips_dispatch(world1) -> None:
+    """What :func:`mc.dispatch_param_gathers_after_step` relies on: group i's
+    ``next_param_gather_bucket_group`` is group i-1 (forward order = reversed list), and
+    ``finish_param_sync`` chain-dispatches unless the chunk's
+    ``overlap_param_gather_with_optimizer_step`` attribute is set."""
+    ddp, _ = _build(optimizer=False)
+    groups = ddp.bucket_groups
+    assert len(groups) >= 2
+    assert groups[0].next_param_gather_bucket_group is None
+    for i in range(1, len(groups)):
+        assert groups[i].next_param_gather_bucket_group is groups[i - 1]
+    assert ddp.overlap_param_gather_with_optimizer_step is False
+    assert "overlap_param_gather_with_optimizer_step" in _names(ddp._make_forward_pre_hook)
+    order: List[int] = []
+    for i, g in enumerate(groups):
+        g.param_gather_dispatched = False
+        g.start_param_sync = (lambda i=i, g=g: order.append(i) or mc.set_param_gather_handle(
+            g, _Handle()))
+    mc.dispatch_param_gathers_after_step(ddp)
+    assert order == list(reversed(range(len(groups))))
+    assert ddp.overlap_param_gather_with_optimizer_step is True
+    mc.dispatch_param_gathers_after_step(ddp)  # already dispatched: nothing more
+    assert order == list(reversed(range(len(groups))))
+
+
 def test_precision_aware_optimizer_flag_and_chained_optimizers(world1) -> None:
     from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig
 

@@ -46,6 +46,10 @@ MANY_BUCKETS = {
     # reduce-scatter beside the quantized one; the numbers must not move.
     "both_overlaps_monitor2": ({"overlap_grad_reduce": True, "overlap_param_gather": True,
                                 "bucket_size": 3000}, 1, {"quantization_error_interval": 2}),
+    # --overlap-param-gather-with-optimizer-step: every gather starts right after the step
+    "both_overlaps_gather_after_step": ({"overlap_grad_reduce": True, "overlap_param_gather": True,
+                                         "bucket_size": 3000}, 1, {},
+                                        {"overlap_param_gather_with_optimizer_step": True}),
 }
 
 
@@ -58,10 +62,15 @@ def _scenarios(rank: int, world: int) -> Dict[str, Any]:
         for layout, variants in (("one", ONE_BUCKET), ("many", MANY_BUCKETS)):
             for name, (ddpkw, k, *extra) in variants.items():
                 chunks, opt, qc = build({**qkw, "gradient_alltoall_pipeline": k,
-                                         **(extra[0] if extra else {})}, ddpkw)
-                out = train(chunks, opt, rank, STEPS)
+                                         **(extra[0] if extra else {})}, ddpkw,
+                                        optkw=extra[1] if len(extra) > 1 else None)
+                # right after each step: which bucket groups already have their gather in flight
+                in_flight: List[List[bool]] = []
+                out = train(chunks, opt, rank, STEPS, on_step=lambda it, c=chunks: in_flight.append(
+                    [g.param_gather_dispatched and g.param_gather_handle is not None
+                     for g in c[0].bucket_groups]))
                 key = f"{recipe}/{layout}/{name}"
-                res[key] = {"losses": out["losses"], "params": out["params"],
+                res[key] = {"losses": out["losses"], "params": out["params"], "in_flight": in_flight,
                             "oks": out["oks"], "same_on_ranks": same_on_all_ranks(out["params"]),
                             "errors": {k: v for k, v in integration.communication_report(
                                 chunks).items() if k.startswith("quant_error_")}}
@@ -116,3 +125,16 @@ def test_error_monitor_reports_without_changing_the_numbers(results, recipe: str
         assert 0.0 < errors["quant_error_weight_rel"] < 0.5, errors
         assert errors["quant_error_weight_cos"] > 0.9, errors
         assert res[f"{recipe}/many/both_overlaps"]["errors"] == {}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_gather_after_optimizer_step_dispatches_every_group(results, recipe: str) -> None:
+    """``--overlap-param-gather-with-optimizer-step`` (bit-identical: a variant above): after
+    every step, every bucket group's weight gather is already in flight; without the flag none
+    is (megatron-core dispatches them from the next forward's pre-hooks)."""
+    for res in results:
+        after = res[f"{recipe}/many/both_overlaps_gather_after_step"]["in_flight"]
+        assert len(after) == STEPS and len(after[0]) >= 2
+        assert all(all(step) for step in after), after
+        plain = res[f"{recipe}/many/both_overlaps"]["in_flight"]
+        assert not any(any(step) for step in plain), plain

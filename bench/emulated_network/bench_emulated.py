@@ -25,10 +25,12 @@ times back to back and reports the median over the R invocations):
 * ``baseline-bf16``   : the strongest unquantized peer: bf16 gradients (``--grad-reduce-in-bf16``),
                         an exact reduce-scatter with ring volume (``ring_volume_rs.py``; algorithm
                         ``--bf16-rs-algo``, default ring), ``--overlap-grad-reduce
-                        --overlap-param-gather --ddp-bucket-size B``;
+                        --overlap-param-gather --overlap-param-gather-with-optimizer-step
+                        --ddp-bucket-size B``;
 * ``sdp4bit``         : SDP4Bit (``SDP4BIT_FLAGS``), no overlap;
 * ``sdp4bit-overlap`` : SDP4Bit + ``--overlap-grad-reduce --overlap-param-gather
-                        --ddp-bucket-size B --gradient-alltoall-pipeline K``;
+                        --overlap-param-gather-with-optimizer-step --ddp-bucket-size B
+                        --gradient-alltoall-pipeline K``;
 * ``limit``           : exactly ``sdp4bit-overlap``, run with the tc qdiscs removed from both veth
                         ends (``setup_netns.sh unlimit``, re-applied with ``limit`` right after):
                         the physical floor of this model on this machine;
@@ -88,7 +90,9 @@ DEFAULT_PIPELINE = 2             # --gradient-alltoall-pipeline K of sdp4bit-ove
 DEFAULT_BF16_RS_ALGO = "ring"
 DEFAULT_TRAIN_VARIANTS = "baseline,baseline-bf16,sdp4bit,sdp4bit-overlap,limit"
 DEFAULT_COLLECTIVE_VARIANTS = "baseline,sdp4bit"
-OVERLAP_FLAGS = ["--overlap-grad-reduce", "--overlap-param-gather"]
+# both overlapping peers start the next forward's weight gathers right after the optimizer step
+OVERLAP_FLAGS = ["--overlap-grad-reduce", "--overlap-param-gather",
+                 "--overlap-param-gather-with-optimizer-step"]
 
 TRAIN_VARIANTS: Dict[str, List[str]] = {"baseline": [], "sdp4bit": SDP4BIT_FLAGS,
                                          "sdp4bit-torch": SDP4BIT_FLAGS,

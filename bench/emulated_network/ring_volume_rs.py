@@ -35,7 +35,8 @@ bf16 ring reduce-scatter; both algorithms only move raw bytes (``all_to_all_sing
 
 * ``False``: done on the calling thread; returns None.
 * ``True`` (``install(..., async_mode="thread")``, the default): the reduce-scatter is queued to
-  one daemon worker thread per process, which runs the queued jobs one by one in submission order
+  one worker thread per process (the product's CPU communication stage, ``streams.py``), which
+  runs the queued jobs one by one in submission order
   (every rank submits in the same order: megatron's bucket order), so it overlaps the backward
   pass. ``ring``: the worker runs the whole ring (``isend``/``irecv`` and the adds) on the
   caller's group with its own P2P tag (``RING_TAG``), which keeps its messages apart from
@@ -60,12 +61,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import queue
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron.distributed.quant.streams import CommStreams, Job
 
 ALGOS = ("a2a", "ring")
 ASYNC_MODES = ("thread", "sync")
@@ -89,56 +91,39 @@ class _DoneWork:
 
 
 class _ThreadWork:
-    """Work handle of a reduce-scatter queued to the worker thread (see module docstring)."""
+    """c10d-``Work``-like handle of a reduce-scatter queued to the worker thread: a view of the
+    product's :class:`streams.Job` with c10d's ``wait(timeout)`` signature (see module docstring)."""
 
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._exc: Optional[BaseException] = None
-
-    def _finish(self, exc: Optional[BaseException] = None) -> None:
-        self._exc = exc
-        self._done.set()
+    def __init__(self, job: Job) -> None:
+        self._job = job
 
     def wait(self, timeout=None) -> bool:
         """Block until the job is done (``timeout``: seconds or a timedelta; on expiry a
         RuntimeError, like c10d). Re-raises the job's exception. Idempotent."""
         if isinstance(timeout, _dt.timedelta):
             timeout = timeout.total_seconds()
-        if not self._done.wait(timeout):
-            raise RuntimeError(f"ring_volume_rs: reduce-scatter not done after {timeout} s")
-        if self._exc is not None:
-            raise self._exc
+        try:
+            self._job.wait(timeout)
+        except TimeoutError:
+            raise RuntimeError(f"ring_volume_rs: reduce-scatter not done after {timeout} s") from None
         return True
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._job.is_completed()
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._exc is None
+        return self._job.is_completed() and self._job.error is None
 
 
 class _Worker:
-    """One daemon thread that runs queued reduce-scatters in submission order."""
+    """One worker thread (the product's CPU communication stage, streams.py) that runs queued
+    reduce-scatters in submission order."""
 
     def __init__(self) -> None:
-        self._q: "queue.Queue[Tuple[Callable[[], None], _ThreadWork]]" = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="ring_volume_rs", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            job, work = self._q.get()
-            try:
-                job()
-            except BaseException as exc:  # handed to wait()
-                work._finish(exc)
-            else:
-                work._finish()
+        self._stage = CommStreams("thread").stage("inter")
 
     def submit(self, job: Callable[[], None]) -> _ThreadWork:
-        work = _ThreadWork()
-        self._q.put((job, work))
-        return work
+        return _ThreadWork(self._stage.submit(job))
 
 
 _WORKER: Optional[_Worker] = None

@@ -17,9 +17,11 @@
 #              baseline        megatron-core default (gloo all-reduce-based reduce-scatter, fp32 grads)
 #              baseline-bf16   strongest unquantized peer: bf16 grads, exact ring-volume reduce-scatter
 #                              (ring_volume_rs.py, BF16_RS_ALGO), --grad-reduce-in-bf16
-#                              --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size $BUCKET_SIZE
+#                              --overlap-grad-reduce --overlap-param-gather
+#                              --overlap-param-gather-with-optimizer-step --ddp-bucket-size $BUCKET_SIZE
 #              sdp4bit         SDP4Bit (8-bit intra / 4-bit inter gradients, 4-bit weights), no overlap
 #              sdp4bit-overlap SDP4Bit + --overlap-grad-reduce --overlap-param-gather
+#                              --overlap-param-gather-with-optimizer-step
 #                              --ddp-bucket-size $BUCKET_SIZE --gradient-alltoall-pipeline $PIPELINE
 #              limit           sdp4bit-overlap with the tc qdiscs REMOVED from both veth ends for its
 #                              run only (setup_netns.sh unlimit, then limit): the physical floor

@@ -149,6 +149,11 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
                    help="Overlap the gradient reduce(-scatter) with the backward pass.")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="Overlap the distributed optimizer's param all-gather with the forward pass.")
+    g.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
+                   help="Start every weight all-gather (quantized or exact) right after the "
+                        "optimizer step, in forward order, instead of each bucket group's gather "
+                        "when the previous group's forward starts (Megatron-LM's flag; here also "
+                        "without interleaved pipelining). Needs --overlap-param-gather.")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="Accumulate and reduce gradients in bf16 instead of fp32 (Megatron-LM; "
                         "needs --bf16; the same as --grad-accum-dtype bf16).")
@@ -437,6 +442,8 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
                  "--overlap-param-gather needs --use-distributed-optimizer")
         _require(args.overlap_grad_reduce,
                  "--overlap-param-gather needs --overlap-grad-reduce (as in megatron-core)")
+    _require(not args.overlap_param_gather_with_optimizer_step or args.overlap_param_gather,
+             "--overlap-param-gather-with-optimizer-step needs --overlap-param-gather")
 
     # Quantization: sub-flags need their switch (one table: quant.arguments.REQUIRES), then the
     # one place flags become a QuantizationConfig. Then the PaRO strategy: NNN / NNG on

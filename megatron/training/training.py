@@ -97,7 +97,8 @@ def build_optimizer_config(args: argparse.Namespace):
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
-        overlap_param_gather=args.overlap_param_gather)
+        overlap_param_gather=args.overlap_param_gather,
+        overlap_param_gather_with_optimizer_step=args.overlap_param_gather_with_optimizer_step)
 
 
 def config_summary(args: argparse.Namespace) -> Dict[str, Any]:

@@ -173,11 +173,37 @@ def build_optimizer(optimizer_config: Any, model_chunks: List[torch.nn.Module],
         from .paro_integration import build_engine_optimizer
 
         return build_engine_optimizer(optimizer_config, model_chunks)
+    import dataclasses
+
     from megatron.core.optimizer import get_megatron_optimizer
 
+    gather_after_step = getattr(optimizer_config, "overlap_param_gather_with_optimizer_step", False)
+    if gather_after_step:
+        # megatron-core implements it only for interleaved pipelines (its optimizer for the
+        # first chunk alone fails with one chunk): build without it, dispatch ourselves below.
+        optimizer_config = dataclasses.replace(optimizer_config,
+                                               overlap_param_gather_with_optimizer_step=False)
     optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
     on_optimizer_built(optimizer, model_chunks, quant_config)
+    if gather_after_step:
+        dispatch_param_gathers_after_step(optimizer, model_chunks)
     return optimizer
+
+
+def dispatch_param_gathers_after_step(optimizer: Any, model_chunks: List[torch.nn.Module]) -> None:
+    """``--overlap-param-gather-with-optimizer-step``: right after every successful optimizer
+    step, start all weight all-gathers of the next forward (quantized or exact), in forward
+    order, so the link carries the weights while the step ends, the log line is written and the
+    next batch loads; the forward pre-hooks only wait. A skipped step dispatches nothing (the
+    pre-hooks then gather on demand, and a quantized gather with no update sends nothing).
+    Numbers are unchanged: the same gathers run with the same per-bucket generators."""
+    from . import mcore_compat as mc
+
+    def dispatch() -> None:
+        for chunk in model_chunks:
+            mc.dispatch_param_gathers_after_step(chunk)
+
+    mc.wrap_step_with_ready_grads(optimizer, dispatch)
 
 
 def on_optimizer_built(optimizer: Any, model_chunks: List[torch.nn.Module],

@@ -57,6 +57,11 @@ Touch points (megatron-core name -- what we rely on -- who uses it):
   ``ChainedOptimizer.chained_optimizers``, ``OptimizerConfig.use_precision_aware_optimizer_no_fp8_
   or_ds_fp8`` -- :func:`leaf_optimizers`, :func:`wrap_copy_main_params_to_model_params`,
   :func:`wrap_prepare_grads`, :func:`writes_model_params_in_step`; quant/ddp.py.
+* ``step_with_ready_grads`` looked up on the instance by ``step``; the DDP chunk's
+  ``overlap_param_gather_with_optimizer_step`` attribute read by its forward pre-hooks;
+  ``bucket_groups`` in reverse forward order -- :func:`wrap_step_with_ready_grads`,
+  :func:`dispatch_param_gathers_after_step`; ``integration.build_optimizer``
+  (``--overlap-param-gather-with-optimizer-step`` with one model chunk).
 * ``DistributedOptimizer._get_model_param_range_map`` -- which elements of a model param this
   rank's shard owns -- :func:`model_param_range_map`, for ``tests/test_integration_ddp.py``.
 
@@ -520,6 +525,47 @@ def wrap_prepare_grads(optimizer: Any, extra: Callable[[], bool]) -> None:
 
     setattr(prepare_grads_with_extra, HOOK_MARK, True)
     optimizer.prepare_grads = prepare_grads_with_extra
+
+
+def wrap_step_with_ready_grads(optimizer: Any, after: Callable[[], None]) -> None:
+    """Call ``after()`` right after a successful ``optimizer.step_with_ready_grads()``.
+
+    Why: megatron-core's own ``overlap_param_gather_with_optimizer_step`` dispatches the weight
+    all-gathers from ``ChainedOptimizer.step_with_ready_grads`` but only for interleaved
+    pipelines (``get_megatron_optimizer`` puts the first model chunk in an optimizer of its own
+    and fails with a single chunk). ``step()`` and our trainer's step both go through this
+    instance attribute, so wrapping it gives the same dispatch point for one chunk. Idempotent."""
+    orig = optimizer.step_with_ready_grads
+    if getattr(orig, HOOK_MARK, False):
+        return
+
+    def step_with_ready_grads_then(*args: Any, **kwargs: Any) -> Any:
+        success = orig(*args, **kwargs)
+        if success:
+            after()
+        return success
+
+    setattr(step_with_ready_grads_then, HOOK_MARK, True)
+    optimizer.step_with_ready_grads = step_with_ready_grads_then
+
+
+def dispatch_param_gathers_after_step(ddp_chunk: Any) -> None:
+    """Start every bucket group's weight all-gather of ``ddp_chunk`` now, in forward order, and
+    tell its forward pre-hooks not to chain-dispatch them again.
+
+    Why: megatron-core's ``DistributedDataParallel.start_param_sync(force_dispatch=True)`` walks
+    ``bucket_groups`` in buffer order, which is the *reverse* of forward order (buffers are
+    filled in backward order; ``next_param_gather_bucket_group`` links group i to i-1). The
+    first layer would then wait for every gather queued before its own. The pre-hook's
+    ``finish_param_sync(skip_next_bucket_dispatch=...)`` reads the chunk's
+    ``overlap_param_gather_with_optimizer_step`` attribute, which megatron-core sets in
+    ``get_megatron_optimizer`` only for the interleaved case."""
+    ddp_chunk.overlap_param_gather_with_optimizer_step = True
+    groups = (list(reversed(ddp_chunk.bucket_groups)) +
+              list(reversed(getattr(ddp_chunk, "expert_parallel_bucket_groups", []))))
+    for group in groups:
+        if not group.param_gather_dispatched:
+            group.start_param_sync()
 
 
 def model_param_range_map(leaf_opt: Any, model_param: torch.Tensor) -> Any:

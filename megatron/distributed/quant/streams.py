@@ -72,8 +72,15 @@ class Job:
     def is_completed(self) -> bool:
         return self._done.is_set()
 
-    def wait(self) -> None:
-        self._done.wait()
+    @property
+    def error(self) -> Optional[BaseException]:
+        """The job's exception once it finished with one (else None)."""
+        return self._error
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until the job finished (``timeout`` seconds at most: then ``TimeoutError``)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"communication job not done after {timeout} s")
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
             self.keepalive = None   # later work on any stage is ordered after this stream

@@ -89,7 +89,7 @@ def test_bf16_accumulates_in_fp32_unless_asked() -> None:
 
 def test_quantization_config_built_from_args() -> None:
     a = parse_args(BASE + ["--use-distributed-optimizer", "--quantized-grad-bits", "4",
-                           "--quantized-weights"])
+                           "--quantized-weights", "--bf16"])
     assert a.quant_config.quantized_gradients and a.quant_config.quantized_weights
     assert a.quant_config.gradient_quantization_bits_inter == 4
 
@@ -100,6 +100,9 @@ def test_quantization_config_built_from_args() -> None:
     (["--bf16", "--fp16"], "mutually exclusive"),
     (["--global-batch-size", "5"], "must be divisible by --micro-batch-size"),
     (["--overlap-param-gather", "--overlap-grad-reduce"], "needs --use-distributed-optimizer"),
+    # fp32 parameters: megatron-core's optimizer has no separate master copy to quantize against
+    (["--quantized-weights", "--use-distributed-optimizer"],
+     "--quantized-weights needs --bf16 (or --fp16) on megatron-core's distributed optimizer"),
     (["--overlap-param-gather-with-optimizer-step", "--use-distributed-optimizer"],
      "--overlap-param-gather-with-optimizer-step needs --overlap-param-gather"),
     (["--loco", "--use-distributed-optimizer"],
@@ -162,9 +165,9 @@ def test_sub_flag_without_its_switch_is_refused(extra: List[str], flags: str, sw
     ["--quantized-grad-bits", "4", "--gradient-quantization-bits-intra", "4"],
     ["--quantized-grad-bits", "4", "--gradient-quantization-bits-inter", "4"],
     ["--quantized-weights", "--weight-quantization-mode", "direct", "--weight-quantization-bits",
-     "8", "--wq-group-size", "1024", "--no-stochastic-rounding"],
+     "8", "--wq-group-size", "1024", "--no-stochastic-rounding", "--bf16"],
     ["--data-parallel-intra-node-size", "1", "--grad-accum-dtype", "fp32"],  # no switch needed
-    ["--quantized-weights", "--quantization-error-interval", "10"],
+    ["--quantized-weights", "--quantization-error-interval", "10", "--bf16"],
 ])
 def test_sub_flags_with_their_switch_are_accepted(extra: List[str]) -> None:
     a = parse_args(BASE + ["--use-distributed-optimizer"] + extra)
@@ -197,7 +200,8 @@ def test_explicit_flags_are_the_given_ones() -> None:
      "/ (--tensor-model-parallel-size 1 x --pipeline-model-parallel-size 1))"),
     # Stated explicitly it must fit whatever the path.
     ("4", None, [], "3", "--data-parallel-intra-node-size 3 does not divide the data-parallel size 4"),
-    ("12", None, ["--quantized-weights", "--pipeline-model-parallel-size", "2", "--num-layers", "4"],
+    ("12", None, ["--quantized-weights", "--bf16", "--pipeline-model-parallel-size", "2",
+                  "--num-layers", "4"],
      "4", "--data-parallel-intra-node-size 4 does not divide the data-parallel size 6 (= world size "
      "12 / (--tensor-model-parallel-size 1 x --pipeline-model-parallel-size 2))"),
     # The default comes from the launcher (LOCAL_WORLD_SIZE // TP).
@@ -372,10 +376,10 @@ def test_megatron_gradient_reduction_knobs_resolve_in_one_place() -> None:
 def test_risky_settings_warn_with_the_measured_reason(capsys) -> None:
     """2-bit codes are outside what the error study found safe: the config names the flag and the
     measurement (the trainer prints these at startup); SDP4Bit's defaults warn about nothing."""
-    sdp = parse_args(BASE + ["--use-distributed-optimizer", "--quantized-weights",
+    sdp = parse_args(BASE + ["--use-distributed-optimizer", "--quantized-weights", "--bf16",
                              "--quantized-gradients"]).quant_config
     assert sdp.fidelity_warnings() == []
-    risky = parse_args(BASE + ["--use-distributed-optimizer", "--quantized-weights",
+    risky = parse_args(BASE + ["--use-distributed-optimizer", "--quantized-weights", "--bf16",
                                "--weight-quantization-bits", "2", "--quantized-grad-bits", "2"]
                        ).quant_config
     warnings = risky.fidelity_warnings()

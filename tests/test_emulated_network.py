@@ -483,7 +483,7 @@ def test_sdp4bit_overlap_and_limit_args(emu):
     q = emu.train_args(m, "sdp4bit", 8, "/tmp/x.jsonl", dp_size=4)
     o = emu.train_args(m, "sdp4bit-overlap", 8, "/tmp/x.jsonl", dp_size=4)
     assert o[:len(q)] == q  # SDP4BIT_FLAGS as in sdp4bit, then the overlap flags
-    assert o[len(q):] == ["--overlap-grad-reduce", "--overlap-param-gather",
+    assert o[len(q):] == ["--grad-accum-dtype", "bf16", "--overlap-grad-reduce", "--overlap-param-gather",
                           "--overlap-param-gather-with-optimizer-step", "--ddp-bucket-size",
                           "4000000", "--gradient-alltoall-pipeline", "2"]
     assert o[0].endswith("/pretrain_gpt.py")
@@ -509,6 +509,7 @@ def test_new_variant_flags_are_known_to_the_trainer(emu):
         ns = arguments.parse_args(rest)
         assert ns.overlap_grad_reduce and ns.overlap_param_gather and ns.ddp_bucket_size == 5000
         assert ns.overlap_param_gather_with_optimizer_step
+        assert ns.grad_accum_dtype == "bf16"  # both peers keep bf16 gradient buffers
         if v == "baseline-bf16":
             assert ns.grad_reduce_in_bf16 and not ns.quantized_gradients
         else:

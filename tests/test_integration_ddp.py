@@ -293,6 +293,15 @@ def scenarios_2ranks(rank: int, world: int) -> Dict[str, Any]:
     res["off_gather_after_step_dispatched"] = in_flight
     res["off_gather_after_step_groups"] = len(chunks[0].bucket_groups)
 
+    # --- fp32 parameters + quantized weights: refused (the optimizer's fp32 shard is a view of
+    # the parameter buffer, no separate master); fp32 + quantized gradients still builds ----
+    try:
+        build({"quantized_weights": True}, bf16=False)
+        res["fp32_qw_error"] = ""
+    except ValueError as e:
+        res["fp32_qw_error"] = str(e)
+    res["fp32_qg_builds"] = type(build({"quantized_gradients": True}, bf16=False)[0][0]).__name__
+
     # --- quantized DDP before the start iteration: megatron-core's exact path ---------------
     chunks, opt, _ = build({"quantized_gradients": True,
                             "gradients_quantization_start_iteration": 100})
@@ -470,6 +479,12 @@ def test_flags_off_is_plain_megatron_core(two):
         assert r["off_gather_after_step_identical"]
         assert r["off_gather_after_step_groups"] >= 2
         assert r["off_gather_after_step_dispatched"] == [True, True, True]
+
+
+def test_fp32_parameters_with_quantized_weights_are_refused(two):
+    for r in two:
+        assert r["fp32_qw_error"].startswith("--quantized-weights needs --bf16"), r["fp32_qw_error"]
+        assert r["fp32_qg_builds"] == "QuantizedDistributedDataParallel"
 
 
 def test_before_start_iteration_bit_identical_to_megatron_core(two):

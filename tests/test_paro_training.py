@@ -135,8 +135,11 @@ def _train(args, model, opt, sched, first_step: int, steps: int, rank: int,
     return out
 
 
-RUN_FLAGS = {"fp32": [], "bf16": ["--bf16"], "qgw": ["--quantized-gradients", "--quantized-weights"],
-               "qw": ["--quantized-weights"], "sgd": ["--optimizer", "sgd"]}
+# The quantized runs are engine runs (_build sets the strategy): parsed with an engine strategy,
+# since fp32 quantized weights are refused on megatron-core's optimizer (no separate fp32 master).
+RUN_FLAGS = {"fp32": [], "bf16": ["--bf16"],
+             "qgw": ["--quantized-gradients", "--quantized-weights", "--paro-strategy", "IIG"],
+             "qw": ["--quantized-weights", "--paro-strategy", "IIG"], "sgd": ["--optimizer", "sgd"]}
 
 
 def _strategies_worker(rank: int, world: int, runs: List[tuple]) -> Dict[str, Any]:

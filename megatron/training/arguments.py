@@ -459,6 +459,9 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         _require(args.use_distributed_optimizer,
                  "quantized communication (--quantized-weights / --quantized-gradients / "
                  "--quantized-grad-bits) needs --use-distributed-optimizer")
+        dtype_error = integration.weight_quantization_dtype_error(args.quant_config,
+                                                                  args.params_dtype)
+        _require(dtype_error is None, dtype_error or "")
     # Two-level topology: checked here, once, instead of failing at model build on every rank.
     # The megatron-core quantized path builds its groups from it; an explicit value must make
     # sense whatever the path (the PaRO engine's groups come from --paro-group-size, above).

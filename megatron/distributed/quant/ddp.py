@@ -210,6 +210,27 @@ class QuantizedBucketGroup(mc.ParamAndGradBucketGroup):
 # DDP subclass
 # ------------------------------------------------------------------------------------------------
 
+def weight_quantization_dtype_error(quant_config: QuantizationConfig,
+                                    params_dtype: Optional[torch.dtype]) -> Optional[str]:
+    """Why quantized weights cannot run on megatron-core's distributed optimizer with
+    ``params_dtype`` parameters, or None when they can.
+
+    With fp32 parameters megatron-core's ``DistributedOptimizer`` keeps no separate master copy:
+    its fp32 shard *is* a view of this rank's slice of the parameter buffer, updated in place by
+    the optimizer step. The quantized gather writes reconstructed weights into that buffer (the
+    master would become them) and qWD's reference snapshot, taken before the copy of main params
+    into the buffer, would already hold the new weights (every difference sent would be ~0 and
+    the replicas drift apart). Measured: fp32 qWD/SDP4Bit runs rose to loss 9.5 where the
+    baseline reached 5.4. With bf16/fp16 parameters the fp32 masters are separate."""
+    if quant_config.quantized_weights and params_dtype == torch.float32:
+        return ("--quantized-weights needs --bf16 (or --fp16) on megatron-core's distributed "
+                "optimizer: with fp32 parameters the optimizer updates the parameter buffer in "
+                "place (no separate fp32 master copy), and the quantized weight gather would "
+                "overwrite the master weights. Add --bf16, or use a PaRO engine strategy "
+                "(--paro-strategy), which keeps its own fp32 master")
+    return None
+
+
 class QuantizedDistributedDataParallel(DistributedDataParallel):
     """megatron-core DDP whose dense bucket groups communicate quantized (see module docstring).
 
@@ -223,6 +244,12 @@ class QuantizedDistributedDataParallel(DistributedDataParallel):
         if not ddp_config.use_distributed_optimizer:
             raise ValueError("quantized communication (--quantized-weights / --quantized-gradients) "
                              "requires --use-distributed-optimizer")
+        # any fp32 parameter lands in the optimizer's in-place fp32 group
+        dtypes = {p.dtype for p in module.parameters() if p.requires_grad}
+        dtype_error = weight_quantization_dtype_error(
+            quant_config, torch.float32 if torch.float32 in dtypes else next(iter(dtypes), None))
+        if dtype_error is not None:
+            raise ValueError(dtype_error)
         if runtime is None:
             runtime = build_runtime(quant_config)
         pad = required_padding_multiple_from_config(runtime.config, runtime.groups.dp_size,

@@ -80,6 +80,16 @@ def uses_sharded_engine(strategy: Optional[str]) -> bool:
     return uses_engine(strategy)
 
 
+def weight_quantization_dtype_error(quant_config: QuantizationConfig,
+                                    params_dtype: Any) -> Optional[str]:
+    """Why ``--quantized-weights`` cannot train with ``params_dtype`` parameters on megatron-core's
+    distributed optimizer (fp32: no separate master copy), or None; see
+    :func:`.ddp.weight_quantization_dtype_error` (the wrapper raises the same at build time)."""
+    from .ddp import weight_quantization_dtype_error as check
+
+    return check(quant_config, params_dtype)
+
+
 def _runtimes(model_chunks: List[torch.nn.Module]) -> List[Any]:
     """Distinct QuantizationRuntime objects of the (quantized) chunks, in chunk order."""
     seen: Dict[int, Any] = {}

@@ -28,7 +28,8 @@ times back to back and reports the median over the R invocations):
                         --overlap-param-gather --overlap-param-gather-with-optimizer-step
                         --ddp-bucket-size B``;
 * ``sdp4bit``         : SDP4Bit (``SDP4BIT_FLAGS``), no overlap;
-* ``sdp4bit-overlap`` : SDP4Bit + ``--overlap-grad-reduce --overlap-param-gather
+* ``sdp4bit-overlap`` : SDP4Bit + ``--grad-accum-dtype bf16`` (bf16 gradient buffers, like
+                        baseline-bf16) + ``--overlap-grad-reduce --overlap-param-gather
                         --overlap-param-gather-with-optimizer-step --ddp-bucket-size B
                         --gradient-alltoall-pipeline K``;
 * ``limit``           : exactly ``sdp4bit-overlap``, run with the tc qdiscs removed from both veth
@@ -132,8 +133,10 @@ def variant_flags(variant: str, bucket_size: int = DEFAULT_BUCKET_SIZE,
     if variant == "baseline-bf16":
         return ["--grad-reduce-in-bf16", *OVERLAP_FLAGS, "--ddp-bucket-size", str(bucket_size)]
     if variant in ("sdp4bit-overlap", *UNLIMITED_VARIANTS):
-        return [*SDP4BIT_FLAGS, *OVERLAP_FLAGS, "--ddp-bucket-size", str(bucket_size),
-                "--gradient-alltoall-pipeline", str(pipeline)]
+        # bf16 gradient buffers, as baseline-bf16's --grad-reduce-in-bf16 (the sums after
+        # dequantization stay fp32)
+        return [*SDP4BIT_FLAGS, "--grad-accum-dtype", "bf16", *OVERLAP_FLAGS,
+                "--ddp-bucket-size", str(bucket_size), "--gradient-alltoall-pipeline", str(pipeline)]
     return list(TRAIN_VARIANTS[variant])
 
 

@@ -20,7 +20,7 @@
 #                              --overlap-grad-reduce --overlap-param-gather
 #                              --overlap-param-gather-with-optimizer-step --ddp-bucket-size $BUCKET_SIZE
 #              sdp4bit         SDP4Bit (8-bit intra / 4-bit inter gradients, 4-bit weights), no overlap
-#              sdp4bit-overlap SDP4Bit + --overlap-grad-reduce --overlap-param-gather
+#              sdp4bit-overlap SDP4Bit + --grad-accum-dtype bf16 + --overlap-grad-reduce --overlap-param-gather
 #                              --overlap-param-gather-with-optimizer-step
 #                              --ddp-bucket-size $BUCKET_SIZE --gradient-alltoall-pipeline $PIPELINE
 #              limit           sdp4bit-overlap with the tc qdiscs REMOVED from both veth ends for its

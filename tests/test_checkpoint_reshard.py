@@ -30,7 +30,8 @@ def _ok(res) -> None:
 
 def test_torch_dist_resume_is_bit_exact_with_sdp4bit_loco(tmp_path: Path, run_pretrain) -> None:
     """Same layout: every piece of state (LoCo errors, generators, Adam, RNG) comes back. The
-    weight gathers start right after each step, so the save at 4 meets them in flight."""
+    weight gathers start right after each step, so the save at 4 may meet them in flight (it
+    waits for them first)."""
     args = BASE + SDP4BIT_LOCO + ["--data-parallel-intra-node-size", "1",
                                   "--overlap-grad-reduce", "--overlap-param-gather",
                                   "--overlap-param-gather-with-optimizer-step",

@@ -52,6 +52,9 @@ MANY_BUCKETS = {
                                         {"overlap_param_gather_with_optimizer_step": True}),
 }
 
+SKIPPED_STEP = {"both_overlaps": None,
+                "gather_after_step": {"overlap_param_gather_with_optimizer_step": True}}
+
 
 def _scenarios(rank: int, world: int) -> Dict[str, Any]:
     from megatron.distributed.quant import integration
@@ -79,6 +82,27 @@ def _scenarios(rank: int, world: int) -> Dict[str, Any]:
                 # how many chunks the pipeline really cut each bucket into
                 shards = [b.grad_data.numel() // world for g in groups for b in g.buckets]
                 res[key]["chunks"] = [len(pipeline_bounds(s, 128, k)) for s in shards]
+        # A NaN gradient on rank 1 in step 1 (a tensor hook, so it is in place before the
+        # overlapped reduce-scatter reads the bucket): the step is skipped on every rank, with
+        # and without the gathers started after the step; nothing is dispatched after the skip.
+        for name, optkw in SKIPPED_STEP.items():
+            chunks, opt, _ = build({**qkw}, MANY_BUCKETS["both_overlaps"][0], optkw=optkw)
+            poison = {"on": False}
+            first = next(p for p in chunks[0].module.parameters() if p.requires_grad)
+            if rank == 1:
+                first.register_hook(lambda g: torch.full_like(g, float("nan")) if poison["on"]
+                                    else None)
+            in_flight = []
+
+            def after_step(it: int, c=chunks) -> None:
+                in_flight.append([g.param_gather_dispatched and g.param_gather_handle is not None
+                                  for g in c[0].bucket_groups])
+                poison["on"] = it == 0  # poison the backward of step 1
+
+            out = train(chunks, opt, rank, STEPS, on_step=after_step)
+            res[f"{recipe}/skipped/{name}"] = {"losses": out["losses"], "params": out["params"],
+                                               "oks": out["oks"], "in_flight": in_flight,
+                                               "same_on_ranks": same_on_all_ranks(out["params"])}
     return res
 
 
@@ -138,3 +162,19 @@ def test_gather_after_optimizer_step_dispatches_every_group(results, recipe: str
         assert all(all(step) for step in after), after
         plain = res[f"{recipe}/many/both_overlaps"]["in_flight"]
         assert not any(any(step) for step in plain), plain
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_skipped_step_with_gathers_after_the_step(results, recipe: str) -> None:
+    """A NaN gradient skips step 1 on every rank; with the gathers started after each step the
+    run stays bit-identical to the one without (the skipped step dispatches nothing, the next
+    forward gathers on demand and the update after it is dispatched again)."""
+    for res in results:
+        plain = res[f"{recipe}/skipped/both_overlaps"]
+        after = res[f"{recipe}/skipped/gather_after_step"]
+        assert plain["oks"] == after["oks"] == [True, False, True, True]
+        assert plain["losses"] == after["losses"] and torch.equal(plain["params"], after["params"])
+        assert plain["same_on_ranks"] and after["same_on_ranks"]
+        assert [all(s) for s in after["in_flight"]] == [True, False, True, True]
+        assert [any(s) for s in after["in_flight"]] == [True, False, True, True]
+        assert not any(any(s) for s in plain["in_flight"])

@@ -117,3 +117,26 @@ def test_tflops_per_gpu_counts_every_matmul() -> None:
     extra = 6 * b * s * l * (3 - 2) * h * 5504 + 6 * b * s * l * 2 * h * (5504 - 4 * h)
     assert abs(training_flops_per_iteration(gated) - expected - extra) <= 1e-9 * expected
     assert abs(tflops_per_gpu(args, 10.0) - expected / (10.0 * 64 * 1e12)) <= 1e-9
+
+
+def test_run_ending_with_gathers_in_flight_exits_cleanly(tmp_path: Path, run_pretrain) -> None:
+    """--overlap-param-gather-with-optimizer-step leaves the last step's (quantized) weight
+    gathers running; with no final evaluation or save nothing else waits for them before the
+    process group is destroyed. The run must end cleanly and report that traffic in its final
+    interval (the log intervals add up to the totals)."""
+    jsonl = tmp_path / "log.jsonl"
+    res = run_pretrain([
+        "--global-batch-size", "8", "--train-iters", "5", "--lr", "3e-3", "--bf16",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        "--overlap-param-gather-with-optimizer-step", "--quantized-weights",
+        "--quantized-gradients", "--data-parallel-intra-node-size", "1", "--log-interval", "4",
+        "--eval-iters", "0", "--jsonl-log", str(jsonl)])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    final = [r for r in records if r["type"] == "final_interval"]
+    assert len(final) == 1 and final[0]["iterations"] == 1
+    assert final[0]["weight_total_bytes"] > 0  # the gather started after step 5
+    summary = records[-1]
+    assert summary["type"] == "summary" and summary["iterations"] == 5
+    logged = sum(r.get("weight_total_bytes", 0) for r in records if r["type"] == "train")
+    assert logged + final[0]["weight_total_bytes"] == summary["weight_total_bytes"]

@@ -150,10 +150,11 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="Overlap the distributed optimizer's param all-gather with the forward pass.")
     g.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
-                   help="Start every weight all-gather (quantized or exact) right after the "
-                        "optimizer step, in forward order, instead of each bucket group's gather "
-                        "when the previous group's forward starts (Megatron-LM's flag; here also "
-                        "without interleaved pipelining). Needs --overlap-param-gather.")
+                   help="Start every weight all-gather (quantized or exact) right after a "
+                        "successful optimizer step, in forward order, instead of each bucket "
+                        "group's gather when the previous group's forward starts (Megatron-LM's "
+                        "flag; here also without interleaved pipelining). Needs "
+                        "--overlap-param-gather.")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="Accumulate and reduce gradients in bf16 instead of fp32 (Megatron-LM; "
                         "needs --bf16; the same as --grad-accum-dtype bf16).")

@@ -527,11 +527,14 @@ def _pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any
         last_val = _run_eval(args, forward_step_func, valid_iter, model, device, metrics,
                              iteration, "validation (end of training)")
     save(iteration)
+    # --overlap-param-gather-with-optimizer-step: the last step's gathers may still be running
+    integration.wait_param_gathers_in_flight(model)
 
     # What happened after the last log line is reported as a final (partial) interval, so the
     # log intervals add up to the summary's totals: the iterations since then, and traffic no
     # log line saw -- with --overlap-param-gather the last update's parameter all-gather only
-    # runs at the next forward (end-of-run evaluation) or at the checkpoint's forced sync.
+    # runs at the next forward (end-of-run evaluation) or at the checkpoint's forced sync, and
+    # with --overlap-param-gather-with-optimizer-step right after the last step.
     tail = integration.communication_report(model, reset=True)
     since_log = min(run_iters, iteration % args.log_interval)
     if since_log or any(v for k, v in tail.items() if k.endswith(("_bytes", "_calls"))):

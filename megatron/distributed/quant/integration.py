@@ -80,6 +80,17 @@ def uses_sharded_engine(strategy: Optional[str]) -> bool:
     return uses_engine(strategy)
 
 
+def wait_param_gathers_in_flight(model_chunks: List[torch.nn.Module]) -> None:
+    """Wait for the weight all-gathers still in flight (end of training: with
+    ``--overlap-param-gather-with-optimizer-step`` the last step leaves them running, and the
+    process group must not be destroyed under them). Starts none."""
+    from . import mcore_compat as mc
+
+    for chunk in model_chunks:
+        if hasattr(chunk, "bucket_groups"):
+            mc.wait_param_gathers_in_flight(chunk)
+
+
 def weight_quantization_dtype_error(quant_config: QuantizationConfig,
                                     params_dtype: Any) -> Optional[str]:
     """Why ``--quantized-weights`` cannot train with ``params_dtype`` parameters on megatron-core's
@@ -196,17 +207,20 @@ def build_optimizer(optimizer_config: Any, model_chunks: List[torch.nn.Module],
     optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
     on_optimizer_built(optimizer, model_chunks, quant_config)
     if gather_after_step:
-        dispatch_param_gathers_after_step(optimizer, model_chunks)
+        install_gather_after_step(optimizer, model_chunks)
     return optimizer
 
 
-def dispatch_param_gathers_after_step(optimizer: Any, model_chunks: List[torch.nn.Module]) -> None:
+def install_gather_after_step(optimizer: Any, model_chunks: List[torch.nn.Module]) -> None:
     """``--overlap-param-gather-with-optimizer-step``: right after every successful optimizer
-    step, start all weight all-gathers of the next forward (quantized or exact), in forward
-    order, so the link carries the weights while the step ends, the log line is written and the
-    next batch loads; the forward pre-hooks only wait. A skipped step dispatches nothing (the
-    pre-hooks then gather on demand, and a quantized gather with no update sends nothing).
-    Numbers are unchanged: the same gathers run with the same per-bucket generators."""
+    step, start all weight all-gathers of the next forward (quantized or exact; dense bucket
+    groups in forward order, then expert ones), so the link carries the weights while the step
+    ends, the log line is written and the next batch loads; the forward pre-hooks then only
+    wait. The first iteration and the one after a skipped step have nothing dispatched: their
+    pre-hooks gather on demand (a quantized gather with no update sends nothing). Numbers are
+    unchanged: the same gathers run with the same per-bucket generators. The error monitor
+    (``--quantization-error-interval``) then samples the weight update of iteration N at
+    iteration N, where without the flag the gather, and so the sample, falls in iteration N+1."""
     from . import mcore_compat as mc
 
     def dispatch() -> None:

@@ -60,8 +60,9 @@ Touch points (megatron-core name -- what we rely on -- who uses it):
 * ``step_with_ready_grads`` looked up on the instance by ``step``; the DDP chunk's
   ``overlap_param_gather_with_optimizer_step`` attribute read by its forward pre-hooks;
   ``bucket_groups`` in reverse forward order -- :func:`wrap_step_with_ready_grads`,
-  :func:`dispatch_param_gathers_after_step`; ``integration.build_optimizer``
-  (``--overlap-param-gather-with-optimizer-step`` with one model chunk).
+  :func:`dispatch_param_gathers_after_step`, :func:`wait_param_gathers_in_flight`;
+  ``integration.build_optimizer`` (``--overlap-param-gather-with-optimizer-step`` with one model
+  chunk), ``integration.wait_param_gathers_in_flight`` (end of training).
 * ``DistributedOptimizer._get_model_param_range_map`` -- which elements of a model param this
   rank's shard owns -- :func:`model_param_range_map`, for ``tests/test_integration_ddp.py``.
 
@@ -550,8 +551,9 @@ def wrap_step_with_ready_grads(optimizer: Any, after: Callable[[], None]) -> Non
 
 
 def dispatch_param_gathers_after_step(ddp_chunk: Any) -> None:
-    """Start every bucket group's weight all-gather of ``ddp_chunk`` now, in forward order, and
-    tell its forward pre-hooks not to chain-dispatch them again.
+    """Start every bucket group's weight all-gather of ``ddp_chunk`` now -- dense groups in
+    forward order, then the expert-parallel ones (also in forward order) -- and tell its forward
+    pre-hooks not to chain-dispatch them again.
 
     Why: megatron-core's ``DistributedDataParallel.start_param_sync(force_dispatch=True)`` walks
     ``bucket_groups`` in buffer order, which is the *reverse* of forward order (buffers are
@@ -566,6 +568,16 @@ def dispatch_param_gathers_after_step(ddp_chunk: Any) -> None:
     for group in groups:
         if not group.param_gather_dispatched:
             group.start_param_sync()
+
+
+def wait_param_gathers_in_flight(ddp_chunk: Any) -> None:
+    """Wait for every weight all-gather of ``ddp_chunk`` still in flight (``param_gather_handle``
+    of its bucket groups), starting none; the handles are cleared as ``finish_param_sync`` does."""
+    for group in (list(ddp_chunk.bucket_groups) +
+                  list(getattr(ddp_chunk, "expert_parallel_bucket_groups", []))):
+        if group.param_gather_handle is not None:
+            group.param_gather_handle.wait()
+            group.param_gather_handle = None
 
 
 def model_param_range_map(leaf_opt: Any, model_param: torch.Tensor) -> Any:

@@ -325,7 +325,8 @@ def plot(a: argparse.Namespace, runs: Dict[str, Dict[int, Dict[str, list]]], pat
             lo, hi = min(tail), max(tail)
             ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
             ax.set_xlim(a.iters // 2, a.iters)
-    axes[0].set_title(f"train loss, mean ± std over {len(a.seeds)} seeds (second half)")
+    n_seeds = max(len(runs[n]) for n in names)
+    axes[0].set_title(f"train loss, mean ± std over {n_seeds} seed(s) (second half)")
     axes[1].set_title("validation loss, mean ± std (second half)")
     for ax in axes[:2]:
         ax.set_xlabel("iteration")

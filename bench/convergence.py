@@ -211,10 +211,9 @@ def collect(a: argparse.Namespace, out: Path) -> Dict[str, Dict[int, Dict[str, l
     for name in a.variants:
         for seed in a.seeds:
             path = run_path(out, name, seed, ".jsonl")
-            if finished(path):
-                d = load(path)
-                if d["train"] and d["valid"]:
-                    runs.setdefault(name, {})[seed] = d
+            d = load(path) if path.exists() else None  # read once: finished = has its summary
+            if d and d["summary"] and d["train"] and d["valid"]:
+                runs.setdefault(name, {})[seed] = d
     return runs
 
 

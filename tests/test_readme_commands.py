@@ -87,6 +87,10 @@ def recipe_dry_run(command: str, work: Path) -> None:
     out = _run(command if command.startswith("DRY_RUN=1") else f"DRY_RUN=1 {command}", work,
                _env())
     assert "DRY_RUN_CONFIGS" in out, out[-2000:]
+    if "VARIANT=sdp4bit" in command:   # the variant reaches the trainer's quantization config
+        quant = json.loads(out.split("DRY_RUN_QUANT ", 1)[1].splitlines()[0])
+        assert quant["quantized_weights"] and quant["quantized_gradients"], quant
+        assert quant["hadamard_transform"] and quant["gradient_quantization_bits_inter"] == 4, quant
 
 
 def preprocess(command: str, work: Path) -> None:
@@ -172,7 +176,7 @@ RUNNERS: Dict[str, Callable[[str, Path], None]] = {
     "bash examples/quickstart.sh --quantized-weights --quantized-gradients --hadamard-transform "
     "--loco": quickstart,
     "bash examples/sdp4bit/run_1.3b.sh": recipe_dry_run,
-    "VARIANT=baseline bash examples/sdp4bit/run_1.3b.sh": recipe_dry_run,
+    "VARIANT=sdp4bit bash examples/sdp4bit/run_1.3b.sh": recipe_dry_run,
     "bash examples/loco/run_8b.sh": recipe_dry_run,
     "DRY_RUN=1 bash examples/sdp4bit/run_6.7b.sh": recipe_dry_run,
     "python tools/preprocess_data.py --input corpus.jsonl --json-keys text --output-prefix "

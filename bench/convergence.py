@@ -162,8 +162,16 @@ def load(jsonl: Path) -> Dict[str, list]:
             "summary": [r for r in recs if r.get("type") == "summary"]}
 
 
+def load_finished(jsonl: Path) -> Optional[Dict[str, list]]:
+    """The run's records if it finished (wrote its summary record), else None."""
+    if not jsonl.exists():
+        return None
+    d = load(jsonl)
+    return d if d["summary"] else None
+
+
 def finished(jsonl: Path) -> bool:
-    return jsonl.exists() and bool(load(jsonl)["summary"])
+    return load_finished(jsonl) is not None
 
 
 def _bits(rec: dict, key: str, default: Optional[float]) -> str:
@@ -211,8 +219,8 @@ def collect(a: argparse.Namespace, out: Path) -> Dict[str, Dict[int, Dict[str, l
     for name in a.variants:
         for seed in a.seeds:
             path = run_path(out, name, seed, ".jsonl")
-            d = load(path) if path.exists() else None  # read once: finished = has its summary
-            if d and d["summary"] and d["train"] and d["valid"]:
+            d = load_finished(path)
+            if d and d["train"] and d["valid"]:
                 runs.setdefault(name, {})[seed] = d
     return runs
 

@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+from fake_cuda import FakeCuda
 from megatron.distributed.quant.streams import CommStreams, CommTiming
 
 
@@ -92,65 +93,11 @@ def test_wait_counts_as_exposed() -> None:
     assert job.is_completed() and timing.waited["weight"] > 0.0 and timing.waited["grad"] == 0.0
 
 
-class _FakeCuda:
-    """Just enough of torch.cuda to drive the CUDA stages on a machine without a GPU: streams and
-    events record what was asked of them, ``torch.cuda.stream`` switches the current stream."""
-
-    def __init__(self) -> None:
-        self.log = []
-        self.default = self.Stream(self, "default")
-        self.current = self.default
-
-    class Stream:
-        def __init__(self, fake: "_FakeCuda", name: str = "", device=None) -> None:
-            self.fake, self.name, self.device = fake, name, device
-
-        def wait_stream(self, other) -> None:
-            self.fake.log.append(("wait_stream", self.name, other.name))
-
-        def wait_event(self, event) -> None:
-            self.fake.log.append(("wait_event", self.name, event.name))
-
-        def __repr__(self) -> str:
-            return self.name
-
-    class Event:
-        count = 0
-
-        def __init__(self, fake: "_FakeCuda") -> None:
-            _FakeCuda.Event.count += 1
-            self.fake, self.name = fake, f"event{_FakeCuda.Event.count}"
-
-        def record(self, stream) -> None:
-            self.fake.log.append(("record", self.name, stream.name))
-
-    def install(self, monkeypatch) -> None:
-        import contextlib
-
-        import torch
-
-        names = iter(["intra", "inter", "weights"])
-
-        @contextlib.contextmanager
-        def stream(s):
-            prev, self.current = self.current, s
-            try:
-                yield
-            finally:
-                self.current = prev
-
-        monkeypatch.setattr(torch.cuda, "Stream",
-                            lambda device=None: self.Stream(self, next(names), device))
-        monkeypatch.setattr(torch.cuda, "Event", lambda: self.Event(self))
-        monkeypatch.setattr(torch.cuda, "stream", stream)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
-
-
 def test_cuda_stages_enqueue_in_order_and_wait_by_events(monkeypatch) -> None:
     """The GPU design without a GPU: a job runs at once on the host inside its stage's stream,
     after that stream waited on the submitting stream and on its dependencies' events; wait()
     makes the waiting stream wait on the job's event and only then drops the job's buffers."""
-    fake = _FakeCuda()
+    fake = FakeCuda()
     fake.install(monkeypatch)
     streams = CommStreams("cuda", device="cuda:0")
     ran = []

@@ -50,7 +50,7 @@ from .kernels import (NoiseIndex, NonFiniteError, QuantizedTensor, all_finite, b
                       count_nonfinite, dequantize,
                       dequantize_add, dequantize_sum, dequantize_sum_requantize, quantize,
                       quantize_difference, quantize_partitions)
-from .streams import INLINE, CommStreams, CommTiming, Job
+from .streams import INLINE, CommStreams, CommTiming, Job, used_on_this_stage
 from .topology import TwoLevelGroups
 
 __all__ = [
@@ -162,7 +162,13 @@ def _agree_finite(x: torch.Tensor, group, what: str) -> None:
 
 def _exchange(q: QuantizedTensor, group) -> QuantizedTensor:
     """Equal-split all-to-all of codes then scales (blocking: it runs on a stage of
-    :mod:`.streams`, or inline)."""
+    :mod:`.streams`, or inline).
+
+    ``q`` may come from another stage (the middle hop's codes, made on ``intra`` and sent on
+    ``inter``, whose last reference the caller drops once this job is enqueued): it is declared
+    used on this stage so the allocator cannot hand its memory to the next intra job before
+    this all-to-all has read it."""
+    used_on_this_stage(q.codes, q.scales)
     codes = torch.empty_like(q.codes)
     scales = torch.empty_like(q.scales)
     dist.all_to_all_single(codes, q.codes, group=group)

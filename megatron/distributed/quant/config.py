@@ -8,13 +8,65 @@ megatron-core's habit of dataclass configs (``DistributedDataParallelConfig``).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass, replace
-from typing import Any, List, Optional
+from typing import Any, List, Mapping, Optional, Tuple
 
 from .kernels.reference import SUPPORTED_BITS  # the one definition (the kernels' numerics)
 from .loco import LOCO_ERROR_BITS  # the one definition (the error buffers' storage)
 
-__all__ = ["QuantizationConfig", "SUPPORTED_BITS", "FIDELITY_NOTES"]
+__all__ = ["QuantizationConfig", "SUPPORTED_BITS", "FIDELITY_NOTES", "TopologyUnknownError",
+           "launcher_ranks_per_node", "ranks_per_node_from_hosts"]
+
+LAUNCHER_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                            "MV2_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+"""Ranks on this node as launchers publish it: torchrun, Open MPI, MPICH/Intel MPI (Hydra),
+MVAPICH2, SLURM's ``srun --ntasks-per-node``. ``SLURM_STEP_TASKS_PER_NODE`` /
+``SLURM_TASKS_PER_NODE`` (``"8(x2)"``) are read after these."""
+
+
+class TopologyUnknownError(ValueError):
+    """No flag and no launcher variable says how many ranks share a node."""
+
+
+def launcher_ranks_per_node(environ: Mapping[str, str] = os.environ) -> Optional[Tuple[int, str]]:
+    """``(ranks on this node, the variable that said so)`` from the launcher's environment, or
+    None when no launcher variable is set (``python pretrain_gpt.py`` under a plain
+    ``mpirun``/``srun`` without ``--ntasks-per-node`` may set none).
+
+    SLURM's per-node task lists (``"8(x2)"``, ``"8,8"``) count only when every node has the same
+    number: the two-level layout needs D ranks on every node."""
+    for var in LAUNCHER_LOCAL_SIZE_VARS:
+        value = environ.get(var, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value), var
+    for var in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        value = environ.get(var, "").strip()
+        counts = {int(m.group(1)) for m in re.finditer(r"(\d+)(?:\(x\d+\))?", value)}
+        if len(counts) == 1 and min(counts) > 0:
+            return counts.pop(), var
+    return None
+
+
+def ranks_per_node_from_hosts(hostnames: List[str], group_ranks: List[int]) -> int:
+    """Ranks of ``group_ranks`` per host, from every world rank's hostname (``hostnames[r]``):
+    the ground truth when no launcher variable says it. Raises :class:`TopologyUnknownError`
+    naming ``--data-parallel-intra-node-size`` when the group is not node-major with the same
+    number of ranks on every host (the two-level layout's r = node*D + local)."""
+    hosts = [hostnames[r] for r in group_ranks]
+    runs: List[Tuple[str, int]] = []
+    for h in hosts:
+        if runs and runs[-1][0] == h:
+            runs[-1] = (h, runs[-1][1] + 1)
+        else:
+            runs.append((h, 1))
+    sizes = {n for _, n in runs}
+    if len(sizes) != 1 or len(runs) != len(set(hosts)):
+        raise TopologyUnknownError(
+            f"the data-parallel ranks {group_ranks} sit on hosts {hosts}: not the same number "
+            f"of consecutive ranks on every host, so the two-level (intra/inter-node) layout is "
+            f"undefined; pass --data-parallel-intra-node-size")
+    return sizes.pop()
 
 FIDELITY_NOTES = {
     "grad_2bit": ("2-bit gradient codes are outside what was found safe: the M x D error study "
@@ -172,22 +224,41 @@ class QuantizationConfig:
         if self.gradients_quantization_start_iteration < 0:
             raise ValueError("--gradients-quantization-start-iteration must be >= 0")
 
-    def intra_node_size(self, data_parallel_size: int, tensor_model_parallel_size: int = 1) -> int:
-        """DP ranks that share a node: the explicit setting, else LOCAL_WORLD_SIZE // TP (at most
-        the DP size: a DP group inside one node is one "node").
+    def intra_node_size(self, data_parallel_size: int, tensor_model_parallel_size: int = 1, *,
+                        dp_ranks_per_host: Optional[int] = None,
+                        environ: Mapping[str, str] = os.environ) -> int:
+        """DP ranks that share a node (at most the DP size: a DP group inside one node is one
+        "node"): the explicit setting; else the launcher's ranks per node // TP
+        (:func:`launcher_ranks_per_node`: torchrun, SLURM, Open MPI, MPICH, MVAPICH2); else
+        ``dp_ranks_per_host``, counted by the runtime from the ranks' hostnames.
+
+        Without any of them it raises :class:`TopologyUnknownError`: assuming one node (what
+        this did before) made a multi-node ``srun``/``mpirun`` job run its 8-bit intra-node hop
+        over the inter-node network and report it as intra-node.
 
         The one resolver of this number: ``validate_args`` calls it at parse time (so a size
-        that does not divide the DP size stops the launch with one message) and the runtime
-        calls it again to build the two-level groups. Raises ValueError naming the flag."""
+        that does not divide the DP size stops the launch with one message; an unknown one is
+        left to the runtime, which can count hostnames) and the runtime calls it again to build
+        the two-level groups. Raises ValueError naming the flag."""
+        launcher = launcher_ranks_per_node(environ)
         if self.data_parallel_intra_node_size is not None:
             d = self.data_parallel_intra_node_size
             source = f"--data-parallel-intra-node-size {d}"
-        else:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", data_parallel_size * tensor_model_parallel_size))
+        elif launcher is not None:
+            local, var = launcher
             d = max(1, local // tensor_model_parallel_size)
-            source = (f"the intra-node data-parallel size {d} (LOCAL_WORLD_SIZE {local} // "
+            source = (f"the intra-node data-parallel size {d} ({var} {local} // "
                       f"--tensor-model-parallel-size {tensor_model_parallel_size}; set "
                       f"--data-parallel-intra-node-size to override)")
+        elif dp_ranks_per_host is not None:
+            d = dp_ranks_per_host
+            source = (f"the intra-node data-parallel size {d} (data-parallel ranks per host, from "
+                      f"the hostnames; set --data-parallel-intra-node-size to override)")
+        else:
+            raise TopologyUnknownError(
+                "cannot tell how many data-parallel ranks share a node: none of "
+                f"{', '.join(LAUNCHER_LOCAL_SIZE_VARS)}, SLURM_TASKS_PER_NODE is set; pass "
+                "--data-parallel-intra-node-size")
         d = min(d, data_parallel_size)
         if data_parallel_size % d:
             raise ValueError(f"{source} does not divide the data-parallel size {data_parallel_size}")

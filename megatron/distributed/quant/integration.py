@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, AbstractSet, Any, Dict, Iterator, List, Option
 import torch
 
 from .arguments import gradients_quantized  # noqa: F401 (re-export)
-from .config import QuantizationConfig
+from .config import QuantizationConfig, TopologyUnknownError  # noqa: F401 (re-export)
 from .grad_accum import apply_grad_accum_dtype, resolve_grad_dtypes  # noqa: F401 (re-export)
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ __all__ = [
     "build_optimizer", "on_optimizer_built", "finalize_model_grads_func", "set_iteration",
     "on_step_skipped", "on_loss_scale_changed", "full_model_params", "quantization_state_dict",
     "load_quantization_state_dict", "reset_quantization_state", "strategy_report",
-    "communication_report", "resolve_grad_dtypes",
+    "communication_report", "resolve_grad_dtypes", "TopologyUnknownError",
 ]
 
 
@@ -308,8 +308,9 @@ def load_quantization_state_dict(model_chunks: List[torch.nn.Module], state: Dic
     saved = state["runtimes"]
     if len(saved) != len(rts):
         raise ValueError(f"checkpoint holds {len(saved)} quantization runtimes, model has {len(rts)}")
+    device = next((p.device for chunk in model_chunks for p in chunk.parameters()), None)
     for rt, sd in zip(rts, saved):
-        rt.load_state_dict(sd)
+        rt.load_state_dict(sd, device=device)
 
 
 def reset_quantization_state(model_chunks: List[torch.nn.Module], iteration: int) -> None:

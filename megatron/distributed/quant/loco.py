@@ -146,7 +146,8 @@ class LoCoBucketErrors:
                 out[k] = {"numel": st.numel, "group_size": st.group_size, "dense": st.dense.clone()}
         return out
 
-    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+    def load_state_dict(self, sd: Dict[str, Any], device: Optional[torch.device] = None) -> None:
+        """Restore :meth:`state_dict`'s output onto ``device`` (None: where the tensors are)."""
         for k in _WHICH:
             v = sd.get(k)
             if v is None:
@@ -154,12 +155,12 @@ class LoCoBucketErrors:
             elif "codes" in v:
                 if self._owner.error_bits != 8:
                     raise ValueError(f"LoCo state holds 8-bit errors but error_bits={self._owner.error_bits}")
-                q = QuantizedTensor(v["codes"].clone(), v["scales"].clone(), int(v["bits"]),
+                q = QuantizedTensor(v["codes"].to(device, copy=True), v["scales"].to(device, copy=True), int(v["bits"]),
                                     int(v["group_size"]), int(v["numel"]))
                 q.validate()
                 self._buf[k] = _StoredError(int(v["numel"]), int(v["group_size"]), q=q)
             else:
-                dense = v["dense"].clone()
+                dense = v["dense"].to(device, copy=True)
                 if dense.dtype != self._owner._dense_dtype():
                     raise ValueError(f"LoCo state holds {dense.dtype} errors but error_bits="
                                      f"{self._owner.error_bits}")
@@ -248,7 +249,9 @@ class LoCoErrorFeedback:
             "buckets": {k: b.state_dict() for k, b in self._buckets.items()},
         }
 
-    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+    def load_state_dict(self, sd: Dict[str, Any], device: Optional[torch.device] = None) -> None:
+        """Restore :meth:`state_dict`'s output; tensors go to ``device`` (None: stay where the
+        checkpoint loader put them)."""
         if int(sd["error_bits"]) != self.error_bits:
             raise ValueError(f"checkpoint LoCo error_bits={sd['error_bits']} but configured {self.error_bits}")
         self.beta = float(sd["beta"])
@@ -256,7 +259,7 @@ class LoCoErrorFeedback:
         self.steps_since_reset = int(sd["steps_since_reset"])
         self._buckets = {}
         for k, bsd in sd["buckets"].items():
-            self.bucket(k).load_state_dict(bsd)
+            self.bucket(k).load_state_dict(bsd, device=device)
 
     # -- internals -----------------------------------------------------------------------------
     def _clear_all(self) -> None:

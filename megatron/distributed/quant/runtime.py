@@ -16,6 +16,7 @@ themselves (no state) are :mod:`.collectives`; where they run is :mod:`.streams`
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -25,7 +26,7 @@ from megatron.core import parallel_state
 from .accounting import CommAccounting
 from .collectives import (PendingCollective, gather_layout, quantized_all_gather,
                           reduce_scatter_flat, two_level_reduce_scatter)
-from .config import QuantizationConfig
+from .config import QuantizationConfig, launcher_ranks_per_node, ranks_per_node_from_hosts
 from .loco import LoCoErrorFeedback
 from .streams import CommStreams, CommTiming
 from .topology import TwoLevelGroups, build_two_level_groups_for_all
@@ -362,7 +363,10 @@ class QuantizationRuntime:
             "config": self.config.to_dict(),
         }
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any], device: Optional[torch.device] = None) -> None:
+        """Restore :meth:`state_dict`'s output. Checkpoints are read with ``map_location="cpu"``:
+        the LoCo error buffers and qWD reference shards are moved to ``device`` (the device of the
+        model's buffers), or the first step after a resume would mix CPU and CUDA tensors."""
         self.iteration = int(state["iteration"])
         last = state.get("last_stepped_iteration")
         self.last_stepped_iteration = None if last is None else int(last)
@@ -374,12 +378,12 @@ class QuantizationRuntime:
             gen.set_state(gstate)
         loco_sd = state.get("loco")
         if self.loco is not None and loco_sd is not None:
-            self.loco.load_state_dict(loco_sd)
+            self.loco.load_state_dict(loco_sd, device=device)
         refs = state.get("reference_shards", {})
         updated = state.get("updated_buckets", {})
         for key in list(self.reference_shards):
             ref = refs.get(key)
-            self.reference_shards[key] = None if ref is None else ref.clone()
+            self.reference_shards[key] = None if ref is None else ref.to(device, copy=True)
             self.updated[key] = bool(updated.get(key, False))
         self.nonfinite_events = int(state.get("nonfinite_events", 0))
 
@@ -417,5 +421,10 @@ def build_runtime(config: QuantizationConfig,
         dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_size = dist.get_world_size(dp_group)
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    intra = config.intra_node_size(dp_size, tp_size)
+    per_host = None
+    if config.data_parallel_intra_node_size is None and launcher_ranks_per_node() is None:
+        hostnames: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(hostnames, socket.gethostname())
+        per_host = ranks_per_node_from_hosts(hostnames, dist.get_process_group_ranks(dp_group))
+    intra = config.intra_node_size(dp_size, tp_size, dp_ranks_per_host=per_host)
     return QuantizationRuntime(config, _two_level_groups_for(dp_group, intra))

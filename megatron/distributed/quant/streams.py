@@ -48,9 +48,30 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
-__all__ = ["Job", "CommStreams", "CommTiming", "INLINE", "STAGES"]
+__all__ = ["Job", "CommStreams", "CommTiming", "INLINE", "STAGES", "used_on_this_stage"]
 
 STAGES = ("intra", "inter", "weights")
+
+_RUNNING = threading.local()
+"""``_RUNNING.cuda_stage``: the :class:`_CudaStage` whose job the calling thread is enqueuing."""
+
+
+def used_on_this_stage(*tensors: torch.Tensor) -> None:
+    """Declare that the CUDA stage enqueuing the current job reads ``tensors``, which another
+    stream allocated (the middle hop's codes: made on the ``intra`` stage, sent by ``inter``).
+
+    The caching allocator ties a block to the stream that allocated it: once the last Python
+    reference is gone, the next allocation *on that stream* may reuse the block at once, while
+    this stage's kernels or NCCL call (enqueued, not executed) still read it. Since torch 2.8 an
+    NCCL call with ``async_op=False`` does not keep its tensors alive either. ``record_stream``
+    makes the allocator wait for this stage's pending work before it reuses the block -- the
+    standard rule "every tensor used on another stream stays alive until that stream is done".
+    Outside a CUDA stage (inline, CPU worker threads) there is nothing to do."""
+    stage = getattr(_RUNNING, "cuda_stage", None)
+    if stage is None:
+        return
+    for t in tensors:
+        t.record_stream(stage.stream)
 
 
 class Job:
@@ -141,20 +162,35 @@ class _ThreadStage(_Stage):
 
 
 class _CudaStage(_Stage):
-    """A CUDA stream: jobs are enqueued at once, ordered by events (see the module docstring)."""
+    """A CUDA stream: jobs are enqueued at once, ordered by events (see the module docstring).
+
+    The stream has the highest priority the device offers, so that a communication kernel that
+    becomes ready is scheduled before queued compute (as NCCL's own internal streams are)."""
 
     def __init__(self, name: str, device: torch.device) -> None:
         super().__init__(name)
-        self.stream = torch.cuda.Stream(device=device)
+        self.stream = torch.cuda.Stream(device=device, priority=-1)
 
     def submit(self, fn: Callable[[], None], after: Sequence[Job] = ()) -> Job:
         job = Job()
+        failed = next((dep.error for dep in after if dep.error is not None), None)
+        if failed is not None:
+            # The host part of a CUDA job runs at submission, so a dependency has already
+            # finished: its error is the cause, running ``fn`` would only hide it behind a
+            # follow-up error (the inter hop's missing codes) and enter a collective the failed
+            # rank never joins.
+            job._finish(failed)
+            return job
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         for dep in after:
             if dep.event is not None:
                 self.stream.wait_event(dep.event)
         with torch.cuda.stream(self.stream):
-            self._run(fn, (), job)
+            _RUNNING.cuda_stage = self
+            try:
+                self._run(fn, (), job)
+            finally:
+                _RUNNING.cuda_stage = None
             job.event = torch.cuda.Event()
             job.event.record(self.stream)
         job.keepalive = fn

@@ -1,0 +1,126 @@
+"""Just enough of ``torch.cuda`` to drive the CUDA communication stages on a machine without a GPU,
+and an allocator check that finds cross-stream use-after-free hazards on that fake.
+
+Why: the CUDA path of :mod:`megatron.distributed.quant.streams` enqueues work on several streams;
+its hazards (a block freed on the stream that allocated it while another stream's pending work
+still reads it) never show as wrong numbers on a CPU, and rarely on one GPU. The fake records what
+the stages ask of streams and events; :class:`StreamAllocationCheck` tags every freshly allocated
+tensor with the fake stream that was current when it was made and records every tensor a
+collective reads on another stage, so a test can assert the product's rule: *a tensor allocated on
+one stage and read by another is handed to that stage with ``record_stream``* (the caching
+allocator then keeps the block until the reader is done).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class FakeCuda:
+    """Streams and events that log what was asked of them; ``torch.cuda.stream`` switches the
+    current stream (per thread, like CUDA's)."""
+
+    def __init__(self) -> None:
+        self.log: List[Tuple[Any, ...]] = []
+        self.default = self.Stream(self, "default")
+        self._tls = threading.local()
+        self.recorded: List[Tuple[int, str]] = []
+        """``(storage data_ptr, stream name)`` of every ``Tensor.record_stream`` call."""
+
+    @property
+    def current(self) -> "FakeCuda.Stream":
+        return getattr(self._tls, "current", self.default)
+
+    @current.setter
+    def current(self, stream: "FakeCuda.Stream") -> None:
+        self._tls.current = stream
+
+    class Stream:
+        def __init__(self, fake: "FakeCuda", name: str = "", device: Any = None,
+                     priority: int = 0) -> None:
+            self.fake, self.name, self.device, self.priority = fake, name, device, priority
+
+        def wait_stream(self, other: "FakeCuda.Stream") -> None:
+            self.fake.log.append(("wait_stream", self.name, other.name))
+
+        def wait_event(self, event: "FakeCuda.Event") -> None:
+            self.fake.log.append(("wait_event", self.name, event.name))
+
+        def __repr__(self) -> str:
+            return self.name
+
+    class Event:
+        count = 0
+
+        def __init__(self, fake: "FakeCuda") -> None:
+            FakeCuda.Event.count += 1
+            self.fake, self.name = fake, f"event{FakeCuda.Event.count}"
+
+        def record(self, stream: "FakeCuda.Stream") -> None:
+            self.fake.log.append(("record", self.name, stream.name))
+
+    def install(self, monkeypatch: Any, names: Optional[List[str]] = None) -> None:
+        """Patch ``torch.cuda``'s stream API (and ``Tensor.record_stream``) for the test.
+
+        Streams are named in creation order from ``names`` (the stages' order of first use)."""
+        stream_names = iter(names or ["intra", "inter", "weights"])
+
+        @contextlib.contextmanager
+        def stream(s: "FakeCuda.Stream"):
+            prev, self.current = self.current, s
+            try:
+                yield
+            finally:
+                self.current = prev
+
+        def record_stream(tensor: torch.Tensor, s: "FakeCuda.Stream") -> None:
+            self.recorded.append((tensor.untyped_storage().data_ptr(), s.name))
+
+        monkeypatch.setattr(torch.cuda, "Stream",
+                            lambda device=None, priority=0: self.Stream(
+                                self, next(stream_names), device, priority))
+        monkeypatch.setattr(torch.cuda, "Event", lambda: self.Event(self))
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+        monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+
+
+class StreamAllocationCheck(TorchDispatchMode):
+    """Tags each freshly allocated tensor with the fake stream current at its allocation.
+
+    An op output without alias information in the op's schema is a new allocation (not a view, an
+    in-place result or an ``out=`` argument), exactly the blocks the caching allocator hands out
+    per stream. :meth:`note_read` (called by a fake collective) records a read of a tensor on
+    the current stream; :meth:`hazards` lists reads of a block allocated on another *stage*
+    stream that was never ``record_stream``-ed to the reader. Blocks allocated on the default
+    stream are the caller's buffers, which the caller keeps until it waits (not a hazard)."""
+
+    def __init__(self, fake: FakeCuda) -> None:
+        super().__init__()
+        self.fake = fake
+        self.allocated_on: Dict[int, str] = {}
+        self.reads: List[Tuple[int, str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for ret, t in zip(returns, outs):
+            if isinstance(t, torch.Tensor) and ret.alias_info is None and t.numel() > 0:
+                self.allocated_on[t.untyped_storage().data_ptr()] = self.fake.current.name
+        return out
+
+    def note_read(self, tensor: torch.Tensor) -> None:
+        ptr = tensor.untyped_storage().data_ptr()
+        self.reads.append((ptr, self.allocated_on.get(ptr, "default"), self.fake.current.name))
+
+    def hazards(self) -> List[Tuple[str, str]]:
+        """``(allocating stage, reading stage)`` of every unprotected cross-stage read."""
+        protected: Set[Tuple[int, str]] = set(self.fake.recorded)
+        return [(alloc, reader) for ptr, alloc, reader in self.reads
+                if alloc not in ("default", reader) and (ptr, reader) not in protected]

@@ -1,0 +1,223 @@
+"""Cross-stream lifetimes and error delivery of the CUDA communication stages, without a GPU.
+
+Why (issue 25, review items 1 and 3): on CUDA the middle hop's codes of the two-level gradient
+reduce-scatter are allocated on the ``intra`` stage's stream and read by the ``inter`` stage's
+all-to-all; the job dropped their last reference as soon as the all-to-all was *enqueued*, so the
+caching allocator could hand the block to the next intra job (the next pipeline chunk or bucket)
+before the inter all-to-all had read it: silently wrong gradients on D>1, M>1 runs with overlap or
+``--gradient-alltoall-pipeline``. And an inter job queued after a failed intra job ran anyway,
+raised ``KeyError(('q2', 0))`` and hid the real error.
+
+The collectives run here on one rank of a 2x2 layout whose transport (``dist``) is a loopback that
+records each collective's input, under the fake ``torch.cuda`` of ``fake_cuda.py`` and an
+allocation tracker (which stage's stream allocated each tensor). The product's rule, asserted: a
+tensor allocated by one stage and read by a collective of another is ``record_stream``-ed to the
+reader. The torch reference kernels run (``QUANT_KERNELS=torch``) so every allocation goes through
+the dispatcher.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fake_cuda import FakeCuda, StreamAllocationCheck
+from megatron.distributed.quant import collectives
+from megatron.distributed.quant.loco import LoCoErrorFeedback
+from megatron.distributed.quant.streams import STAGES, CommStreams
+from megatron.distributed.quant.topology import TwoLevelGroups
+
+GS = 64  # group size of both hops (a multiple of the Hadamard block)
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+class LoopbackDist:
+    """The ``torch.distributed`` calls of the collectives for rank 0 of a world whose peers all
+    send what this rank sends (numbers do not matter here, lifetimes do); each call reports its
+    input to the allocation check."""
+
+    ReduceOp = dist.ReduceOp
+
+    def __init__(self, check: StreamAllocationCheck) -> None:
+        self.check = check
+        self.calls: List[Tuple[str, str]] = []
+
+    def get_world_size(self, group: Any = None) -> int:
+        return group.size
+
+    def get_rank(self, group: Any = None) -> int:
+        return 0
+
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, group: Any = None,
+                          async_op: bool = False) -> None:
+        self.check.note_read(inp)
+        self.calls.append(("all_to_all", self.check.fake.current.name))
+        out.copy_(inp)
+
+    def all_gather_single(self, out: torch.Tensor, inp: torch.Tensor, group: Any = None,
+                          async_op: bool = False) -> None:
+        self.check.note_read(inp)
+        self.calls.append(("all_gather", self.check.fake.current.name))
+        out.view(group.size, -1).copy_(inp.view(1, -1))
+
+    all_gather_into_tensor = all_gather_single
+
+
+def _groups_2x2() -> TwoLevelGroups:
+    return TwoLevelGroups(dp_group=_Group(4), intra_group=_Group(2), inter_group=_Group(2),
+                          dp_size=4, dp_rank=0, intra_size=2, inter_size=2, node=0, local=0,
+                          dp_ranks=[0, 1, 2, 3])
+
+
+@pytest.fixture
+def fake_world(monkeypatch):
+    monkeypatch.setenv("QUANT_KERNELS", "torch")
+    fake = FakeCuda()
+    fake.install(monkeypatch)
+    check = StreamAllocationCheck(fake)
+    transport = LoopbackDist(check)
+    monkeypatch.setattr(collectives, "dist", transport)
+    return fake, check, transport
+
+
+def _cuda_streams() -> CommStreams:
+    """CUDA stages created in the fake's naming order (intra, inter, weights)."""
+    streams = CommStreams("cuda", device="cuda:0")
+    for name in STAGES:
+        streams.stage(name)
+    return streams
+
+
+def _reduce_scatter(streams: CommStreams, *, pipeline: int, loco: bool, hadamard: bool,
+                    buckets: int = 2) -> None:
+    groups = _groups_2x2()
+    gen = torch.Generator().manual_seed(0)
+    flag = torch.zeros(1)
+    ef_owner = LoCoErrorFeedback() if loco else None
+    handles = []
+    for b in range(buckets):
+        x = torch.randn(4 * 2 * GS * 2, generator=gen)
+        out = torch.empty(x.numel() // 4)
+        handles.append(collectives.two_level_reduce_scatter(
+            x, out, groups, bits_intra=8, group_size_intra=GS, bits_inter=4,
+            group_size_inter=GS, hadamard=hadamard, generator=gen, async_op=True,
+            nonfinite_flag=flag, pipeline=pipeline, streams=streams,
+            error_feedback=None if ef_owner is None else ef_owner.bucket(b)))
+    for h in handles:
+        h.wait()
+
+
+@pytest.mark.parametrize("pipeline,loco,hadamard", [(1, False, False), (2, False, True),
+                                                    (2, True, True)])
+def test_middle_hop_codes_are_kept_for_the_inter_stage(fake_world, pipeline: int, loco: bool,
+                                                       hadamard: bool) -> None:
+    fake, check, transport = fake_world
+    streams = _cuda_streams()
+    with check:
+        _reduce_scatter(streams, pipeline=pipeline, loco=loco, hadamard=hadamard)
+    assert ("all_to_all", "intra") in transport.calls and ("all_to_all", "inter") in transport.calls
+    crossing = [(a, r) for _, a, r in check.reads if a == "intra" and r == "inter"]
+    assert len(crossing) == 2 * 2 * pipeline      # codes + scales, per bucket and chunk
+    assert check.hazards() == []
+
+
+def test_weight_gather_reads_only_its_own_stage(fake_world) -> None:
+    fake, check, transport = fake_world
+    streams = _cuda_streams()
+    shard = torch.randn(2 * GS, dtype=torch.bfloat16)
+    ref = torch.randn(4 * 2 * GS, dtype=torch.bfloat16)
+    with check:
+        collectives.quantized_all_gather(shard, ref, ref, _Group(4), bits=4, group_size=GS,
+                                         generator=torch.Generator().manual_seed(1),
+                                         nonfinite_flag=torch.zeros(1), async_op=True,
+                                         streams=streams).wait()
+    assert ("all_gather", "weights") in transport.calls and check.hazards() == []
+
+
+def test_the_check_catches_an_unprotected_cross_stage_read(fake_world, monkeypatch) -> None:
+    """The check itself can fail: with the stage's ``record_stream`` hand-over disabled (the
+    code before the fix), the middle hop's codes are flagged."""
+    fake, check, _ = fake_world
+    monkeypatch.setattr(collectives, "used_on_this_stage", lambda *tensors: None)
+    with check:
+        _reduce_scatter(_cuda_streams(), pipeline=2, loco=False,
+                        hadamard=False)
+    assert check.hazards() and set(check.hazards()) == {("intra", "inter")}
+
+
+def test_cpu_stages_need_no_hand_over(monkeypatch) -> None:
+    """Worker threads and inline runs share one allocator timeline: no ``record_stream``."""
+    calls = []
+    monkeypatch.setenv("QUANT_KERNELS", "torch")
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: calls.append(s))
+    monkeypatch.setattr(collectives, "dist", LoopbackDist(StreamAllocationCheck(FakeCuda())))
+    _reduce_scatter(CommStreams("thread"), pipeline=2, loco=False, hadamard=False)
+    _reduce_scatter(CommStreams("inline"), pipeline=1, loco=True, hadamard=True)
+    assert calls == []
+
+
+@pytest.mark.parametrize("failing_stage", ["intra", "inter"])
+def test_a_failed_cuda_job_reaches_its_dependents_with_the_original_error(
+        fake_world, failing_stage: str) -> None:
+    """Item 3: the dependent job is not run (it would enter a collective the failed rank never
+    joins, and its own error would hide the cause); the original error reaches every waiter."""
+    fake, _, _ = fake_world
+    streams = _cuda_streams()
+    ran = []
+
+    def boom() -> None:
+        raise ValueError("kernel launch failed")
+
+    first = streams.submit(failing_stage, boom)
+    second = streams.submit("weights", lambda: ran.append("second"), after=[first])
+    third = streams.submit("inter", lambda: ran.append("third"), after=[second])
+    assert ran == []
+    for job in (first, second, third):
+        with pytest.raises(ValueError, match="kernel launch failed"):
+            job.wait()
+    ok = streams.submit(failing_stage, lambda: ran.append("later"))
+    ok.wait()
+    assert ran == ["later"]
+
+
+def test_cuda_stages_have_high_priority(fake_world) -> None:
+    fake, _, _ = fake_world
+    streams = _cuda_streams()
+    for name in ("intra", "inter", "weights"):
+        assert streams.stage(name).stream.priority < 0
+
+
+def test_resumed_quantization_state_lands_on_the_model_device() -> None:
+    """Item 2: checkpoints are read with ``map_location="cpu"``; LoCo's error buffers (8-bit codes
+    and scales, or dense) and the qWD reference shards must follow the model to its device
+    (on a GPU they stayed on the CPU and the first step after a resume mixed devices). The
+    "meta" device stands in for CUDA here."""
+    from megatron.distributed.quant.config import QuantizationConfig
+    from megatron.distributed.quant.runtime import QuantizationRuntime
+
+    for error_bits in (8, 32):
+        cfg = QuantizationConfig(quantized_weights=True, quantized_gradients=True, loco=True,
+                                 loco_error_bits=error_bits, gq_group_size_intra=GS,
+                                 gq_group_size_inter=GS)
+        saved = QuantizationRuntime(cfg, _groups_2x2())
+        saved.register("b0", 0)
+        errors = saved.loco.bucket("b0")
+        x = torch.randn(4 * GS)
+        errors.update("e1", errors.compensate("e1", x, group_size=GS), torch.zeros_like(x))
+        saved.note_weights_updated("b0", torch.randn(2 * GS, dtype=torch.bfloat16))
+        state = saved.state_dict()
+
+        resumed = QuantizationRuntime(cfg, _groups_2x2())
+        resumed.register("b0", 0)
+        resumed.load_state_dict(state, device=torch.device("meta"))
+        stored = resumed.loco.bucket("b0")._buf["e1"]
+        tensors = [stored.q.codes, stored.q.scales] if stored.q is not None else [stored.dense]
+        tensors.append(resumed.reference_shards["b0"])
+        assert [t.device.type for t in tensors] == ["meta"] * len(tensors)

@@ -8,6 +8,7 @@ cores, a hard timeout so a hung collective fails the test instead of the CI job)
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,22 @@ TINY_GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
             "--make-vocab-size-divisible-by", "8", "--device", "cpu"]
 
 
+def run_in_own_session(cmd: List[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` in a new session,
+    whose whole process group is killed on a timeout: killing only torchrun (what
+    ``subprocess.run`` does) left its workers running, blocked in a collective, for the rest of
+    the CI job."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 @pytest.fixture
 def free_port() -> int:
     return free_port_number()
@@ -52,7 +69,6 @@ def run_pretrain() -> Callable[..., subprocess.CompletedProcess]:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                "--master-addr=127.0.0.1", f"--master-port={free_port_number()}",
                str(REPO / "pretrain_gpt.py"), *TINY_GPT, *args]
-        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        return run_in_own_session(cmd, env=env, timeout=timeout)
 
     return run

@@ -61,8 +61,19 @@ class FakeCuda:
             FakeCuda.Event.count += 1
             self.fake, self.name = fake, f"event{FakeCuda.Event.count}"
 
+        done = True
+        """What :meth:`query` answers (a test holds an event "on the device")."""
+        elapsed_ms = 2.5
+        """What :meth:`elapsed_time` answers for any pair."""
+
         def record(self, stream: "FakeCuda.Stream") -> None:
             self.fake.log.append(("record", self.name, stream.name))
+
+        def query(self) -> bool:
+            return self.done
+
+        def elapsed_time(self, end: "FakeCuda.Event") -> float:
+            return self.elapsed_ms
 
     def install(self, monkeypatch: Any, names: Optional[List[str]] = None) -> None:
         """Patch ``torch.cuda``'s stream API (and ``Tensor.record_stream``) for the test.
@@ -84,7 +95,7 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "Stream",
                             lambda device=None, priority=0: self.Stream(
                                 self, next(stream_names), device, priority))
-        monkeypatch.setattr(torch.cuda, "Event", lambda: self.Event(self))
+        monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: self.Event(self))
         monkeypatch.setattr(torch.cuda, "stream", stream)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
         monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)

@@ -43,6 +43,17 @@ def test_intervals_sum_to_totals_with_overlapped_param_gather(tmp_path: Path, ru
             assert r[key] >= 0.0, (key, r)
         assert r["comm_grad_intra_ms"] > 0.0 and r["comm_weight_ms"] > 0.0
     assert "comm_grad_exposed_ms: " in res.stdout
+    # The iteration line is Megatron-LM's plus at most four communication figures (issue 23:
+    # it was ~2,000 characters); everything else is in the jsonl records above.
+    from megatron.training.training import LOG_LINE_COMM_KEYS
+
+    lines = [l for l in res.stdout.splitlines() if l.startswith(" iteration ")]
+    assert len(lines) == 2
+    for line in lines:
+        names = {f.split(":")[0].strip() for f in line.split("|") if ":" in f}
+        extra = {n for n in names if "_" in n}
+        assert extra and extra <= set(LOG_LINE_COMM_KEYS), extra
+        assert len(line) < 500, len(line)
     # The log lines alone miss gathers: the lines at iterations 2 and 4 saw 3 of the 5 (each
     # update's gather runs in the next iteration's forward).
     assert sum(r["weight_calls"] for r in train) == 3 and summary["weight_calls"] == 5

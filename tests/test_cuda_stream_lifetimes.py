@@ -99,7 +99,7 @@ def _reduce_scatter(streams: CommStreams, *, pipeline: int, loco: bool, hadamard
                     buckets: int = 2) -> None:
     groups = _groups_2x2()
     gen = torch.Generator().manual_seed(0)
-    flag = torch.zeros(1)
+    flag = torch.zeros(1, dtype=torch.int32)
     ef_owner = LoCoErrorFeedback() if loco else None
     handles = []
     for b in range(buckets):
@@ -136,7 +136,7 @@ def test_weight_gather_reads_only_its_own_stage(fake_world) -> None:
     with check:
         collectives.quantized_all_gather(shard, ref, ref, _Group(4), bits=4, group_size=GS,
                                          generator=torch.Generator().manual_seed(1),
-                                         nonfinite_flag=torch.zeros(1), async_op=True,
+                                         nonfinite_flag=torch.zeros(1, dtype=torch.int32), async_op=True,
                                          streams=streams).wait()
     assert ("all_gather", "weights") in transport.calls and check.hazards() == []
 

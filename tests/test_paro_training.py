@@ -433,19 +433,25 @@ def test_engine_rejects_fp16_optimizer():
 # command line
 # ------------------------------------------------------------------------------------------------
 
-def test_pretrain_gpt_nig_four_ranks(run_pretrain):
+def test_pretrain_gpt_nig_four_ranks(run_pretrain, tmp_path):
     """``pretrain_gpt.py --paro-strategy NIG --paro-group-size 2`` on 4 CPU ranks, bf16: loss falls
     and the logged link bytes are the report's."""
+    import json
     import re
+
+    jsonl = tmp_path / "log.jsonl"
 
     res = run_pretrain(["--global-batch-size", "16", "--train-iters", "12", "--lr", "3e-3",
                         "--bf16", "--paro-strategy", "NIG", "--paro-group-size", "2",
-                        "--log-interval", "4", "--eval-interval", "100", "--eval-iters", "1"],
+                        "--log-interval", "4", "--eval-interval", "100", "--eval-iters", "1",
+                        "--jsonl-log", str(jsonl)],
                        nproc=4, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "PaRO strategy NIG: n=4 ranks, m=2 per group, g=2 groups" in res.stdout
-    rows = re.findall(r"lm loss: ([\d.E+-]+) .*paro_intra_bytes: ([\d.]+) \| paro_inter_bytes: "
-                      r"([\d.]+) \|", res.stdout)
+    # The log line keeps Megatron-LM's fields; the engine's bytes are in the jsonl records.
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    rows = [(r["lm_loss"], r["paro_intra_bytes"], r["paro_inter_bytes"])
+            for r in records if r["type"] == "train"]
     assert len(rows) == 3, res.stdout[-3000:]
     losses = [float(r[0]) for r in rows]
     assert losses[-1] < losses[0] - 0.5, losses

@@ -106,12 +106,34 @@ def test_cuda_stages_enqueue_in_order_and_wait_by_events(monkeypatch) -> None:
                            after=[intra])
     assert ran == [("intra", "intra"), ("inter", "inter")]      # enqueued at once, on its stream
     assert fake.current is fake.default                          # the caller's stream is restored
+    intra_start = streams.stage("intra")._timed[0][0].name   # device-time events (CommTiming)
+    inter_start = streams.stage("inter")._timed[0][0].name
     assert fake.log == [
-        ("wait_stream", "intra", "default"), ("record", intra.event.name, "intra"),
+        ("wait_stream", "intra", "default"), ("record", intra_start, "intra"),
+        ("record", intra.event.name, "intra"),
         ("wait_stream", "inter", "default"), ("wait_event", "inter", intra.event.name),
-        ("record", inter.event.name, "inter")]
+        ("record", inter_start, "inter"), ("record", inter.event.name, "inter")]
     assert inter.keepalive is not None
     fake.log.clear()
     inter.wait()
     assert fake.log == [("wait_event", "default", inter.event.name)]
     assert inter.keepalive is None and intra.keepalive is not None
+
+
+def test_cuda_stage_time_is_device_time_and_completion_is_the_device_s(monkeypatch) -> None:
+    """Issue 25 item 7: on CUDA ``busy_s`` was host enqueue time and ``is_completed`` was True as
+    soon as a job was queued. Now: CUDA-event time of jobs the device finished, and a job is
+    complete when its end event is."""
+    import time
+
+    fake = FakeCuda()
+    fake.install(monkeypatch)
+    streams = CommStreams("cuda", device="cuda:0")
+    job = streams.submit("intra", lambda: time.sleep(0.01))   # host time that must not count
+    job.event.done = False                                     # still running on the device
+    assert not job.is_completed()
+    assert streams.busy_seconds()["intra"] == 0.0
+    job.event.done = True
+    assert job.is_completed()
+    assert streams.busy_seconds()["intra"] == pytest.approx(0.0025)   # the fake's 2.5 ms
+    assert streams.busy_seconds()["intra"] == pytest.approx(0.0025)   # counted once

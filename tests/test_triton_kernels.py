@@ -240,3 +240,42 @@ def test_pipeline_chunks_round_like_the_whole_call() -> None:
                                         noise_index=K.NoiseIndex(b - a, s, a, m * s))
         assert torch.equal(r.codes.view(m, -1), whole.codes.view(m, -1)[:, a // 2:b // 2])
         assert torch.equal(r.scales.view(m, -1), whole.scales.view(m, -1)[:, a // gs:b // gs])
+
+
+# -- issue 24 item 1: the non-finite count goes to a device counter, nothing is read back ---------
+
+def test_fused_nonfinite_counter_counts_without_reading_back(monkeypatch) -> None:
+    """With ``nonfinite_counter`` the kernel adds its fused count into the caller's int32 device
+    tensor and no ``.item()`` runs (it was one host sync per quantize call); the codes are those
+    of the unchecked call; several calls accumulate."""
+    x = _randn(4 * 256, seed=3)
+    x[[5, 300, 301]] = float("nan")
+    x[700] = float("inf")
+    counter = torch.zeros(1, dtype=torch.int32, device=DEV)
+    reads = []
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.Tensor, "item", lambda t: reads.append(t) or 0)
+        q = K.quantize(x, 4, 128, stochastic=False, nonfinite_counter=counter)
+        p = K.quantize_partitions(x, 4, [2, 0, 3, 1], 8, 256, stochastic=False,
+                                  nonfinite_counter=counter)
+        d = K.quantize_difference(x, torch.zeros_like(x), 4, 128, stochastic=False,
+                                  nonfinite_counter=counter)
+    assert reads == []
+    assert counter.tolist() == [12]
+    same = lambda a, b: (torch.equal(a.codes, b.codes)  # noqa: E731 (NaN scales compare equal)
+                         and torch.equal(a.scales.nan_to_num(-1.0), b.scales.nan_to_num(-1.0)))
+    assert same(q, K.quantize(x, 4, 128, stochastic=False, check_finite=False))
+    assert same(p, K.quantize_partitions(x, 4, [2, 0, 3, 1], 8, 256, stochastic=False,
+                                          check_finite=False))
+    assert same(d, K.quantize_difference(x, torch.zeros_like(x), 4, 128, stochastic=False,
+                                          check_finite=False))
+    with pytest.raises(ValueError, match="int32"):
+        K.quantize(x, 4, 128, nonfinite_counter=torch.zeros(1, device=DEV))
+
+
+def test_partition_slot_table_is_built_once_per_order_and_device() -> None:
+    """It was ``torch.tensor(slot_of, device=...)`` per call: a host-to-device copy (a sync)
+    per bucket in the backward hooks."""
+    a = T._slot_table((1, 0, 3, 2), torch.device(DEV))
+    assert a is T._slot_table((1, 0, 3, 2), torch.device(DEV))
+    assert a.tolist() == [1, 0, 3, 2] and T._slot_table((0, 1, 2, 3), torch.device(DEV)) is not a

@@ -26,8 +26,9 @@ Non-finite inputs, two contracts:
   agreed with a one-element all-reduce over the DP group, and then *all* ranks raise
   :class:`NonFiniteError` before any payload moves. Raising on one rank only would leave the others
   blocked inside the all-to-all. It costs an all-reduce and a host sync per call.
-* ``nonfinite_flag=<device tensor>`` (the trainer's path): no agreement and no host sync here; the
-  rank ORs "my input holds NaN/Inf" into the flag on the device and the payload moves anyway (a
+* ``nonfinite_flag=<int32 device tensor>`` (the trainer's path): no agreement and no host sync
+  here; the first quantization adds the number of NaN/Inf inputs into the flag on the device (in
+  the same pass on CUDA: the Triton kernel's fused count) and the payload moves anyway (a
   poisoned group dequantizes to NaN, never to finite values). The caller agrees on the flag once
   per training step and skips the step -- one host sync per step instead of one per bucket and
   hop, which would stall the CUDA stream and serialize the overlap.
@@ -46,8 +47,7 @@ import torch
 import torch.distributed as dist
 
 from .accounting import CommAccounting
-from .kernels import (NoiseIndex, NonFiniteError, QuantizedTensor, all_finite, backend_for,
-                      count_nonfinite, dequantize,
+from .kernels import (NoiseIndex, NonFiniteError, QuantizedTensor, all_finite, dequantize,
                       dequantize_add, dequantize_sum, dequantize_sum_requantize, quantize,
                       quantize_difference, quantize_partitions)
 from .streams import INLINE, CommStreams, CommTiming, Job, used_on_this_stage
@@ -134,19 +134,6 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, op: An
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, inp, op=dist.ReduceOp.SUM if op is None else op, group=group,
               async_op=async_op)
-
-
-def note_nonfinite(x: torch.Tensor, flag: torch.Tensor) -> None:
-    """``flag = max(flag, 1 if x holds NaN/Inf else 0)`` on ``x``'s device: no host sync.
-
-    CPU tensors (nothing to sync with) use the one-pass C++ counter when it is loaded: 20x less
-    time than ``torch.isfinite(x).all()`` and its N-byte temporary, on every bucket of a step."""
-    if x.device.type == "cpu" and flag.device.type == "cpu" and backend_for(x) == "cpp":
-        if count_nonfinite(x):
-            flag.fill_(1.0)
-        return
-    bad = torch.isfinite(x).all().logical_not().to(flag.dtype)
-    torch.maximum(flag, bad, out=flag)
 
 
 def _agree_finite(x: torch.Tensor, group, what: str) -> None:
@@ -376,11 +363,10 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
 
     def quantize_first() -> None:
         """[E1] -> [Hadamard] -> quantize into destination-major slots (whole bucket)."""
-        if nonfinite_flag is not None:
-            note_nonfinite(x, nonfinite_flag)
         h = x if ef is None else ef.compensate("e1", x, group_size=gs1)
         q1 = quantize_partitions(h, p, order, bits1, gs1, stochastic=stochastic, generator=gen,
-                                 hadamard=hadamard, hadamard_block=hadamard_block, check_finite=False)
+                                 hadamard=hadamard, hadamard_block=hadamard_block,
+                                 check_finite=False, nonfinite_counter=nonfinite_flag)
         if ef is not None:
             sent = dequantize(q1, hadamard=hadamard, hadamard_block=hadamard_block)
             ef.update("e1", h, _unswizzle(sent, order) if two_level else sent)
@@ -552,16 +538,15 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
                 held *= k
 
     def run() -> None:
-        if nonfinite_flag is not None:
-            note_nonfinite(shard, nonfinite_flag)
         if mode == "diff":
             ref_flat = full_reference.reshape(-1)
             q = quantize_difference(shard.reshape(-1), ref_flat[me * s:(me + 1) * s], bits,
                                     group_size, stochastic=stochastic, generator=generator,
-                                    check_finite=False)
+                                    check_finite=False, nonfinite_counter=nonfinite_flag)
         else:
             q = quantize(shard.reshape(-1), bits, group_size, stochastic=stochastic,
-                         generator=generator, check_finite=False)
+                         generator=generator, check_finite=False,
+                         nonfinite_counter=nonfinite_flag)
         codes, scales = q.codes, q.scales
         for g, k in zip(hops, sizes):
             if k == 1:

@@ -38,7 +38,7 @@ __all__ = [
     "build_optimizer", "on_optimizer_built", "finalize_model_grads_func", "set_iteration",
     "on_step_skipped", "on_loss_scale_changed", "full_model_params", "quantization_state_dict",
     "load_quantization_state_dict", "reset_quantization_state", "strategy_report",
-    "communication_report", "resolve_grad_dtypes", "TopologyUnknownError",
+    "communication_report", "resolve_grad_dtypes", "TopologyUnknownError", "nobody_to_talk_to",
 ]
 
 
@@ -152,6 +152,15 @@ def resolve_auto_strategy(args: argparse.Namespace, num_params: int) -> Optional
     return resolve(args, num_params)
 
 
+def nobody_to_talk_to() -> bool:
+    """True when the data-parallel group (with context parallelism) has one rank: nothing is
+    sent, so quantizing would only lose precision. The model then gets megatron-core's own DDP
+    (bit-identical to the baseline) whatever the quantization flags say."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 1
+
+
 def wrap_model_with_ddp(
     config: "TransformerConfig",
     ddp_config: "DistributedDataParallelConfig",
@@ -168,7 +177,7 @@ def wrap_model_with_ddp(
 
     params_dtype = getattr(config, "params_dtype", None) or torch.float32
     apply_grad_accum_dtype(ddp_config, quant_config, params_dtype)
-    if not quant_config.enabled:
+    if not quant_config.enabled or nobody_to_talk_to():
         return [
             DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                     disable_bucketing=(i > 0))

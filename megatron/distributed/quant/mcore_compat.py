@@ -63,6 +63,11 @@ Touch points (megatron-core name -- what we rely on -- who uses it):
   :func:`dispatch_param_gathers_after_step`, :func:`wait_param_gathers_in_flight`;
   ``integration.build_optimizer`` (``--overlap-param-gather-with-optimizer-step`` with one model
   chunk), ``integration.wait_param_gathers_in_flight`` (end of training).
+* ``optimizer.clip_grads.l2_norm_impl`` / ``multi_tensor_scale_impl`` /
+  ``multi_tensor_applier`` and ``optimizer.optimizer.multi_tensor_scale_impl`` -- module globals
+  read at call time; megatron-core's fallback is ``utils.local_multi_tensor_applier`` --
+  :func:`install_foreach_multi_tensor_ops`, used by ``megatron/training/fusions.py`` on CUDA
+  without TE/Apex.
 * ``DistributedOptimizer._get_model_param_range_map`` -- which elements of a model param this
   rank's shard owns -- :func:`model_param_range_map`, for ``tests/test_integration_ddp.py``.
 
@@ -597,6 +602,57 @@ def writes_model_params_in_step(leaf_opt: Any) -> bool:
                 and getattr(cfg, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
 
 
+# ================================================================================ multi-tensor ops
+def foreach_multi_tensor_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: Any,
+                                 per_tensor: bool, *args: Any) -> Tuple[torch.Tensor, None]:
+    """``amp_C.multi_tensor_l2norm``'s contract on torch ``_foreach`` ops: one kernel group for
+    all tensors, the result stays on the device. megatron-core's fallback
+    (``local_multi_tensor_l2_norm``) launches a norm per tensor, builds a host tensor from them
+    and reads it back with ``float()``: a host sync and O(params) launches per step."""
+    tensors = [t for tensors_ in tensor_lists for t in tensors_]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32), None
+    norms = torch._foreach_norm(tensors, 2.0)
+    total = torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
+    return total.reshape(1), None
+
+
+def foreach_multi_tensor_scale(chunk_size: int, noop_flag: Any, tensor_lists: Any,
+                               scale: float) -> None:
+    """``amp_C.multi_tensor_scale``'s contract (``dst = src * scale``) on ``_foreach`` ops."""
+    src, dst = list(tensor_lists[0]), list(tensor_lists[1])
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def install_foreach_multi_tensor_ops() -> Undo:
+    """Where megatron-core fell back to its per-tensor loops (neither TE nor Apex imported),
+    route its grad-norm and scale calls through :func:`foreach_multi_tensor_l2_norm` /
+    :func:`foreach_multi_tensor_scale`. Touch points: the module globals ``l2_norm_impl`` and
+    ``multi_tensor_scale_impl`` of ``megatron.core.optimizer.clip_grads`` and
+    ``multi_tensor_scale_impl`` of ``megatron.core.optimizer.optimizer``, which their functions
+    read at call time through ``multi_tensor_applier`` (the local applier passes its arguments
+    through). A no-op (returns a no-op undo) when megatron-core uses TE's or Apex's kernels."""
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads, optimizer as mcore_optimizer
+
+    if clip_grads.multi_tensor_applier is not mcore_utils.local_multi_tensor_applier:
+        return lambda: None
+    saved = [(clip_grads, "l2_norm_impl", clip_grads.l2_norm_impl),
+             (clip_grads, "multi_tensor_scale_impl", clip_grads.multi_tensor_scale_impl),
+             (mcore_optimizer, "multi_tensor_scale_impl", mcore_optimizer.multi_tensor_scale_impl)]
+    clip_grads.l2_norm_impl = foreach_multi_tensor_l2_norm
+    clip_grads.multi_tensor_scale_impl = foreach_multi_tensor_scale
+    mcore_optimizer.multi_tensor_scale_impl = foreach_multi_tensor_scale
+
+    def undo() -> None:
+        for module, name, value in saved:
+            setattr(module, name, value)
+    return undo
+
+
 __all__ = [
     "SUPPORTED", "SUPPORTED_SPEC", "MCORE_VERSION", "check_version",
     "TP_RNG_LOGGER", "TP_RNG_CPU_STATE_WARNING", "patch_tp_rng_state", "suspend_jit_fuser",
@@ -608,5 +664,6 @@ __all__ = [
     "set_param_gather_handle", "dp_instance_group", "dp_instance_size", "dp_instance_rank",
     "bucket_grad_shard", "bucket_param_shard", "patch_bucket_collectives", "HOOK_MARK",
     "leaf_optimizers", "wrap_copy_main_params_to_model_params", "wrap_prepare_grads",
-    "model_param_range_map", "writes_model_params_in_step",
+    "model_param_range_map", "writes_model_params_in_step", "foreach_multi_tensor_l2_norm",
+    "foreach_multi_tensor_scale", "install_foreach_multi_tensor_ops",
 ]

@@ -102,8 +102,8 @@ class QuantizationRuntime:
         self.updated: Dict[str, bool] = {}
         """Per buffer key: an optimizer update reached it since its last weight gather."""
         self._nonfinite_flag: Optional[torch.Tensor] = None
-        """1.0 on the device once a quantized collective of this step met NaN/Inf on this rank
-        (:func:`~.collectives.note_nonfinite`); agreed and reset once per step by
+        """Number of NaN/Inf inputs the quantized collectives of this step met on this rank,
+        counted on the device by the quantize kernels (int32); agreed and reset once per step by
         :meth:`agree_nonfinite`, so no bucket waits for the host."""
         self.nonfinite_events = 0
         self.nonfinite_events_interval = 0
@@ -304,7 +304,7 @@ class QuantizationRuntime:
     def nonfinite_flag(self, device: torch.device) -> torch.Tensor:
         """This step's device-side "met NaN/Inf" flag (created on first use)."""
         if self._nonfinite_flag is None:
-            self._nonfinite_flag = torch.zeros(1, dtype=torch.float32, device=device)
+            self._nonfinite_flag = torch.zeros(1, dtype=torch.int32, device=device)
         return self._nonfinite_flag
 
     def agree_nonfinite(self, device: torch.device) -> bool:

@@ -35,8 +35,9 @@ Backends (chosen by the device of the buffers, :meth:`CommStreams.for_device`):
 Without overlap, :data:`INLINE` runs every job at once in the caller's thread/stream: the same
 steps in the same order, so overlap never changes the numbers.
 
-Each stage accumulates the wall time its jobs took (``busy_s``): the "total" communication time
-of the per-iteration timing log, next to the "exposed" time the main thread waited.
+Each stage accumulates the time its jobs took (``busy_s``: wall time of the worker on CPU, device
+time between CUDA events on a GPU): the "total" communication time of the per-iteration timing
+log, next to the "exposed" time the main thread waited.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ class Job:
         self._done.set()
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        """The job ran (CPU), or its CUDA work finished on the device (not only enqueued)."""
+        return self._done.is_set() and (self.event is None or bool(self.event.query()))
 
     @property
     def error(self) -> Optional[BaseException]:
@@ -131,7 +133,10 @@ class _Stage:
         else:
             job._finish()
         finally:
-            self.busy_s += time.perf_counter() - t0
+            self._add_host_time(time.perf_counter() - t0)
+
+    def _add_host_time(self, seconds: float) -> None:
+        self.busy_s += seconds
 
 
 class _InlineStage(_Stage):
@@ -170,6 +175,29 @@ class _CudaStage(_Stage):
     def __init__(self, name: str, device: torch.device) -> None:
         super().__init__(name)
         self.stream = torch.cuda.Stream(device=device, priority=-1)
+        self._device_s = 0.0
+        self._timed: list = []
+        """(start, end) timing events of jobs whose device time is not yet counted."""
+
+    def _add_host_time(self, seconds: float) -> None:
+        """The host part of a CUDA job only enqueues: its time is not the stage's."""
+
+    @property
+    def busy_s(self) -> float:
+        """Device time of this stage's finished jobs (CUDA events; jobs still running on the
+        device are counted once they finished). Read at log intervals only."""
+        pending = []
+        for start, end in self._timed:
+            if end.query():
+                self._device_s += start.elapsed_time(end) / 1000.0
+            else:
+                pending.append((start, end))
+        self._timed = pending
+        return self._device_s
+
+    @busy_s.setter
+    def busy_s(self, value: float) -> None:
+        self._device_s = value
 
     def submit(self, fn: Callable[[], None], after: Sequence[Job] = ()) -> Job:
         job = Job()
@@ -186,13 +214,16 @@ class _CudaStage(_Stage):
             if dep.event is not None:
                 self.stream.wait_event(dep.event)
         with torch.cuda.stream(self.stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
             _RUNNING.cuda_stage = self
             try:
                 self._run(fn, (), job)
             finally:
                 _RUNNING.cuda_stage = None
-            job.event = torch.cuda.Event()
+            job.event = torch.cuda.Event(enable_timing=True)
             job.event.record(self.stream)
+        self._timed.append((start, job.event))
         job.keepalive = fn
         return job
 
@@ -250,7 +281,9 @@ class CommTiming:
     the overlap hid behind compute. Reported by :meth:`interval_report` as
     ``comm_grad_intra_ms``, ``comm_grad_inter_ms`` (total per stage), ``comm_grad_exposed_ms``,
     ``comm_weight_ms``, ``comm_weight_exposed_ms`` (per iteration, over the interval).
-    On CUDA the stages' host time is only the enqueueing; the figures are meaningful on CPU.
+    On CUDA the stages' time is device time between CUDA events recorded around each job (the
+    host only enqueues); "exposed" is the host's wait, which on CUDA is the time to make the
+    waiting stream wait -- the real stall shows in the iteration time.
     """
 
     def __init__(self, inline: CommStreams) -> None:

@@ -10,7 +10,8 @@ Three backends implement the same public ops:
 ``backend_for(x)`` says which one the public ops use for a tensor like ``x``. The environment
 variable ``QUANT_KERNELS`` (read at every call) chooses:
 
-* ``auto`` (default): ``triton`` for CUDA tensors when triton imports, ``cpp`` for CPU tensors when
+* ``auto`` (default): ``triton`` for CUDA tensors (an error naming the import failure when triton
+  does not import: no silent fall back to the reference on a GPU), ``cpp`` for CPU tensors when
   the C++ kernels build (if they cannot — no compiler, no ninja, build error — one warning is logged
   and ``torch`` is used), ``torch`` otherwise;
 * ``torch``, ``triton`` or ``cpp`` (alias ``cpu``) force that backend; forcing one that cannot be
@@ -116,7 +117,14 @@ def backend_for(x: torch.Tensor) -> str:
     if mode not in ("", "auto"):
         raise ValueError(f"QUANT_KERNELS must be 'auto', 'torch', 'triton' or 'cpp', got {mode!r}")
     if x.is_cuda:
-        return "triton" if _triton() is not None else "torch"
+        if _triton() is None:
+            raise RuntimeError(
+                f"the quantization kernels for CUDA tensors need triton, which cannot be imported "
+                f"({_TRITON_ERR!r}); install the triton that matches your torch (pip install "
+                f"triton), or set QUANT_KERNELS=torch to run the torch reference on the GPU "
+                f"knowingly (several times slower, and its stochastic rounding draws noise on the "
+                f"host)")
+        return "triton"
     if x.device.type == "cpu":
         return _auto_cpu()
     return "torch"
@@ -145,17 +153,45 @@ def all_finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(x).all())
 
 
+def _count_nonfinite_into(counter: torch.Tensor, *tensors: torch.Tensor) -> None:
+    """``counter += number of NaN/Inf in tensors`` for the backends without a fused count: the
+    one-pass C++ counter on CPU, a device reduction elsewhere (never read back here)."""
+    for x in tensors:
+        if backend_for(x) == "cpp" and x.device.type == "cpu":
+            bad = _cpu().count_nonfinite(x)
+            if bad:
+                counter.add_(bad)
+        else:
+            counter.add_((~torch.isfinite(x)).sum().to(counter.dtype))
+
+
+def _with_counter(x: torch.Tensor, counter: Optional[torch.Tensor], check_finite: bool,
+                  *checked: torch.Tensor) -> dict:
+    """Keyword arguments for a backend's quantize: the Triton kernels count non-finite inputs
+    into ``counter`` in the same pass; the others get it counted here first."""
+    if counter is None:
+        return {"check_finite": check_finite}
+    if backend_for(x) == "triton":
+        return {"check_finite": False, "nonfinite_counter": counter}
+    _count_nonfinite_into(counter, *checked)
+    return {"check_finite": False}
+
+
 def quantize(x: torch.Tensor, bits: int, group_size: int, *, stochastic: bool = True,
              generator: Optional[torch.Generator] = None, hadamard: bool = False,
-             hadamard_block: int = 32, check_finite: bool = True) -> QuantizedTensor:
+             hadamard_block: int = 32, check_finite: bool = True,
+             nonfinite_counter: Optional[torch.Tensor] = None) -> QuantizedTensor:
     """Group-wise symmetric quantization of the flattened ``x`` to ``bits`` (2, 4 or 8).
 
     Raises ValueError for unsupported bits / non-dividing group sizes / bad Hadamard blocks and
-    :class:`NonFiniteError` if ``check_finite`` and ``x`` holds NaN/Inf.
+    :class:`NonFiniteError` if ``check_finite`` and ``x`` holds NaN/Inf. ``nonfinite_counter``
+    (an int32 device tensor) replaces that check: the number of non-finite inputs is added to it
+    on the device (fused into the kernel on CUDA) and nothing is read back -- the trainer's
+    once-per-step agreement reads it.
     """
     return _impl(x).quantize(x, bits, group_size, stochastic=stochastic, generator=generator,
                              hadamard=hadamard, hadamard_block=hadamard_block,
-                             check_finite=check_finite)
+                             **_with_counter(x, nonfinite_counter, check_finite, x))
 
 
 def dequantize(q: QuantizedTensor, *, hadamard: bool = False, hadamard_block: int = 32,
@@ -169,16 +205,18 @@ def dequantize(q: QuantizedTensor, *, hadamard: bool = False, hadamard_block: in
 def quantize_partitions(x: torch.Tensor, num_partitions: int, partition_order: Sequence[int],
                         bits: int, group_size: int, *, stochastic: bool = True,
                         generator: Optional[torch.Generator] = None, hadamard: bool = False,
-                        hadamard_block: int = 32, check_finite: bool = True) -> QuantizedTensor:
+                        hadamard_block: int = 32, check_finite: bool = True,
+                        nonfinite_counter: Optional[torch.Tensor] = None) -> QuantizedTensor:
     """Fused [Hadamard ->] quantize -> pack -> destination-major write.
 
     ``x`` is ``num_partitions`` equal contiguous partitions; output slot j holds partition
     ``partition_order[j]`` (ready for ``all_to_all_single`` with equal splits).
+    ``nonfinite_counter``: as in :func:`quantize`.
     """
     return _impl(x).quantize_partitions(
         x, num_partitions, partition_order, bits, group_size, stochastic=stochastic,
         generator=generator, hadamard=hadamard, hadamard_block=hadamard_block,
-        check_finite=check_finite)
+        **_with_counter(x, nonfinite_counter, check_finite, x))
 
 
 def dequantize_sum_requantize(q: QuantizedTensor, num_sources: int, bits_out: int, *,
@@ -203,11 +241,14 @@ def dequantize_sum(q: QuantizedTensor, num_sources: int, *, hadamard: bool = Fal
 
 def quantize_difference(new: torch.Tensor, reference: torch.Tensor, bits: int, group_size: int, *,
                         stochastic: bool = True, generator: Optional[torch.Generator] = None,
-                        check_finite: bool = True) -> QuantizedTensor:
-    """qWD send side: quantize ``reference.dtype(new) - reference`` (subtraction in reference.dtype)."""
-    return _impl(reference).quantize_difference(new, reference, bits, group_size,
-                                                stochastic=stochastic, generator=generator,
-                                                check_finite=check_finite)
+                        check_finite: bool = True,
+                        nonfinite_counter: Optional[torch.Tensor] = None) -> QuantizedTensor:
+    """qWD send side: quantize ``reference.dtype(new) - reference`` (subtraction in reference.dtype).
+    ``nonfinite_counter``: as in :func:`quantize` (the Triton kernel counts the difference; the
+    other backends count ``new`` and ``reference``)."""
+    return _impl(reference).quantize_difference(
+        new, reference, bits, group_size, stochastic=stochastic, generator=generator,
+        **_with_counter(reference, nonfinite_counter, check_finite, new, reference))
 
 
 def dequantize_add(q: QuantizedTensor, reference: torch.Tensor, *,

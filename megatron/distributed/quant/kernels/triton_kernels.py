@@ -23,7 +23,7 @@ NaN/Inf detection is fused: the quantize kernels count non-finite inputs into an
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -274,24 +274,39 @@ def _seed(stochastic: bool, generator: Optional[torch.Generator]) -> int:
 def _launch_quantize(x: torch.Tensor, ref: Optional[torch.Tensor], bits: int, group_size: int,
                      stochastic: bool, generator: Optional[torch.Generator], hadamard: bool,
                      hadamard_block: int, check_finite: bool, slots: Optional[torch.Tensor],
-                     groups_per_part: int, what: str) -> QuantizedTensor:
+                     groups_per_part: int, what: str,
+                     nonfinite_counter: Optional[torch.Tensor] = None) -> QuantizedTensor:
+    """``nonfinite_counter`` (int32, on the device): the kernel adds the number of non-finite
+    inputs into it with its fused atomic count and nothing is read back (the caller agrees on it
+    once per step); else with ``check_finite`` the count is read back here (one host sync) and
+    raises."""
     numel = x.numel()
     ng = numel // group_size
     codes = torch.empty(numel * bits // 8, dtype=torch.uint8, device=x.device)
     scales = torch.empty(ng, dtype=torch.float32, device=x.device)
-    counter = torch.zeros(1, dtype=torch.int32, device=x.device)
+    if nonfinite_counter is not None:
+        if nonfinite_counter.dtype != torch.int32 or nonfinite_counter.device != x.device:
+            raise ValueError(f"{what}: nonfinite_counter must be an int32 tensor on {x.device}, "
+                             f"got {nonfinite_counter.dtype} on {nonfinite_counter.device}")
+        counter = nonfinite_counter
+    elif check_finite:
+        counter = torch.zeros(1, dtype=torch.int32, device=x.device)
+    else:
+        counter = None
     gp = _next_pow2(group_size)
     rows = _rows_for(gp)
     seed = _seed(stochastic, generator)
     if ng > 0:
         _quantize_kernel[(triton.cdiv(ng, rows),)](
             x, ref if ref is not None else x, codes, scales,
-            slots if slots is not None else counter, counter, seed, ng, max(groups_per_part, 1),
+            slots if slots is not None else _unused_i32(x.device),
+            counter if counter is not None else _unused_i32(x.device),
+            seed, ng, max(groups_per_part, 1),
             GS=group_size, GP=gp, R=rows, BITS=bits, STOCHASTIC=bool(stochastic),
             HADAMARD=bool(hadamard), HB=hadamard_block if hadamard else 1,
-            DIFF=ref is not None, PERMUTE=slots is not None, CHECK=bool(check_finite),
+            DIFF=ref is not None, PERMUTE=slots is not None, CHECK=counter is not None,
             enable_fp_fusion=False)
-    if check_finite:
+    if check_finite and nonfinite_counter is None:
         bad = int(counter.item())
         if bad:
             raise NonFiniteError(
@@ -306,21 +321,24 @@ def _contig_flat(x: torch.Tensor, what: str) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, *, stochastic: bool = True,
              generator: Optional[torch.Generator] = None, hadamard: bool = False,
-             hadamard_block: int = 32, check_finite: bool = True) -> QuantizedTensor:
-    """Triton version of :func:`reference.quantize`."""
+             hadamard_block: int = 32, check_finite: bool = True,
+             nonfinite_counter: Optional[torch.Tensor] = None) -> QuantizedTensor:
+    """Triton version of :func:`reference.quantize` (``nonfinite_counter``: see
+    :func:`_launch_quantize`)."""
     _ref._check_bits(bits)
     f = _contig_flat(x, "quantize")
     _ref._check_group(f.numel(), group_size, bits)
     if hadamard:
         _ref._check_hadamard(group_size, hadamard_block)
     return _launch_quantize(f, None, bits, group_size, stochastic, generator, hadamard,
-                            hadamard_block, check_finite, None, 0, "quantize")
+                            hadamard_block, check_finite, None, 0, "quantize", nonfinite_counter)
 
 
 def quantize_partitions(x: torch.Tensor, num_partitions: int, partition_order: Sequence[int],
                         bits: int, group_size: int, *, stochastic: bool = True,
                         generator: Optional[torch.Generator] = None, hadamard: bool = False,
-                        hadamard_block: int = 32, check_finite: bool = True) -> QuantizedTensor:
+                        hadamard_block: int = 32, check_finite: bool = True,
+                        nonfinite_counter: Optional[torch.Tensor] = None) -> QuantizedTensor:
     """Triton version of :func:`reference.quantize_partitions` (one fused pass)."""
     _ref._check_bits(bits)
     f = _contig_flat(x, "quantize_partitions")
@@ -329,18 +347,46 @@ def quantize_partitions(x: torch.Tensor, num_partitions: int, partition_order: S
     if hadamard:
         _ref._check_hadamard(group_size, hadamard_block)
     order = _ref._check_order(partition_order, num_partitions)
-    slot_of = [0] * num_partitions
-    for j, p in enumerate(order):
-        slot_of[p] = j
-    slots = torch.tensor(slot_of, dtype=torch.int32, device=f.device)
+    slots = _slot_table(tuple(order), f.device)
     gpp = f.numel() // (num_partitions * group_size)
     return _launch_quantize(f, None, bits, group_size, stochastic, generator, hadamard,
-                            hadamard_block, check_finite, slots, gpp, "quantize_partitions")
+                            hadamard_block, check_finite, slots, gpp, "quantize_partitions",
+                            nonfinite_counter)
+
+
+_UNUSED_I32: Dict[str, torch.Tensor] = {}
+
+
+def _unused_i32(device: torch.device) -> torch.Tensor:
+    """An int32 placeholder for a pointer argument the launch does not read (no slot table, no
+    count): one per device, so no allocation per call and the same specialisation as before."""
+    t = _UNUSED_I32.get(str(device))
+    if t is None:
+        t = _UNUSED_I32[str(device)] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
+
+
+_SLOT_TABLES: Dict[Tuple[Tuple[int, ...], str], torch.Tensor] = {}
+
+
+def _slot_table(order: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The device table ``slot_of[partition]`` of a partition order, built once per (order,
+    device): building it per call copied it from host memory, a host sync per bucket inside the
+    backward hooks."""
+    key = (order, str(device))
+    table = _SLOT_TABLES.get(key)
+    if table is None:
+        slot_of = [0] * len(order)
+        for j, p in enumerate(order):
+            slot_of[p] = j
+        table = _SLOT_TABLES[key] = torch.tensor(slot_of, dtype=torch.int32, device=device)
+    return table
 
 
 def quantize_difference(new: torch.Tensor, reference: torch.Tensor, bits: int, group_size: int, *,
                         stochastic: bool = True, generator: Optional[torch.Generator] = None,
-                        check_finite: bool = True) -> QuantizedTensor:
+                        check_finite: bool = True,
+                        nonfinite_counter: Optional[torch.Tensor] = None) -> QuantizedTensor:
     """Triton version of :func:`reference.quantize_difference` (no materialised difference)."""
     _ref._check_bits(bits)
     if new.numel() != reference.numel():
@@ -352,7 +398,7 @@ def quantize_difference(new: torch.Tensor, reference: torch.Tensor, bits: int, g
     r = _contig_flat(reference, "quantize_difference")
     _ref._check_group(f.numel(), group_size, bits)
     return _launch_quantize(f, r, bits, group_size, stochastic, generator, False, 1,
-                            check_finite, None, 0, "quantize_difference")
+                            check_finite, None, 0, "quantize_difference", nonfinite_counter)
 
 
 def _out_1d(out: torch.Tensor, numel: int, what: str) -> Optional[torch.Tensor]:

@@ -41,10 +41,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     import torch
 
     from megatron.training.errors import StartupError
+    from megatron.training.save_guard import CheckpointWriteError
     from megatron.training.training import pretrain
 
     try:
         pretrain(args)
+    except CheckpointWriteError as exc:
+        # No space / no permission while saving: one line from each rank that met it (its peers
+        # may still wait in the save's barrier; the launcher stops them).
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except StartupError as exc:
         # Every rank raises it (deterministic checks): one message, no per-rank tracebacks.
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:

@@ -25,60 +25,70 @@
 #                  must agree within SELFCHECK_LOSS_RTOL (default 0.02 relative; what remains is
 #                  GPU vs CPU bf16 matmul rounding and, when Transformer Engine is installed, TE
 #                  layers on the CUDA side vs megatron-core's local ones on the CPU side)
+#   7 throughput   bench/gpu_throughput.py: ms/iteration, TFLOP/s, peak memory of the recipe
+#                  (baseline and SDP4Bit, 1 GPU, mock data, no recompute) against the plain PyTorch
+#                  GPT of bench/reference_gpt.py, shape 125m (SELFCHECK_THROUGHPUT_SHAPES=
+#                  125m,350m,1.3b for all three: an estimated 10-15 more minutes on an H100)
 #
 # Environment: PYTHON (python3), SELFCHECK_DIR (runs/gpu_selfcheck), SELFCHECK_ITERS (20),
-# SELFCHECK_SIZES (16M,64M), SELFCHECK_LOSS_RTOL (0.02).
+# SELFCHECK_SIZES (16M,64M), SELFCHECK_LOSS_RTOL (0.02), SELFCHECK_THROUGHPUT_SHAPES (125m),
+# SELFCHECK_THROUGHPUT_ITERS (10). The script's own variables are SC_*: none of them shadows an
+# environment variable the steps' programs read (a shell variable CC=<compute capability> once
+# replaced the exported C compiler, and Triton built its launcher with the "compiler" 90).
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+SC_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$SC_ROOT"
+export PYTHONPATH="$SC_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-DRY_RUN=0
-OUT=""
+SC_DRY_RUN=0
+SC_OUT=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        --dry-run) DRY_RUN=1; shift ;;
+        --dry-run) SC_DRY_RUN=1; shift ;;
         --out) [[ $# -ge 2 ]] || { echo "gpu_selfcheck: --out needs a file" >&2; exit 2; }
-               OUT=$2; shift 2 ;;
+               SC_OUT=$2; shift 2 ;;
         -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_selfcheck: unknown argument '$1' (use --dry-run, --out FILE)" >&2; exit 2 ;;
     esac
 done
 
 PYTHON=${PYTHON:-python3}
-RUN_DIR=${SELFCHECK_DIR:-runs/gpu_selfcheck}
-ITERS=${SELFCHECK_ITERS:-20}
-SIZES=${SELFCHECK_SIZES:-16M,64M}
-RTOL=${SELFCHECK_LOSS_RTOL:-0.02}
-OUT=${OUT:-$RUN_DIR/gpu_selfcheck.md}
-mkdir -p "$RUN_DIR" "$(dirname "$OUT")"
+SC_RUN_DIR=${SELFCHECK_DIR:-runs/gpu_selfcheck}
+SC_ITERS=${SELFCHECK_ITERS:-20}
+SC_SIZES=${SELFCHECK_SIZES:-16M,64M}
+SC_RTOL=${SELFCHECK_LOSS_RTOL:-0.02}
+SC_TP_SHAPES=${SELFCHECK_THROUGHPUT_SHAPES:-125m}
+SC_TP_ITERS=${SELFCHECK_THROUGHPUT_ITERS:-10}
+SC_OUT=${SC_OUT:-$SC_RUN_DIR/gpu_selfcheck.md}
+mkdir -p "$SC_RUN_DIR" "$(dirname "$SC_OUT")"
 # This run's logs only: the report quotes them.
-rm -f "$RUN_DIR"/{env,aot,kernel-tests,bench,smoke,nccl,gloo}.log "$RUN_DIR/nccl-vs-gloo.md"
+rm -f "$SC_RUN_DIR"/{env,aot,kernel-tests,bench,smoke,nccl,gloo,throughput}.log "$SC_RUN_DIR/nccl-vs-gloo.md" \
+      "$SC_RUN_DIR/throughput.json"
 # The kernels must be compiled for the GPU, never interpreted; the dispatcher must pick Triton.
 unset TRITON_INTERPRET QUANT_KERNELS
 
 # A tiny GPT a GPU runs in seconds (and 2 CPU ranks in a minute, for the gloo side).
-MODEL=(--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 128
+SC_MODEL=(--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 128
        --max-position-embeddings 128 --micro-batch-size 4 --global-batch-size 8
        --mock-data --vocab-size 1024 --make-vocab-size-divisible-by 128
-       --train-iters "$ITERS" --lr 1e-3 --lr-warmup-iters 2 --log-interval 1 --log-throughput
+       --train-iters "$SC_ITERS" --lr 1e-3 --lr-warmup-iters 2 --log-interval 1 --log-throughput
        --eval-iters 0 --seed 1234)
-SDP4BIT=(--bf16 --use-distributed-optimizer --quantized-weights --quantized-gradients
+SC_SDP4BIT=(--bf16 --use-distributed-optimizer --quantized-weights --quantized-gradients
          --hadamard-transform --data-parallel-intra-node-size 1)
 # Deterministic and backend-independent numerics for the NCCL vs gloo comparison.
-SAME_NUMERICS=(--use-cpu-initialization --attention-dropout 0 --hidden-dropout 0 --no-stochastic-rounding)
+SC_SAME_NUMERICS=(--use-cpu-initialization --attention-dropout 0 --hidden-dropout 0 --no-stochastic-rounding)
 
-STEPS=(env aot kernel-tests bench smoke nccl-vs-gloo)
-declare -A STATUS SECONDS_TAKEN CMD NOTE
-FAILED=0
+SC_STEPS=(env aot kernel-tests bench smoke nccl-vs-gloo throughput)
+declare -A SC_STATUS SC_SECONDS_TAKEN SC_CMD SC_NOTE
+SC_FAILED=0
 
 log() { echo "[selfcheck] $*"; }
 
 # record STEP STATUS NOTE
 record() {
-    STATUS[$1]=$2
-    NOTE[$1]=${3:-}
-    [[ $2 == FAIL ]] && FAILED=1
+    SC_STATUS[$1]=$2
+    SC_NOTE[$1]=${3:-}
+    [[ $2 == FAIL ]] && SC_FAILED=1
     log "$1: $2${3:+ ($3)}"
 }
 
@@ -92,21 +102,21 @@ shell_join() {
 }
 
 # run_step STEP[:LOG] CMD...: print the command; outside dry runs execute it with its output in
-# $RUN_DIR/LOG.log (LOG defaults to STEP) and show the tail. Returns the command's exit status.
+# $SC_RUN_DIR/LOG.log (LOG defaults to STEP) and show the tail. Returns the command's exit status.
 run_step() {
     local step=${1%%:*} logname=${1#*:}; shift
     local idx=0 i
-    for i in "${!STEPS[@]}"; do [[ ${STEPS[$i]} == "$step" ]] && idx=$((i + 1)); done
-    CMD[$step]="$(shell_join "$@")"
-    log "step $idx/${#STEPS[@]} $step: ${CMD[$step]}"
-    if [[ $DRY_RUN == 1 ]]; then
+    for i in "${!SC_STEPS[@]}"; do [[ ${SC_STEPS[$i]} == "$step" ]] && idx=$((i + 1)); done
+    SC_CMD[$step]="$(shell_join "$@")"
+    log "step $idx/${#SC_STEPS[@]} $step: ${SC_CMD[$step]}"
+    if [[ $SC_DRY_RUN == 1 ]]; then
         return 0
     fi
     local t0=$SECONDS rc
-    "$@" > "$RUN_DIR/$logname.log" 2>&1
+    "$@" > "$SC_RUN_DIR/$logname.log" 2>&1
     rc=$?
-    SECONDS_TAKEN[$step]=$(( ${SECONDS_TAKEN[$step]:-0} + SECONDS - t0 ))
-    tail -n 15 "$RUN_DIR/$logname.log" | sed 's/^/    /'
+    SC_SECONDS_TAKEN[$step]=$(( ${SC_SECONDS_TAKEN[$step]:-0} + SECONDS - t0 ))
+    tail -n 15 "$SC_RUN_DIR/$logname.log" | sed 's/^/    /'
     return $rc
 }
 
@@ -115,7 +125,7 @@ free_port() {
 }
 
 # Python helpers shared by the real run and the dry run (kept here: one file to copy to a GPU box).
-read -r -d '' PY_ENV <<'PY'
+read -r -d '' SC_PY_ENV <<'PY'
 import importlib.util, json, sys
 import torch
 info = {"torch": torch.__version__, "cuda_build": torch.version.cuda,
@@ -136,7 +146,7 @@ print(json.dumps(info))
 PY
 
 # compare A.jsonl B.jsonl RTOL: per-iteration lm_loss of two --jsonl-log files.
-read -r -d '' PY_COMPARE <<'PY'
+read -r -d '' SC_PY_COMPARE <<'PY'
 import json, math, sys
 def losses(path):
     recs = [json.loads(l) for l in open(path, encoding="utf-8") if l.strip()]
@@ -156,7 +166,7 @@ sys.exit(1 if bad or worst > rtol else 0)
 PY
 
 # Dry run of pretrain_gpt.py for several flag sets in one process: NAME WORLD ARGS... [:: ...]
-read -r -d '' PY_PARSE <<'PY'
+read -r -d '' SC_PY_PARSE <<'PY'
 import contextlib, io, json, os, sys
 import pretrain_gpt
 groups, cur = [], []
@@ -189,71 +199,71 @@ for name, world, *argv in groups:
 sys.exit(failed)
 PY
 
-[[ $DRY_RUN == 1 ]] && log "DRY RUN: commands are printed; only the CPU-capable parts run"
-log "repository $ROOT, logs in $RUN_DIR, report $OUT"
+[[ $SC_DRY_RUN == 1 ]] && log "DRY RUN: commands are printed; only the CPU-capable parts run"
+log "repository $SC_ROOT, logs in $SC_RUN_DIR, report $SC_OUT"
 
 # ---- 1 env ------------------------------------------------------------------------------------
-ENV_JSON=""
-CC=90
-NGPU=0
-CMD[env]="$PYTHON -c <torch / triton / TE / apex probe>"
-log "step 1/${#STEPS[@]} env: ${CMD[env]}"
-if ENV_JSON=$("$PYTHON" -c "$PY_ENV" 2> "$RUN_DIR/env.log"); then
-    log "    $ENV_JSON"
-    read -r CUDA_OK NGPU CC_FOUND < <("$PYTHON" -c 'import json, sys; d = json.loads(sys.argv[1]); print(int(d["cuda_available"]), len(d["gpus"]), d["capability"] or 0)' "$ENV_JSON")
-    [[ $CC_FOUND != 0 ]] && CC=$CC_FOUND
-    if [[ $DRY_RUN == 1 ]]; then
-        record env DRY "$( [[ $CUDA_OK == 1 ]] && echo "$NGPU GPU(s), sm_$CC" || echo "no CUDA device here; the real run stops at this step without one")"
-    elif [[ $CUDA_OK == 1 ]]; then
-        record env PASS "$NGPU GPU(s), sm_$CC"
+SC_ENV_JSON=""
+SC_SM=90
+SC_NGPU=0
+SC_CMD[env]="$PYTHON -c <torch / triton / TE / apex probe>"
+log "step 1/${#SC_STEPS[@]} env: ${SC_CMD[env]}"
+if SC_ENV_JSON=$("$PYTHON" -c "$SC_PY_ENV" 2> "$SC_RUN_DIR/env.log"); then
+    log "    $SC_ENV_JSON"
+    read -r SC_CUDA_OK SC_NGPU SC_SM_FOUND < <("$PYTHON" -c 'import json, sys; d = json.loads(sys.argv[1]); print(int(d["cuda_available"]), len(d["gpus"]), d["capability"] or 0)' "$SC_ENV_JSON")
+    [[ $SC_SM_FOUND != 0 ]] && SC_SM=$SC_SM_FOUND
+    if [[ $SC_DRY_RUN == 1 ]]; then
+        record env DRY "$( [[ $SC_CUDA_OK == 1 ]] && echo "$SC_NGPU GPU(s), sm_$SC_SM" || echo "no CUDA device here; the real run stops at this step without one")"
+    elif [[ $SC_CUDA_OK == 1 ]]; then
+        record env PASS "$SC_NGPU GPU(s), sm_$SC_SM"
     else
         record env FAIL "torch sees no CUDA device (torch.version.cuda is null for a CPU build: install a CUDA torch first, see README '## GPUs')"
         log "stopping: every later step needs a GPU"
     fi
 else
-    cat "$RUN_DIR/env.log"
+    cat "$SC_RUN_DIR/env.log"
     record env FAIL "torch does not import"
 fi
-if [[ ${STATUS[env]} == FAIL ]]; then
-    STATUS_STOP=1
+if [[ ${SC_STATUS[env]} == FAIL ]]; then
+    SC_STOP=1
 else
-    STATUS_STOP=0
+    SC_STOP=0
 fi
 
 # ---- 2 aot ------------------------------------------------------------------------------------
-if [[ $STATUS_STOP == 0 ]]; then
-    if run_step aot "$PYTHON" bench/triton_aot.py --quick --targets "sm_$CC"; then
-        if [[ $DRY_RUN == 1 ]]; then
-            if out=$("$PYTHON" bench/triton_aot.py --quick --list --targets "sm_$CC" 2>&1); then
+if [[ $SC_STOP == 0 ]]; then
+    if run_step aot "$PYTHON" bench/triton_aot.py --quick --targets "sm_$SC_SM"; then
+        if [[ $SC_DRY_RUN == 1 ]]; then
+            if out=$("$PYTHON" bench/triton_aot.py --quick --list --targets "sm_$SC_SM" 2>&1); then
                 record aot DRY "specialisations found: $(echo "$out" | wc -l) (--list; compiling is left to the real run)"
             else
                 echo "$out"; record aot FAIL "triton_aot.py --list failed"
             fi
         else
-            record aot PASS "$(grep -m1 'compiles (' "$RUN_DIR/aot.log")"
+            record aot PASS "$(grep -m1 'compiles (' "$SC_RUN_DIR/aot.log")"
         fi
     else
-        record aot FAIL "see $RUN_DIR/aot.log"
+        record aot FAIL "see $SC_RUN_DIR/aot.log"
     fi
 
     # ---- 3 kernel-tests -----------------------------------------------------------------------
     if run_step kernel-tests "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py; then
-        if [[ $DRY_RUN == 1 ]]; then
+        if [[ $SC_DRY_RUN == 1 ]]; then
             if out=$("$PYTHON" -m pytest -q -p no:cacheprovider --collect-only tests/test_triton_kernels.py 2>&1); then
                 record kernel-tests DRY "$(echo "$out" | grep -Eo '[0-9]+ tests? collected' | head -1) (CUDA tensors when torch.cuda.is_available())"
             else
                 echo "$out" | tail -20; record kernel-tests FAIL "collection failed"
             fi
         else
-            record kernel-tests PASS "$(grep -Eo '[0-9]+ passed[^=]*' "$RUN_DIR/kernel-tests.log" | tail -1) on CUDA tensors"
+            record kernel-tests PASS "$(grep -Eo '[0-9]+ passed[^=]*' "$SC_RUN_DIR/kernel-tests.log" | tail -1) on CUDA tensors"
         fi
     else
-        record kernel-tests FAIL "see $RUN_DIR/kernel-tests.log"
+        record kernel-tests FAIL "see $SC_RUN_DIR/kernel-tests.log"
     fi
 
     # ---- 4 bench ------------------------------------------------------------------------------
-    if run_step bench "$PYTHON" bench/bench_quant.py --sizes "$SIZES" --device cuda --bits 4,8 --group-size 128; then
-        if [[ $DRY_RUN == 1 ]]; then
+    if run_step bench "$PYTHON" bench/bench_quant.py --sizes "$SC_SIZES" --device cuda --bits 4,8 --group-size 128; then
+        if [[ $SC_DRY_RUN == 1 ]]; then
             if help=$("$PYTHON" bench/bench_quant.py --help 2>&1) && \
                grep -q -- --sizes <<< "$help" && grep -q -- --device <<< "$help" && \
                grep -q -- --bits <<< "$help" && grep -q -- --group-size <<< "$help"; then
@@ -262,36 +272,36 @@ if [[ $STATUS_STOP == 0 ]]; then
                 echo "$help" | tail -20; record bench FAIL "bench_quant.py does not accept the flags used"
             fi
         else
-            record bench PASS "$(grep -m1 'device-to-device copy' "$RUN_DIR/bench.log")"
+            record bench PASS "$(grep -m1 'device-to-device copy' "$SC_RUN_DIR/bench.log")"
         fi
     else
-        record bench FAIL "see $RUN_DIR/bench.log"
+        record bench FAIL "see $SC_RUN_DIR/bench.log"
     fi
 
     # ---- 5 smoke ------------------------------------------------------------------------------
-    SMOKE=("${MODEL[@]}" "${SDP4BIT[@]}" --device cuda --jsonl-log "$RUN_DIR/smoke.jsonl")
+    SC_SMOKE=("${SC_MODEL[@]}" "${SC_SDP4BIT[@]}" --device cuda --jsonl-log "$SC_RUN_DIR/smoke.jsonl")
     # Overlap on, several buckets, pipelined hops: on CUDA this exercises the communication
     # streams (megatron/distributed/quant/streams.py), on gloo the worker threads.
-    OVERLAP=(--overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 200000
+    SC_OVERLAP=(--overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 200000
              --gradient-alltoall-pipeline 2)
-    PAIR=("${MODEL[@]}" "${SDP4BIT[@]}" "${SAME_NUMERICS[@]}" "${OVERLAP[@]}")
-    NCCL_RUN=("${PAIR[@]}" --device cuda --distributed-backend nccl --jsonl-log "$RUN_DIR/nccl.jsonl")
-    GLOO_RUN=("${PAIR[@]}" --device cpu --distributed-backend gloo --jsonl-log "$RUN_DIR/gloo.jsonl")
-    rm -f "$RUN_DIR/smoke.jsonl" "$RUN_DIR/nccl.jsonl" "$RUN_DIR/gloo.jsonl"
+    SC_PAIR=("${SC_MODEL[@]}" "${SC_SDP4BIT[@]}" "${SC_SAME_NUMERICS[@]}" "${SC_OVERLAP[@]}")
+    SC_NCCL_RUN=("${SC_PAIR[@]}" --device cuda --distributed-backend nccl --jsonl-log "$SC_RUN_DIR/nccl.jsonl")
+    SC_GLOO_RUN=("${SC_PAIR[@]}" --device cpu --distributed-backend gloo --jsonl-log "$SC_RUN_DIR/gloo.jsonl")
+    rm -f "$SC_RUN_DIR/smoke.jsonl" "$SC_RUN_DIR/nccl.jsonl" "$SC_RUN_DIR/gloo.jsonl"
     if ! run_step smoke "$PYTHON" -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 \
-            --master-port "$(free_port)" pretrain_gpt.py "${SMOKE[@]}"; then
-        record smoke FAIL "see $RUN_DIR/smoke.log"
-    elif [[ $DRY_RUN == 1 ]]; then
+            --master-port "$(free_port)" pretrain_gpt.py "${SC_SMOKE[@]}"; then
+        record smoke FAIL "see $SC_RUN_DIR/smoke.log"
+    elif [[ $SC_DRY_RUN == 1 ]]; then
         # The flag sets of steps 5 and 6 parse and validate (pretrain_gpt.py --dry-run, one process).
-        if out=$("$PYTHON" -c "$PY_PARSE" smoke 1 "${SMOKE[@]}" :: nccl 2 "${NCCL_RUN[@]}" \
-                    :: gloo 2 "${GLOO_RUN[@]}" 2>&1); then
+        if out=$("$PYTHON" -c "$SC_PY_PARSE" smoke 1 "${SC_SMOKE[@]}" :: nccl 2 "${SC_NCCL_RUN[@]}" \
+                    :: gloo 2 "${SC_GLOO_RUN[@]}" 2>&1); then
             echo "$out" | grep -E '^(smoke|nccl|gloo):' | sed 's/^/    /'
             record smoke DRY "the flags of steps 5 and 6 parse (pretrain_gpt.py --dry-run)"
         else
             echo "$out" | tail -30
             record smoke FAIL "pretrain_gpt.py --dry-run refused the flags"
         fi
-    elif out=$("$PYTHON" - "$RUN_DIR/smoke.jsonl" "$ITERS" 2>&1 <<'PY'
+    elif out=$("$PYTHON" - "$SC_RUN_DIR/smoke.jsonl" "$SC_ITERS" 2>&1 <<'PY'
 import json, math, sys
 recs = [json.loads(l) for l in open(sys.argv[1], encoding="utf-8") if l.strip()]
 train = [r for r in recs if r.get("type") == "train"]
@@ -308,70 +318,101 @@ PY
     fi
 
     # ---- 6 nccl-vs-gloo -----------------------------------------------------------------------
-    if [[ $DRY_RUN == 0 && $NGPU -lt 2 ]]; then
-        log "step 6/${#STEPS[@]} nccl-vs-gloo: needs 2 GPUs, found $NGPU"
-        record nccl-vs-gloo SKIP "needs >= 2 GPUs, found $NGPU"
+    if [[ $SC_DRY_RUN == 0 && $SC_NGPU -lt 2 ]]; then
+        log "step 6/${#SC_STEPS[@]} nccl-vs-gloo: needs 2 GPUs, found $SC_NGPU"
+        record nccl-vs-gloo SKIP "needs >= 2 GPUs, found $SC_NGPU"
     else
         ok=1
         run_step nccl-vs-gloo:nccl "$PYTHON" -m torch.distributed.run --nproc-per-node 2 \
-            --master-addr 127.0.0.1 --master-port "$(free_port)" pretrain_gpt.py "${NCCL_RUN[@]}" || ok=0
-        NCCL_CMD=${CMD[nccl-vs-gloo]}
+            --master-addr 127.0.0.1 --master-port "$(free_port)" pretrain_gpt.py "${SC_NCCL_RUN[@]}" || ok=0
+        SC_NCCL_CMD=${SC_CMD[nccl-vs-gloo]}
         run_step nccl-vs-gloo:gloo env OMP_NUM_THREADS=4 "$PYTHON" -m torch.distributed.run \
             --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "$(free_port)" pretrain_gpt.py \
-            "${GLOO_RUN[@]}" || ok=0
-        CMD[nccl-vs-gloo]="$NCCL_CMD; then the same with --device cpu --distributed-backend gloo"
-        if [[ $DRY_RUN == 1 ]]; then
+            "${SC_GLOO_RUN[@]}" || ok=0
+        SC_CMD[nccl-vs-gloo]="$SC_NCCL_CMD; then the same with --device cpu --distributed-backend gloo"
+        if [[ $SC_DRY_RUN == 1 ]]; then
             # The comparison itself: identical logs pass, a 10 % gap fails.
-            printf '{"type": "train", "iteration": 1, "lm_loss": 6.9}\n{"type": "train", "iteration": 2, "lm_loss": 6.5}\n' > "$RUN_DIR/dry_a.jsonl"
-            printf '{"type": "train", "iteration": 1, "lm_loss": 6.9}\n{"type": "train", "iteration": 2, "lm_loss": 7.15}\n' > "$RUN_DIR/dry_b.jsonl"
-            if "$PYTHON" -c "$PY_COMPARE" "$RUN_DIR/dry_a.jsonl" "$RUN_DIR/dry_a.jsonl" "$RTOL" > /dev/null && \
-               ! "$PYTHON" -c "$PY_COMPARE" "$RUN_DIR/dry_a.jsonl" "$RUN_DIR/dry_b.jsonl" "$RTOL" > /dev/null 2>&1; then
-                record nccl-vs-gloo DRY "loss comparison (rtol $RTOL) accepts equal logs and rejects a 10% gap"
+            printf '{"type": "train", "iteration": 1, "lm_loss": 6.9}\n{"type": "train", "iteration": 2, "lm_loss": 6.5}\n' > "$SC_RUN_DIR/dry_a.jsonl"
+            printf '{"type": "train", "iteration": 1, "lm_loss": 6.9}\n{"type": "train", "iteration": 2, "lm_loss": 7.15}\n' > "$SC_RUN_DIR/dry_b.jsonl"
+            if "$PYTHON" -c "$SC_PY_COMPARE" "$SC_RUN_DIR/dry_a.jsonl" "$SC_RUN_DIR/dry_a.jsonl" "$SC_RTOL" > /dev/null && \
+               ! "$PYTHON" -c "$SC_PY_COMPARE" "$SC_RUN_DIR/dry_a.jsonl" "$SC_RUN_DIR/dry_b.jsonl" "$SC_RTOL" > /dev/null 2>&1; then
+                record nccl-vs-gloo DRY "loss comparison (rtol $SC_RTOL) accepts equal logs and rejects a 10% gap"
             else
                 record nccl-vs-gloo FAIL "the loss comparison's self-test failed"
             fi
-            rm -f "$RUN_DIR/dry_a.jsonl" "$RUN_DIR/dry_b.jsonl"
+            rm -f "$SC_RUN_DIR/dry_a.jsonl" "$SC_RUN_DIR/dry_b.jsonl"
         elif [[ $ok == 0 ]]; then
-            record nccl-vs-gloo FAIL "a run failed: see $RUN_DIR/nccl.log and $RUN_DIR/gloo.log"
-        elif "$PYTHON" -c "$PY_COMPARE" "$RUN_DIR/nccl.jsonl" "$RUN_DIR/gloo.jsonl" "$RTOL" > "$RUN_DIR/nccl-vs-gloo.md" 2>&1; then
-            record nccl-vs-gloo PASS "$(tail -1 "$RUN_DIR/nccl-vs-gloo.md")"
+            record nccl-vs-gloo FAIL "a run failed: see $SC_RUN_DIR/nccl.log and $SC_RUN_DIR/gloo.log"
+        elif "$PYTHON" -c "$SC_PY_COMPARE" "$SC_RUN_DIR/nccl.jsonl" "$SC_RUN_DIR/gloo.jsonl" "$SC_RTOL" > "$SC_RUN_DIR/nccl-vs-gloo.md" 2>&1; then
+            record nccl-vs-gloo PASS "$(tail -1 "$SC_RUN_DIR/nccl-vs-gloo.md")"
         else
-            record nccl-vs-gloo FAIL "$(tail -1 "$RUN_DIR/nccl-vs-gloo.md")"
+            record nccl-vs-gloo FAIL "$(tail -1 "$SC_RUN_DIR/nccl-vs-gloo.md")"
         fi
     fi
+
+    # ---- 7 throughput -------------------------------------------------------------------------
+    SC_TP_ARGS=(--shapes "$SC_TP_SHAPES" --iters "$SC_TP_ITERS" --warmup 3 --device cuda
+                --work-dir "$SC_RUN_DIR/throughput" --out "$SC_RUN_DIR/throughput.json")
+    if ! run_step throughput "$PYTHON" bench/gpu_throughput.py "${SC_TP_ARGS[@]}"; then
+        record throughput FAIL "see $SC_RUN_DIR/throughput.log"
+    elif [[ $SC_DRY_RUN == 1 ]]; then
+        # Every run's command is built and its flags checked (pretrain_gpt.py --dry-run, the
+        # reference's parser); nothing is trained.
+        if out=$("$PYTHON" bench/gpu_throughput.py "${SC_TP_ARGS[@]}" --dry-run 2>&1); then
+            record throughput DRY "$(tail -1 <<< "$out" | sed 's/^\[gpu_throughput\] //')"
+        else
+            echo "$out" | tail -30
+            record throughput FAIL "gpu_throughput.py --dry-run refused the flags"
+        fi
+    elif out=$("$PYTHON" - "$SC_RUN_DIR/throughput.json" 2>&1 <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1], encoding="utf-8"))["rows"]
+ratio = lambda r: "n/a" if r.get("ratio_to_reference") is None else f"{r['ratio_to_reference']:.2f}x"
+print("; ".join(f"{r['shape']} {r['run']} {ratio(r)}" for r in rows if r["run"] != "reference")
+      + " the reference's ms/iteration")
+PY
+    ); then
+        record throughput PASS "$out"
+    else
+        record throughput FAIL "$(tail -1 <<< "$out")"
+    fi
 fi
-for s in "${STEPS[@]}"; do
-    [[ -n ${STATUS[$s]:-} ]] || record "$s" SKIP "not run: no GPU"
+for s in "${SC_STEPS[@]}"; do
+    [[ -n ${SC_STATUS[$s]:-} ]] || record "$s" SKIP "not run: no GPU"
 done
 
 # ---- report -------------------------------------------------------------------------------------
 {
-    echo "### GPU self-check ($(date -u '+%Y-%m-%d %H:%M UTC')$( [[ $DRY_RUN == 1 ]] && echo ', DRY RUN: nothing measured'))"
+    echo "### GPU self-check ($(date -u '+%Y-%m-%d %H:%M UTC')$( [[ $SC_DRY_RUN == 1 ]] && echo ', DRY RUN: nothing measured'))"
     echo
-    echo "\`bash scripts/gpu_selfcheck.sh$( [[ $DRY_RUN == 1 ]] && echo ' --dry-run')\` on $(hostname): \`${ENV_JSON:-torch did not import}\`"
+    echo "\`bash scripts/gpu_selfcheck.sh$( [[ $SC_DRY_RUN == 1 ]] && echo ' --dry-run')\` on $(hostname): \`${SC_ENV_JSON:-torch did not import}\`"
     echo
     echo "| step | status | s | command / result |"
     echo "|---|---|---:|---|"
-    for s in "${STEPS[@]}"; do
-        echo "| $s | ${STATUS[$s]} | ${SECONDS_TAKEN[$s]:--} | \`${CMD[$s]:-}\`<br>${NOTE[$s]:-} |"
+    for s in "${SC_STEPS[@]}"; do
+        echo "| $s | ${SC_STATUS[$s]} | ${SC_SECONDS_TAKEN[$s]:--} | \`${SC_CMD[$s]:-}\`<br>${SC_NOTE[$s]:-} |"
     done
-    if [[ $DRY_RUN == 0 && -f $RUN_DIR/bench.log ]]; then
+    if [[ $SC_DRY_RUN == 0 && -f $SC_RUN_DIR/bench.log ]]; then
         echo; echo "bench/bench_quant.py (\`%copy\` = moved bytes / device-to-device copy bandwidth):"
-        echo; echo '```'; grep -v '^\s*$' "$RUN_DIR/bench.log" | tail -n 60; echo '```'
+        echo; echo '```'; grep -v '^\s*$' "$SC_RUN_DIR/bench.log" | tail -n 60; echo '```'
     fi
-    if [[ $DRY_RUN == 0 && -f $RUN_DIR/aot.log ]]; then
+    if [[ $SC_DRY_RUN == 0 && -f $SC_RUN_DIR/aot.log ]]; then
         echo; echo "bench/triton_aot.py --quick on this GPU's arch:"
-        echo; echo '```'; cat "$RUN_DIR/aot.log"; echo '```'
+        echo; echo '```'; cat "$SC_RUN_DIR/aot.log"; echo '```'
     fi
-    if [[ $DRY_RUN == 0 && -f $RUN_DIR/nccl-vs-gloo.md ]]; then
+    if [[ $SC_DRY_RUN == 0 && -f $SC_RUN_DIR/nccl-vs-gloo.md ]]; then
         echo; echo "NCCL (CUDA) vs gloo (CPU ranks), 2 ranks, SDP4Bit, round to nearest:"
-        echo; cat "$RUN_DIR/nccl-vs-gloo.md"
+        echo; cat "$SC_RUN_DIR/nccl-vs-gloo.md"
     fi
-} > "$OUT"
-log "report written to $OUT"
-if [[ $FAILED == 1 ]]; then
-    log "FAILED: $(for s in "${STEPS[@]}"; do [[ ${STATUS[$s]} == FAIL ]] && printf '%s ' "$s"; done)"
+    if [[ $SC_DRY_RUN == 0 && -f $SC_RUN_DIR/throughput.log ]]; then
+        echo; echo "bench/gpu_throughput.py (ours/reference = ms/iteration over the plain PyTorch GPT's):"
+        echo; grep -E '^(gpu_throughput |\||[0-9a-z.]+: (parameters|micro-batch))' "$SC_RUN_DIR/throughput.log"
+    fi
+} > "$SC_OUT"
+log "report written to $SC_OUT"
+if [[ $SC_FAILED == 1 ]]; then
+    log "FAILED: $(for s in "${SC_STEPS[@]}"; do [[ ${SC_STATUS[$s]} == FAIL ]] && printf '%s ' "$s"; done)"
     exit 1
 fi
-log "all steps passed$( [[ $DRY_RUN == 1 ]] && echo ' (dry run)')"
+log "all steps passed$( [[ $SC_DRY_RUN == 1 ]] && echo ' (dry run)')"
 exit 0

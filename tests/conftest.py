@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable, List
 
+import psutil
 import pytest
 import torch
 
@@ -36,7 +37,7 @@ TINY_GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
 
 def run_in_own_session(cmd: List[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` in a new session,
-    whose whole process group is killed on a timeout: killing only torchrun (what
+    whose whole process tree is killed on a timeout: killing only torchrun (what
     ``subprocess.run`` does) left its workers running, blocked in a collective, for the rest of
     the CI job."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -44,6 +45,10 @@ def run_in_own_session(cmd: List[str], env: dict, timeout: float) -> subprocess.
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # torchrun starts each worker in a session of its own: kill the whole tree, not only
+        # torchrun's group, or the workers hold the pipes open and communicate() never returns.
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None

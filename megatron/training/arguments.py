@@ -22,6 +22,8 @@ from typing import Callable, FrozenSet, List, NoReturn, Optional, Tuple
 
 from megatron.distributed.quant import integration
 
+from .profiling import add_profile_args, validate_profile_args
+
 NOOP = "(no-op in this trainer; accepted for Megatron-LM script compatibility)"
 
 
@@ -83,6 +85,19 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
                    help="No biases in linear layers.")
     g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--attention-backend", choices=("flash", "fused", "unfused", "local", "auto"),
+                   default="auto",
+                   help="Attention implementation (Megatron-LM's values). With Transformer Engine "
+                        "on CUDA: TE's spec with TE's flash / fused (cuDNN) / unfused kernel, or "
+                        "TE's choice (auto). Without TE (CPU, or CUDA without TE): auto = torch "
+                        "scaled_dot_product_attention (torch picks the kernel), flash / fused = "
+                        "SDPA limited to torch's flash / cuDNN+memory-efficient kernels, unfused "
+                        "= megatron-core's DotProductAttention. local = megatron-core's local spec "
+                        "and DotProductAttention, also with TE.")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="Grouped-query attention: --num-query-groups key/value heads.")
+    g.add_argument("--num-query-groups", type=int, default=1,
+                   help="Key/value head groups with --group-query-attention.")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
@@ -175,6 +190,28 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
                    help=NOOP)
     g.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="Default: cuda when available, else cpu (CPU mode, gloo).")
+    _add_fusion_args(parser)
+
+
+def _add_fusion_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's fusion switches: every fusion is on where what it needs is installed
+    (megatron/training/fusions.py decides, and prints one line saying what runs); these turn one
+    off. ``--apply-rope-fusion`` asks for TE's fused RoPE and is an error without TE."""
+    g = parser.add_argument_group("fusions")
+    for flag, dest, what in (
+            ("--no-persist-layer-norm", "persist_layer_norm", "Apex's persistent layer norm"),
+            ("--no-masked-softmax-fusion", "masked_softmax_fusion",
+             "Megatron's fused scale-mask-softmax (local attention)"),
+            ("--no-bias-gelu-fusion", "bias_gelu_fusion", "jit-fused bias + GeLU"),
+            ("--no-bias-swiglu-fusion", "bias_swiglu_fusion", "jit-fused bias + SwiGLU"),
+            ("--no-bias-dropout-fusion", "bias_dropout_fusion", "jit-fused bias + dropout + add"),
+            ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion",
+             "weight-gradient GEMMs accumulating into main_grad (TE or Apex)"),
+            ("--no-rope-fusion", "apply_rope_fusion", "Transformer Engine's fused RoPE")):
+        g.add_argument(flag, dest=dest, action="store_false",
+                       help=f"Do not use {what} even where it is installed.")
+    g.add_argument("--apply-rope-fusion", dest="apply_rope_fusion_explicit", action="store_true",
+                   help="Require Transformer Engine's fused RoPE (an error without TE on CUDA).")
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -185,9 +222,17 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--exit-interval", type=int, default=None,
-                   help="Save (if --save) and exit when iteration %% N == 0.")
+                   help="Save (if --save) and exit with status 0 when iteration %% N == 0.")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
-                   help="Save (if --save) and exit after this many minutes.")
+                   help="Save (if --save) and exit with status 0 at the first iteration boundary "
+                        "after this many minutes (on every rank at the same iteration).")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On the --exit-signal (SIGTERM: what SLURM and torchrun send before a "
+                        "kill), finish the current iteration, save (if --save) and exit with "
+                        "status 0; every rank stops at the same iteration.")
+    g.add_argument("--exit-signal", choices=("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"),
+                   default="SIGTERM",
+                   help="The signal --exit-signal-handler acts on (Megatron-LM's choices).")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--skip-train", action="store_true", help="Only evaluate.")
@@ -240,7 +285,17 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                         "quantization switched on or off.")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="With --load: stop with an error when there is no checkpoint to resume "
-                        "from, instead of training from iteration 0.")
+                        "from, instead of training from iteration 0 (without it only a --load "
+                        "directory that does not exist -- or an empty --load that is also "
+                        "--save -- starts from scratch; anything else without a checkpoint is "
+                        "an error).")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="With --load DIR: load iteration N (DIR/iter_NNNNNNN) instead of the "
+                        "one latest_checkpointed_iteration.txt names (Megatron-LM's flag).")
+    g.add_argument("--no-verify-checkpoint", dest="verify_checkpoint", action="store_false",
+                   help="Do not check the loaded checkpoint's files against the sizes and "
+                        "digests in its manifest.json (checked by default: a damaged file stops "
+                        "the run naming it).")
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -276,6 +331,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     _add_data_args(parser)
     _add_checkpoint_args(parser)
     _add_logging_args(parser)
+    add_profile_args(parser)
     integration.add_arguments(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
@@ -471,11 +527,34 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         try:
             args.quant_config.intra_node_size(args.data_parallel_size,
                                               args.tensor_model_parallel_size)
+        except integration.TopologyUnknownError:
+            pass  # no launcher variable: the runtime counts the ranks per host at model build
         except ValueError as e:
             raise ArgumentError(
                 f"{e} (= world size {args.world_size} / (--tensor-model-parallel-size "
                 f"{args.tensor_model_parallel_size} x --pipeline-model-parallel-size "
                 f"{args.pipeline_model_parallel_size}))") from None
+
+    # Attention: grouped-query heads, then the one resolver of --attention-backend (its choice
+    # is kept in args, so checkpoints record it).
+    if args.group_query_attention:
+        _require(args.num_query_groups >= 1 and args.num_attention_heads % args.num_query_groups == 0,
+                 f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+                 f"--num-query-groups ({args.num_query_groups})")
+        tp = args.tensor_model_parallel_size
+        _require(args.num_query_groups % tp == 0 or tp % args.num_query_groups == 0,
+                 f"--num-query-groups ({args.num_query_groups}) must be a multiple or a divisor "
+                 f"of --tensor-model-parallel-size ({tp})")
+    from .fusions import fusion_plan
+    from .layer_specs import resolve_attention
+
+    try:
+        args.attention_impl = resolve_attention(args).impl
+        fusion_plan(args)   # an explicit fusion flag that cannot be honoured stops the launch here
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    profile_error = validate_profile_args(args)
+    _require(profile_error is None, profile_error or "")
 
     # Model shape defaults.
     if args.max_position_embeddings is None:
@@ -535,9 +614,18 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         _require(getattr(args, name) > 0 or name == "eval_iters",
                  f"--{name.replace('_', '-')} must be positive")
     _require(args.eval_interval is None or args.eval_interval > 0, "--eval-interval must be positive")
+    if args.exit_interval is not None:
+        _require(args.exit_interval > 0, "--exit-interval must be positive")
+    if args.exit_duration_in_mins is not None:
+        _require(args.exit_duration_in_mins >= 0, "--exit-duration-in-mins must be >= 0")
+    _require(args.exit_signal_handler or "exit_signal" not in flags_given(args),
+             "--exit-signal acts under --exit-signal-handler: add it")
     if args.save_interval is not None:
         _require(args.save_interval > 0, "--save-interval must be positive")
         _require(args.save is not None, "--save-interval needs --save DIR")
+    if args.ckpt_step is not None:
+        _require(args.load is not None, "--ckpt-step needs --load DIR")
+        _require(args.ckpt_step >= 0, "--ckpt-step must be >= 0")
     if args.wandb_project and importlib.util.find_spec("wandb") is None:
         if launcher_rank() == 0:  # every rank decides the same; one notice per job
             warnings.warn("--wandb-project given but wandb is not installed: W&B logging is off")

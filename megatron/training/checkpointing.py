@@ -18,13 +18,20 @@ refused at load naming what differs.
 ``torch_dist``: megatron-core's dist_checkpointing (:mod:`.dist_checkpoint`), reshardable to
 another DP size and with quantization switched on or off; the megatron-core path only.
 
-``--load`` reads either format (detected from the directory).  Nothing to load is said once
-(:func:`find_checkpoint_to_load`), or is an error with ``--exit-on-missing-checkpoint``.
+``--load`` reads either format (detected from the directory): a ``--save`` directory (the tracker,
+or ``--ckpt-step N``, picks the iteration) or one ``iter_NNNNNNN`` folder
+(:func:`find_checkpoint_to_load` says what is loaded, and what is refused).
+
+Integrity (:mod:`.checkpoint_integrity`): every file's size and digest go into the iteration's
+``manifest.json`` -- computed by the rank that wrote the file -- before the rename and the
+tracker move; a load checks them first (``--no-verify-checkpoint`` skips it), so a flipped or
+truncated file stops the run naming the file and the previous complete checkpoint.
 
 Why atomic: a job killed while saving must never leave a directory that ``--load`` would pick
-up.  Ranks write into ``{save}/.tmp_iter_{N:07d}``; after a barrier rank 0 renames it to
-``iter_{N:07d}`` and then replaces the tracker file (temp file + ``os.replace``).  A crash
-before the rename leaves only a hidden temp dir, which the next save removes.
+up.  Ranks write into ``{save}/.tmp_iter_{N:07d}``; once every rank's digests reached it, rank 0
+writes the manifest, renames the directory to ``iter_{N:07d}`` and then replaces the tracker
+file (temp file + ``os.replace``).  A crash before the rename leaves only a hidden temp dir,
+which the next save removes.
 """
 
 from __future__ import annotations
@@ -32,7 +39,10 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shutil
+import time
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -40,8 +50,10 @@ import torch
 
 from megatron.distributed.quant import integration
 
-from . import dist_checkpoint, fault_injection
+from . import checkpoint_integrity, dist_checkpoint, fault_injection
+from .checkpoint_integrity import CheckpointIntegrityError, FileDigest
 from .errors import StartupError
+from .layer_specs import attention_layout_diff, attention_resume_note
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -156,7 +168,10 @@ def _load_optimizer_state(optimizer: Any, states: List[Dict[str, Any]]) -> None:
     if len(subs) != len(states):
         raise RuntimeError(f"checkpoint has {len(states)} optimizer(s), model has {len(subs)}")
     for opt, sd in zip(subs, states):
-        opt.load_state_dict(sd)
+        # No autograd: without --bf16/--fp16 the distributed optimizer's main params are views
+        # of the model's leaf parameters, which an in-place copy under grad mode refuses.
+        with torch.no_grad():
+            opt.load_state_dict(sd)
         _unalias_step_tensors(opt)
 
 
@@ -236,7 +251,7 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model: List[torch.
     if not args.no_save_rng:
         per_rank["rng_state"] = get_rng_state()
     if args.ckpt_format == "torch_dist":
-        dist_checkpoint.save(tmp, args, model, optimizer, common, per_rank)
+        digests = dist_checkpoint.save(tmp, args, model, optimizer, common, per_rank)
     else:
         state = {**common, **per_rank}
         model_sd = _model_state_dicts(model, keep=ps.get_data_parallel_rank() == 0)
@@ -244,13 +259,16 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model: List[torch.
             state["model"] = model_sd
         if not args.no_save_optim:
             state["optimizer"] = _optimizer_state(optimizer)
-        path = os.path.join(tmp, _rank_filename())
-        torch.save(state, path + ".part")
-        os.replace(path + ".part", path)
+        digests = [checkpoint_integrity.save_torch(state, os.path.join(tmp, _rank_filename()),
+                                                   tmp)]
     fault_injection.point("checkpoint-written", iteration)
-    torch.distributed.barrier()
+    # Every rank's digests at rank 0 (this is also the "all files written" barrier).
+    everyone: Optional[List[List[FileDigest]]] = \
+        [None] * torch.distributed.get_world_size() if rank == 0 else None
+    torch.distributed.gather_object(digests, everyone, dst=0)
 
     if rank == 0:
+        checkpoint_integrity.write_manifest(tmp, iteration, [d for ds in everyone for d in ds])
         if os.path.exists(final):  # re-saving the same iteration: replace it
             old = os.path.join(root, f".old_iter_{iteration:07d}")
             if os.path.exists(old):
@@ -267,31 +285,40 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model: List[torch.
     return final
 
 
-def _no_checkpoint_reason(root: str) -> Optional[str]:
-    """Why ``--load root`` has nothing to resume from, or None when it has a checkpoint."""
-    if not os.path.isdir(root):
-        return "the directory does not exist"
-    if read_tracker(root) is None:
-        partial = sorted(n for n in os.listdir(root) if n.startswith((".tmp_iter_", "iter_")))
-        return (f"it has no {TRACKER} (no complete checkpoint"
-                + (f"; found {', '.join(partial[:3])}" if partial else "") + ")")
-    return None
+@dataclass(frozen=True)
+class LoadTarget:
+    """What ``--load`` resolved to: one iteration directory."""
+
+    root: str
+    """The directory holding the ``iter_*`` folders (where the previous checkpoint is looked
+    for when this one is damaged)."""
+    iteration: int
+    directory: str
+    """``{root}/iter_{iteration:07d}``."""
+    by_folder: bool = False
+    """``--load`` named the iteration folder itself (not its parent)."""
+
+    def load_flag(self, iteration: int) -> str:
+        """The flags that load another iteration, in the form the user gave ``--load``."""
+        return (f"--load {checkpoint_dir(self.root, iteration)}" if self.by_folder
+                else checkpoint_integrity.ckpt_step_flag(iteration))
 
 
-def find_checkpoint_to_load(args: argparse.Namespace) -> Optional[int]:
-    """The iteration ``--load`` resumes from, or None (training starts from scratch).
+_ITER_NAME = re.compile(r"iter_(\d+)$")
 
-    Nothing loadable is said once on rank 0, and is an error with ``--exit-on-missing-checkpoint``
-    (Megatron-LM's flag) -- a typo in ``--load`` must not silently restart a long run.  Starting
-    from scratch while ``--save`` already holds a later checkpoint is refused: the first save of
-    this run would move that directory's tracker backwards."""
+
+def _holds_checkpoint_files(path: str) -> bool:
+    """An iteration directory's own files: either format's, or a manifest."""
+    names = os.listdir(path)
+    return any(n in ("metadata.json", checkpoint_integrity.MANIFEST) or
+               (n.startswith("mp_rank_") and n.endswith(".pt")) for n in names)
+
+
+def _fresh_start(args: argparse.Namespace, reason: str) -> None:
+    """Training starts from iteration 0 although ``--load`` was given: say so once, loudly, or
+    refuse (``--exit-on-missing-checkpoint``, or a ``--save`` whose tracker would go back)."""
     from .logging_utils import print_rank_0
 
-    if not args.load:
-        return None
-    reason = _no_checkpoint_reason(args.load)
-    if reason is None:
-        return read_tracker(args.load)
     if getattr(args, "exit_on_missing_checkpoint", False):
         raise StartupError(f"--load {args.load}: no checkpoint to resume from ({reason}) and "
                            "--exit-on-missing-checkpoint is set")
@@ -301,9 +328,104 @@ def find_checkpoint_to_load(args: argparse.Namespace) -> Optional[int]:
                            f"start at iteration 0, but --save {args.save} holds a checkpoint at "
                            f"iteration {existing} whose tracker the first save would move "
                            "backwards: fix --load, or --save to a new directory")
-    print_rank_0(f" > --load {args.load}: no checkpoint found ({reason}); training starts from "
-                 "iteration 0 (--exit-on-missing-checkpoint makes this an error)")
-    return None
+    print_rank_0(f"WARNING: --load {args.load}: no checkpoint found ({reason}); training starts "
+                 "from iteration 0 (--exit-on-missing-checkpoint makes this an error)")
+
+
+def _found(names: List[str]) -> str:
+    shown = ", ".join(sorted(names)[:5])
+    return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def find_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
+    """What ``--load`` loads, or None when training starts from scratch (logged once).
+
+    * ``--load DIR/iter_NNNNNNN``: that iteration (``--ckpt-step``, if given, must agree).
+    * ``--load DIR``: the iteration ``DIR/latest_checkpointed_iteration.txt`` names, or
+      ``--ckpt-step N``'s (Megatron-LM's flag; the tracker is then not needed).
+    * Errors naming what was found: a file; a directory with ``iter_*`` folders but no tracker
+      (which one was meant?); a directory holding anything else.
+    * Training from scratch, with a WARNING line: ``DIR`` does not exist, or ``DIR`` is also
+      ``--save`` and holds nothing but hidden leftovers (``.tmp_iter_*`` of a save that never
+      completed, a lock file) or nothing at all.  ``--exit-on-missing-checkpoint`` turns
+      these into errors too.
+
+    Why this choice, rather than making ``--exit-on-missing-checkpoint`` the default: a
+    Megatron-LM user launches the first run and every restart of a job with the same command,
+    ``--save D --load D``, and Megatron-LM starts the first launch from scratch (with a warning)
+    because ``D`` does not exist yet -- scripts that ``mkdir -p D`` first, or a first save that
+    was killed, leave it empty.  That must keep working.  Anything else without a checkpoint is
+    a wrong path (issue 26: ``--load`` on an iteration folder or a ``.pt`` file trained from
+    iteration 0 with exit 0), so it is refused before hours are spent on a run nobody wanted.
+    Starting from scratch while ``--save`` holds a later checkpoint is refused as well: the
+    first save of this run would move that directory's tracker backwards."""
+    load = args.load
+    if not load:
+        return None
+    step = getattr(args, "ckpt_step", None)
+    if os.path.isfile(load):
+        parent = os.path.dirname(os.path.abspath(load))
+        hint = (f"; to load the checkpoint it belongs to, pass --load {parent}"
+                if _ITER_NAME.match(os.path.basename(parent)) else "")
+        raise StartupError(f"--load {load} is a file ({os.path.getsize(load)} bytes), not a "
+                           "checkpoint directory: pass the --save directory of a run (it holds "
+                           f"{TRACKER}) or one of its iter_NNNNNNN folders{hint}")
+    if not os.path.exists(load):
+        if step is not None:
+            raise StartupError(f"--load {load} does not exist, so --ckpt-step {step} cannot be "
+                               "loaded")
+        _fresh_start(args, "the directory does not exist")
+        return None
+    if not os.path.isdir(load):
+        raise StartupError(f"--load {load} is neither a file nor a directory")
+
+    m = _ITER_NAME.match(os.path.basename(os.path.normpath(load)))
+    if m:
+        iteration = int(m.group(1))
+        if step is not None and step != iteration:
+            raise StartupError(f"--load {load} is the folder of iteration {iteration} but "
+                               f"--ckpt-step {step} asks for another: drop one of them")
+        if not _holds_checkpoint_files(load):
+            raise StartupError(f"--load {load} is named like an iteration folder but holds no "
+                               f"checkpoint files (found: {_found(os.listdir(load)) or 'nothing'})")
+        root = os.path.dirname(os.path.normpath(os.path.abspath(load)))
+        return LoadTarget(root, iteration, os.path.normpath(load), by_folder=True)
+    if _holds_checkpoint_files(load):
+        raise StartupError(f"--load {load} holds the files of one checkpoint but is not named "
+                           "iter_NNNNNNN, so its iteration is unknown: rename it, or pass the "
+                           "directory that holds the iter_* folders")
+
+    iterations = checkpoint_integrity.iterations_in(load)
+    if step is not None:
+        if step not in iterations:
+            raise StartupError(f"--ckpt-step {step}: {checkpoint_dir(load, step)} does not exist"
+                               + (f" (--load {load} has iterations "
+                                  f"{', '.join(map(str, iterations[-5:]))})" if iterations
+                                  else f" and --load {load} holds no iter_* folder"))
+        return LoadTarget(load, step, checkpoint_dir(load, step))
+    iteration = read_tracker(load)
+    if iteration is not None:
+        ckpt = checkpoint_dir(load, iteration)
+        if not os.path.isdir(ckpt):
+            raise StartupError(f"--load {load}: {TRACKER} names iteration {iteration} but {ckpt} "
+                               "does not exist")
+        return LoadTarget(load, iteration, ckpt)
+    if iterations:
+        raise StartupError(f"--load {load} has no {TRACKER} but holds iteration folders "
+                           f"({', '.join(f'iter_{i:07d}' for i in iterations[-3:])}): choose one "
+                           f"with --ckpt-step N (e.g. --ckpt-step {iterations[-1]})")
+    visible = [n for n in os.listdir(load) if not n.startswith(".")]
+    hidden = sorted(n for n in os.listdir(load) if n.startswith("."))
+    same_as_save = bool(args.save) and os.path.realpath(load) == os.path.realpath(args.save)
+    if not visible and same_as_save:
+        _fresh_start(args, "the directory holds no checkpoint yet"
+                     + (f", only {_found(hidden)}" if hidden else ""))
+        return None
+    raise StartupError(f"--load {load} holds no checkpoint (no {TRACKER}, no iter_* folder): "
+                       + (f"found {_found(visible + hidden)}" if visible or hidden
+                          else "it is empty")
+                       + ". Pass the --save directory of a run or one of its iter_NNNNNNN "
+                       "folders (a --load directory that does not exist starts from scratch)")
 
 
 def _check_same_layout(path: str, saved: Optional[argparse.Namespace],
@@ -325,6 +447,7 @@ def _check_same_layout(path: str, saved: Optional[argparse.Namespace],
         new_q = _padding_fields(args.quant_config)
         diffs += [f"{k.replace('_', '-')} {old_q.get(k)} -> {new_q.get(k)}"
                   for k in sorted(set(old_q) | set(new_q)) if old_q.get(k) != new_q.get(k)]
+    diffs += [d for d in (attention_layout_diff(saved, args),) if d]  # TE spec <-> local spec
     if diffs:
         raise StartupError(f"checkpoint {path} (--ckpt-format torch) was written with another "
                            f"layout: {'; '.join(diffs)}. Resume with the same layout, or save with "
@@ -351,27 +474,32 @@ def load_checkpoint(args: argparse.Namespace, model: List[torch.nn.Module], opti
     ``--ckpt-format`` (the save format) says."""
     from .logging_utils import print_rank_0
 
-    iteration = find_checkpoint_to_load(args)
-    if iteration is None:
+    target = find_checkpoint_to_load(args)
+    if target is None:
         return 0, {}
-    ckpt = checkpoint_dir(args.load, iteration)
-    if not os.path.isdir(ckpt):
-        raise StartupError(f"--load {args.load}: {TRACKER} names iteration {iteration} but {ckpt} "
-                           "does not exist")
+    iteration, ckpt = target.iteration, target.directory
+    if getattr(args, "verify_checkpoint", True):
+        verify_checkpoint(target, print_rank_0)
     finetune = getattr(args, "finetune", False)
     load_optim = not finetune and not args.no_load_optim
     if dist_checkpoint.is_torch_dist_checkpoint(ckpt):
         if integration.uses_sharded_engine(getattr(args, "paro_strategy", None)):
             raise StartupError(f"{ckpt} is a torch_dist checkpoint; PaRO engine strategies "
                                f"(--paro-strategy {args.paro_strategy}) load --ckpt-format torch")
-        state = dist_checkpoint.load(ckpt, args, model, optimizer, load_optim, print_rank_0)
+        state, problem = {}, None
+        try:
+            state = dist_checkpoint.load(ckpt, args, model, optimizer, load_optim, print_rank_0)
+        except CheckpointIntegrityError as exc:  # an unreadable per-rank file, on some ranks
+            problem = str(exc)
+        _agreed(problem)
         optimizer_loaded = state["optimizer_loaded"]
         if optimizer_loaded:
             for opt in _sub_optimizers(optimizer):
                 _unalias_step_tensors(opt)
         same_layout = state["same_layout"]
     else:
-        state, optimizer_loaded = _load_torch_format(ckpt, args, model, optimizer, load_optim)
+        state, optimizer_loaded = _load_torch_format(target, args, model, optimizer,
+                                                     load_optim)
         same_layout = True
     if optimizer_loaded:
         if "opt_param_scheduler" in state:
@@ -384,6 +512,9 @@ def load_checkpoint(args: argparse.Namespace, model: List[torch.nn.Module], opti
                 opt.reload_model_params()
     if not finetune and not args.no_load_rng and "rng_state" in state:
         set_rng_state(state["rng_state"])
+    attention_note = attention_resume_note(state.get("args"), args)  # same weights, other kernel
+    if attention_note:
+        print_rank_0(attention_note)
     _load_quantization_state(args, model, state, iteration, same_layout, print_rank_0)
     torch.distributed.barrier()
     if finetune:
@@ -391,23 +522,81 @@ def load_checkpoint(args: argparse.Namespace, model: List[torch.nn.Module], opti
     return iteration, state.get("train_state", {})
 
 
-def _load_torch_format(ckpt: str, args: argparse.Namespace, model: List[torch.nn.Module],
-                       optimizer: Any, load_optim: bool) -> Tuple[Dict[str, Any], bool]:
-    """Per-rank ``torch.save`` files (same layout only).  Returns (state, optimizer loaded)."""
+def _agreed(problem: Optional[str]) -> None:
+    """Raise :class:`StartupError` on every rank when any rank found ``problem`` (so no rank
+    is left in a collective its failed peer never joins)."""
+    from .data import raise_if_any_rank_failed
+
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    raise_if_any_rank_failed(problem, device)
+
+
+def verify_checkpoint(target: LoadTarget, log: Any) -> None:
+    """Collective: check the files of ``target`` against its manifest, split over the ranks.
+
+    A missing, truncated, unreadable or changed file stops every rank with one error naming the
+    file, the checkpoint and the previous complete checkpoint (``--ckpt-step N``).  A checkpoint
+    without manifest (written before manifests existed) loads with a note."""
+    ckpt = target.directory
+    start = time.time()
+    manifest, problem = None, None
+    try:
+        manifest = checkpoint_integrity.read_manifest(ckpt)
+        if manifest is not None:
+            found = checkpoint_integrity.verify(ckpt, manifest, torch.distributed.get_rank(),
+                                                torch.distributed.get_world_size())
+            if found is not None:
+                problem = checkpoint_integrity.damaged(ckpt, *found, target.load_flag)
+    except StartupError as exc:
+        problem = str(exc)
+    elapsed = time.time() - start  # this rank's share, before waiting for the others
+    _agreed(problem)
+    if manifest is None:
+        log(f" > checkpoint {ckpt} has no {checkpoint_integrity.MANIFEST} (written before "
+            "checkpoint manifests): its files are not verified")
+        return
+    total = sum(f.size for f in manifest.files)
+    log(f" > verified checkpoint {ckpt}: {len(manifest.files)} files, {total / 1e6:.1f} MB "
+        f"({manifest.algorithm}; rank 0's share in {elapsed:.2f} s)")
+
+
+def _read_torch_format(target: LoadTarget, args: argparse.Namespace
+                       ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(this rank's state, the state holding its (TP, PP) rank's weights), or StartupError."""
+    ckpt = target.directory
     own_path = os.path.join(ckpt, _rank_filename())
     any_path = os.path.join(ckpt, _model_filename())
     if not os.path.isfile(own_path):
         probe = any_path if os.path.isfile(any_path) else None
         if probe is not None:
-            saved = torch.load(probe, map_location="cpu", weights_only=False).get("args")
+            saved = checkpoint_integrity.torch_load(
+                probe, ckpt, target.load_flag, map_location="cpu", weights_only=False).get("args")
             _check_same_layout(ckpt, saved, args)
         raise StartupError(f"{own_path} is missing: the checkpoint was written with a different "
                            "parallel layout (TP/PP/DP must match with --ckpt-format torch) or is "
                            "incomplete")
-    state = torch.load(own_path, map_location="cpu", weights_only=False)
+    state = checkpoint_integrity.torch_load(own_path, ckpt, target.load_flag,
+                                            map_location="cpu", weights_only=False)
     _check_same_layout(ckpt, state.get("args"), args)
-    model_state = state if "model" in state else torch.load(
-        any_path, map_location="cpu", weights_only=False)
+    model_state = state if "model" in state else checkpoint_integrity.torch_load(
+        any_path, ckpt, target.load_flag, map_location="cpu", weights_only=False)
+    return state, model_state
+
+
+def _load_torch_format(target: LoadTarget, args: argparse.Namespace,
+                       model: List[torch.nn.Module], optimizer: Any, load_optim: bool
+                       ) -> Tuple[Dict[str, Any], bool]:
+    """Per-rank ``torch.save`` files (same layout only).  Returns (state, optimizer loaded).
+
+    Every rank reads its files first and the ranks agree before anything is applied: a file
+    only one rank reads (unreadable with ``--no-verify-checkpoint``, or missing) stops all."""
+    problem = None
+    try:
+        state, model_state = _read_torch_format(target, args)
+    except StartupError as exc:
+        problem = str(exc)
+    _agreed(problem)
     for chunk, sd in zip(model, model_state["model"]):
         # PaRO engine: load into the gathered buffer, then re-shard; megatron-core: in place.
         with integration.full_model_params([chunk], writeback=True):

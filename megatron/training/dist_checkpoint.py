@@ -23,8 +23,9 @@ under.  On load, :func:`load` compares that layout with the run's:
 
 Quantization may also be switched on or off at resume: the sharded tensors do not depend on the
 bucket padding, and the quantization state is then started fresh or ignored (logged).
-The same atomic temp-dir + rename + tracker protocol as the ``torch`` format applies
-(:mod:`.checkpointing` owns it); this module only fills and reads one iteration directory.
+The same atomic temp-dir + manifest + rename + tracker protocol as the ``torch`` format applies
+(:mod:`.checkpointing` owns it); this module only fills and reads one iteration directory, and
+returns the digests of the files each rank wrote (:mod:`.checkpoint_integrity`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+
+from . import checkpoint_integrity
+from .checkpoint_integrity import FileDigest
 
 RANK_STATE_DIR = "rank_state"
 # Every parameter's optimizer state saved in the parameter's own shape (Megatron-LM's
@@ -90,11 +94,13 @@ def _sharded_state_dict(model: List[torch.nn.Module], optimizer: Any, is_loading
 
 
 def save(directory: str, args: argparse.Namespace, model: List[torch.nn.Module], optimizer: Any,
-         common: Dict[str, Any], per_rank: Dict[str, Any]) -> None:
+         common: Dict[str, Any], per_rank: Dict[str, Any]) -> List[FileDigest]:
     """Collective: write one iteration into the empty ``directory``.
 
     ``common`` (iteration, scheduler, args, ...) is written once by rank 0 through
     dist_checkpointing's common state; ``per_rank`` (RNG, quantization) into this rank's file.
+    Returns the digests of the files this rank wrote (its ``.distcp`` shards and its per-rank
+    file) for the checkpoint's manifest (:mod:`.checkpoint_integrity`).
     """
     dcp = _dist_checkpointing()
     state = _sharded_state_dict(model, optimizer, is_loading=False,
@@ -106,8 +112,9 @@ def save(directory: str, args: argparse.Namespace, model: List[torch.nn.Module],
     os.makedirs(rank_dir, exist_ok=True)
     layout = run_layout()
     path = _rank_state_path(directory, layout["tp_rank"], layout["pp_rank"], layout["dp_rank"])
-    torch.save({"layout": layout, **per_rank}, path + ".part")
-    os.replace(path + ".part", path)
+    digests = checkpoint_integrity.digest_own_distcp_files(directory, torch.distributed.get_rank())
+    digests.append(checkpoint_integrity.save_torch({"layout": layout, **per_rank}, path, directory))
+    return digests
 
 
 def _rank_state_path(directory: str, tp_rank: int, pp_rank: int, dp_rank: int) -> str:
@@ -121,7 +128,8 @@ def _per_rank_state(directory: str, layout: Dict[str, int]) -> Tuple[Dict[str, A
     (Megatron seeds all DP ranks of a (TP, PP) rank alike). Returns (state, same_layout)."""
     def read(dp_rank: int) -> Dict[str, Any]:
         path = _rank_state_path(directory, layout["tp_rank"], layout["pp_rank"], dp_rank)
-        return torch.load(path, map_location="cpu", weights_only=False) \
+        return checkpoint_integrity.torch_load(path, directory, map_location="cpu",
+                                               weights_only=False) \
             if os.path.isfile(path) else {}
 
     own = read(layout["dp_rank"])

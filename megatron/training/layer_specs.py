@@ -1,7 +1,35 @@
-"""The transformer layer spec the trainer builds GPTModel with.
+"""The transformer layer spec the trainer builds GPTModel with, and the attention it uses.
 
-Transformer Engine's spec on GPU when it imports, else megatron-core's local spec -- with one
-addition: sequence parallelism on the local spec without Apex.  megatron-core 0.16.1's torch
+Attention (:func:`resolve_attention`, the one place ``--attention-backend`` is decided; the
+values are megatron-core's ``AttnBackend`` names, as in Megatron-LM):
+
+==============  ==========================================  ==========================================
+value           CUDA with Transformer Engine                otherwise (CPU, or CUDA without TE)
+==============  ==========================================  ==========================================
+auto (default)  TE's spec; TE picks its kernel              local spec + SDPA (:mod:`.sdpa_attention`),
+                                                            torch picks the kernel
+flash           TE's spec, TE's flash attention             local spec + SDPA restricted to torch's
+                                                            flash kernel (CPU: no attention dropout)
+fused           TE's spec, TE's cuDNN fused attention       local spec + SDPA restricted to torch's
+                                                            cuDNN / memory-efficient kernels
+                                                            (CUDA only)
+unfused         TE's spec, TE's unfused attention           local spec, megatron-core's
+                                                            ``DotProductAttention``
+local           local spec, megatron-core's ``DotProductAttention`` (also with TE installed)
+==============  ==========================================  ==========================================
+
+With TE, the kernel choice reaches TE through ``TransformerConfig.attention_backend`` (megatron-core
+sets ``NVTE_FLASH_ATTN`` / ``NVTE_FUSED_ATTN`` / ``NVTE_UNFUSED_ATTN`` from it at model build).
+The resolved implementation is stored as ``args.attention_impl`` (``transformer_engine``,
+``sdpa``, ``sdpa-flash``, ``sdpa-fused`` or ``local``), so every checkpoint records it with the
+args. Resuming under another implementation: SDPA and ``DotProductAttention`` have no parameters
+(the state dicts are identical), so the run resumes and says so; TE's spec names its layer norms
+differently, so a ``--ckpt-format torch`` checkpoint written with TE's spec does not load into the
+local spec (or back) and :func:`attention_layout_diff` names the change for the layout check
+(``torch_dist`` maps the names and resumes).
+
+Layer norms: Transformer Engine's spec on GPU when it is used, else megatron-core's local spec --
+with one addition: sequence parallelism on the local spec without Apex.  megatron-core 0.16.1's torch
 fallback norm (``WrappedTorchNorm``) refuses ``sequence_parallel`` because a plain
 ``torch.nn.LayerNorm`` does not mark its parameters: under sequence parallelism each
 tensor-parallel rank normalizes only its slice of the sequence, so the norm weights' gradients
@@ -14,7 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -46,9 +74,134 @@ def _have_te() -> bool:
         return False
 
 
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+"""``--attention-backend`` values (megatron-core 0.16.1's ``AttnBackend`` names)."""
+
+ATTENTION_IMPLS = {
+    "transformer_engine": "Transformer Engine's spec (TEDotProductAttention)",
+    "sdpa": "torch scaled_dot_product_attention, kernel chosen by torch",
+    "sdpa-flash": "torch scaled_dot_product_attention, flash kernel only",
+    "sdpa-fused": "torch scaled_dot_product_attention, cuDNN / memory-efficient kernels only",
+    "local": "megatron-core's unfused DotProductAttention",
+}
+"""``args.attention_impl`` values and what each runs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionChoice:
+    """What :func:`resolve_attention` decided."""
+
+    backend: str
+    """``--attention-backend`` as given."""
+    impl: str
+    """One of :data:`ATTENTION_IMPLS`."""
+
+    @property
+    def uses_te(self) -> bool:
+        return self.impl == "transformer_engine"
+
+    def describe(self) -> str:
+        return f"{self.impl} ({ATTENTION_IMPLS[self.impl]}; --attention-backend {self.backend})"
+
+
+def resolve_attention(args: argparse.Namespace) -> AttentionChoice:
+    """The one decision of which attention (and so which layer spec) the run uses.
+
+    Reads ``args.attention_backend`` (default ``auto``), ``args.device``, the precision and
+    ``args.attention_dropout``; raises ``ValueError`` naming the flag when the choice cannot run.
+    Rules: see the table in this module's docstring.
+    """
+    backend = getattr(args, "attention_backend", None) or "auto"
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend {backend!r}: choose one of "
+                         f"{', '.join(ATTENTION_BACKENDS)}")
+    device = getattr(args, "device", None) or "cpu"
+    if backend == "local":
+        return AttentionChoice(backend, "local")
+    if device == "cuda" and _have_te():
+        return AttentionChoice(backend, "transformer_engine")
+    if backend == "unfused":
+        return AttentionChoice(backend, "local")
+    if backend == "fused" and device != "cuda":
+        raise ValueError("--attention-backend fused needs CUDA: without Transformer Engine it "
+                         "means torch's cuDNN / memory-efficient attention kernels, which have no "
+                         "CPU version; use --attention-backend auto (SDPA) or local on CPU")
+    if backend == "flash":
+        dropout = float(getattr(args, "attention_dropout", 0.0) or 0.0)
+        if device != "cuda" and dropout > 0.0:
+            raise ValueError(f"--attention-backend flash on CPU: torch's CPU flash kernel has no "
+                             f"attention dropout (--attention-dropout {dropout}); use "
+                             "--attention-dropout 0 or --attention-backend auto")
+        if device == "cuda" and not (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
+            raise ValueError("--attention-backend flash without Transformer Engine means torch's "
+                             "flash-attention kernel, which runs fp16/bf16 only: add --bf16 or "
+                             "--fp16, or use --attention-backend auto")
+    return AttentionChoice(backend, "sdpa" if backend == "auto" else f"sdpa-{backend}")
+
+
+def attention_choice(args: argparse.Namespace) -> AttentionChoice:
+    """The choice :func:`resolve_attention` recorded in ``args`` (``validate_args``), or a fresh
+    resolution for a namespace built another way."""
+    impl = getattr(args, "attention_impl", None)
+    if impl in ATTENTION_IMPLS:
+        return AttentionChoice(getattr(args, "attention_backend", None) or "auto", impl)
+    return resolve_attention(args)
+
+
+def config_attention_backend(args: argparse.Namespace) -> Any:
+    """``TransformerConfig.attention_backend``: the flag's value where TE's spec runs (TE picks
+    its kernel from it), megatron-core's default ``auto`` otherwise (the value only sets TE's
+    ``NVTE_*`` variables, which nothing reads without TE; leaving them alone lets one process
+    build models with different backends, as the tests do)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    choice = attention_choice(args)
+    return AttnBackend[choice.backend] if choice.uses_te else AttnBackend.auto
+
+
 def uses_transformer_engine(args: argparse.Namespace) -> bool:
-    """The TE spec is used on GPU when transformer_engine imports."""
-    return args.device == "cuda" and _have_te()
+    """The TE spec is used: on GPU when transformer_engine imports, unless
+    ``--attention-backend local`` (see :func:`resolve_attention`)."""
+    return attention_choice(args).uses_te
+
+
+def _saved(saved_args: Any, name: str) -> Any:
+    if saved_args is None:
+        return None
+    if isinstance(saved_args, dict):
+        return saved_args.get(name)
+    return getattr(saved_args, name, None)
+
+
+def attention_layout_diff(saved_args: Any, args: argparse.Namespace) -> Optional[str]:
+    """For the ``--ckpt-format torch`` layout check: ``"--attention-backend OLD (IMPL) -> NEW
+    (IMPL)"`` when the checkpoint was written with TE's spec and this run uses the local spec or
+    back (their state dicts name the layer norms differently); None otherwise, and for
+    checkpoints that do not record the implementation."""
+    old = _saved(saved_args, "attention_impl")
+    if old not in ATTENTION_IMPLS:
+        return None
+    new = attention_choice(args)
+    if (old == "transformer_engine") == new.uses_te:
+        return None
+    return (f"--attention-backend {_saved(saved_args, 'attention_backend') or 'auto'} ({old}) -> "
+            f"{new.backend} ({new.impl})")
+
+
+def attention_resume_note(saved_args: Any, args: argparse.Namespace) -> Optional[str]:
+    """One log line when the checkpoint was written with another attention implementation that
+    loads unchanged (None when it is the same, or the checkpoint does not say)."""
+    old = _saved(saved_args, "attention_impl")
+    new = attention_choice(args)
+    if old not in ATTENTION_IMPLS or old == new.impl:
+        return None
+    why = ("core attention has no parameters, so the weights load unchanged, and the math is "
+           "the same up to rounding (dropout draws differ)")
+    if (old == "transformer_engine") != new.uses_te:
+        why = "the torch_dist checkpoint maps TE's and the local spec's layer-norm names; " + why
+    return (f" > attention changed on resume: the checkpoint was written with {old} "
+            f"(--attention-backend {_saved(saved_args, 'attention_backend') or 'auto'}), this run "
+            f"uses {new.impl} (--attention-backend {new.backend}): {why}")
 
 
 def gpt_layer_spec(args: argparse.Namespace, config: Any) -> Any:
@@ -58,9 +211,18 @@ def gpt_layer_spec(args: argparse.Namespace, config: Any) -> Any:
     from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
 
-    if uses_transformer_engine(args):
+    choice = attention_choice(args)
+    if choice.uses_te:
         return specs.get_gpt_layer_with_transformer_engine_spec()
     spec = specs.get_gpt_layer_local_spec(normalization=args.normalization)
+    if choice.impl.startswith("sdpa"):
+        from .sdpa_attention import sdpa_class
+
+        attn = spec.submodules.self_attention
+        attn = dataclasses.replace(attn, submodules=dataclasses.replace(
+            attn.submodules, core_attention=sdpa_class(choice.backend)))
+        spec = dataclasses.replace(spec, submodules=dataclasses.replace(
+            spec.submodules, self_attention=attn))
     if not (config.sequence_parallel and spec.submodules.input_layernorm is WrappedTorchNorm):
         return spec
     layer = dataclasses.replace(spec, submodules=dataclasses.replace(

@@ -26,7 +26,8 @@ def training_flops_per_iteration(args: argparse.Namespace) -> float:
     h, s, layers = args.hidden_size, args.seq_length, args.num_layers
     head_size = h // args.num_attention_heads
     q = head_size * args.num_attention_heads
-    kv = q  # multi-head attention (the trainer has no grouped-query flag)
+    kv = head_size * (args.num_query_groups if getattr(args, "group_query_attention", False)
+                      else args.num_attention_heads)  # --group-query-attention: fewer k/v heads
     ffn = args.ffn_hidden_size or 4 * h
     mlp_matrices = 3 if args.swiglu else 2
     per_layer = h * (q + 2 * kv) + q * h + 2 * s * q + mlp_matrices * h * ffn

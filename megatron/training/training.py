@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from functools import partial
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -27,10 +28,12 @@ import torch
 
 from megatron.distributed.quant import integration
 
-from . import checkpointing
+from . import checkpointing, save_guard
 from .arguments import padded_vocab_size
-from .layer_specs import gpt_layer_spec, uses_transformer_engine
+from .fusions import apply_optimizer_fusions, fusion_plan
+from .layer_specs import attention_choice, config_attention_backend, gpt_layer_spec
 from .logging_utils import MetricsLogger, print_rank_0
+from .profiling import StepProfiler, memory_report
 from .sampler import build_data_iterator
 from .throughput import tflops_per_gpu
 from .tokenizer import build_tokenizer
@@ -38,7 +41,7 @@ from .tokenizer import build_tokenizer
 
 # ----------------------------------------------------------------------------- configs
 def build_transformer_config(args: argparse.Namespace):
-    """Megatron-LM flags -> megatron-core TransformerConfig (fusions off in CPU mode)."""
+    """Megatron-LM flags -> megatron-core TransformerConfig (fusions from :mod:`.fusions`)."""
     from megatron.core.transformer import TransformerConfig
 
     cpu = args.device == "cpu"
@@ -49,6 +52,9 @@ def build_transformer_config(args: argparse.Namespace):
         sequence_parallel=args.sequence_parallel,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        num_query_groups=(args.num_query_groups
+                          if getattr(args, "group_query_attention", False) else None),
+        attention_backend=config_attention_backend(args),
         init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
         normalization=args.normalization, gated_linear_unit=args.swiglu,
         add_bias_linear=args.add_bias_linear,
@@ -57,11 +63,8 @@ def build_transformer_config(args: argparse.Namespace):
         use_cpu_initialization=args.use_cpu_initialization or cpu,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-        # Fused kernels need CUDA (or torch.compile / a C++ toolchain on CPU).
-        bias_activation_fusion=(not cpu) and (args.swiglu or args.add_bias_linear),
-        masked_softmax_fusion=not cpu, bias_dropout_fusion=not cpu,
-        gradient_accumulation_fusion=False, persist_layer_norm=not cpu,
-        apply_rope_fusion=False,
+        # Fused kernels: what is installed decides (fusions.py; none on CPU).
+        **fusion_plan(args).transformer_config_kwargs(),
     )
     if args.swiglu:
         import torch.nn.functional as F
@@ -115,7 +118,8 @@ def config_summary(args: argparse.Namespace) -> Dict[str, Any]:
     return {"transformer": as_dict(build_transformer_config(args)),
             "ddp": as_dict(build_ddp_config(args)),
             "optimizer": as_dict(build_optimizer_config(args)),
-            "layer_spec": "transformer_engine" if uses_transformer_engine(args) else "local"}
+            "layer_spec": "transformer_engine" if attention_choice(args).uses_te else "local",
+            "attention": attention_choice(args).impl}
 
 
 # ----------------------------------------------------------------------------- model
@@ -166,6 +170,7 @@ def get_optimizer_and_scheduler(args: argparse.Namespace, model: List[torch.nn.M
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     optimizer = integration.build_optimizer(build_optimizer_config(args), model, args.quant_config)
+    apply_optimizer_fusions(fusion_plan(args), optimizer)
     gbs = args.global_batch_size
     decay_steps = args.lr_decay_iters * gbs
     if args.lr_warmup_fraction is not None:
@@ -359,17 +364,18 @@ def _fmt_log_line(iteration: int, args, consumed: int, ms_per_iter: float, lr: f
         parts.append(f"throughput per GPU (TFLOP/s/GPU): "
                      f"{tflops_per_gpu(args, ms_per_iter / 1000.0):.3f}")
         parts.append(f"throughput (tokens/s): {tokens_per_s:.1f}")
-    for k, v in comm.items():  # quantization errors are small: keep their digits
-        parts.append(f"{k}: {v:.4e}" if k.startswith("quant_error_") else f"{k}: {v:.3f}")
+    for k in LOG_LINE_COMM_KEYS:  # the rest goes to --jsonl-log / tensorboard only
+        if k in comm:
+            parts.append(f"{k}: {comm[k]:.3f}")
     return " | ".join(parts) + " |"
 
 
-def _should_exit_on_time(args, start_time: float, device) -> bool:
-    if args.exit_duration_in_mins is None:
-        return False
-    elapsed = torch.tensor([(time.time() - start_time) / 60.0], device=device)
-    torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
-    return float(elapsed) > args.exit_duration_in_mins
+LOG_LINE_COMM_KEYS = ("grad_inter_bits_per_element", "weight_inter_bits_per_element",
+                      "comm_grad_exposed_ms", "comm_weight_exposed_ms")
+"""The communication figures of the iteration log line, after Megatron-LM's own fields: what
+crosses the slow link (bits per element, gradients and weights) and what the step waited for.
+The full report (about 30 figures: per link, totals, ratios, errors) is in every ``--jsonl-log``
+record and in tensorboard; in the line it made ~2,000 characters per iteration."""
 
 
 def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]:
@@ -377,23 +383,41 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
 
     ``--device cpu``: megatron-core's CUDA touch points are redirected to the CPU for the run
     only (:func:`.cpu_mode.cpu_mode`, left when the run ends, even on an error)."""
+    from contextlib import ExitStack
+
     from .cpu_mode import cpu_mode
 
-    with cpu_mode(args.device == "cpu"):
-        return _pretrain(args, forward_step_func)
+    # ``cleanup``: the exit-signal handler and the --save lock, released however the run ends.
+    with cpu_mode(args.device == "cpu"), ExitStack() as cleanup:
+        return _pretrain(args, forward_step_func, cleanup)
 
 
-def _pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]:
+def _pretrain(args: argparse.Namespace, forward_step_func=None,
+              cleanup: Optional[Any] = None) -> Dict[str, Any]:
+    from contextlib import ExitStack
+
     from megatron.core import parallel_state as ps
 
+    from .exit_conditions import ExitConditions
     from .initialize import initialize_megatron
 
+    cleanup = cleanup if cleanup is not None else ExitStack()
     start_time = time.time()
+    # Preemption (--exit-signal-handler / --exit-duration-in-mins / --exit-interval): the handler
+    # is in place before the (possibly long) startup; the ranks agree at iteration boundaries.
+    exits = ExitConditions(args, start_time, rank=int(os.environ.get("RANK", "0")))
+    cleanup.callback(exits.release)
+    save_guard.install_fork_guard()  # checkpoint-writer processes die with their rank
     initialize_megatron(args)
+    # --save: created, writable, one run per directory -- at startup, not at the first save.
+    save_dir = save_guard.prepare_save_dir(args.save) if args.save else None
+    if save_dir is not None:
+        cleanup.callback(save_dir.release)
     for warning in args.quant_config.fidelity_warnings():  # settings the error study flags
         print_rank_0(f"WARNING: {warning}")
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" \
         else torch.device("cpu")
+    exits.device = device
     if forward_step_func is None:
         forward_step_func = partial(forward_step, args)
 
@@ -410,6 +434,7 @@ def _pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any
     iteration, train_state = 0, {}
     if args.load:
         iteration, train_state = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+        apply_optimizer_fusions(fusion_plan(args), optimizer)
         if iteration:
             print_rank_0(f" loaded checkpoint from {args.load} at iteration {iteration}")
     consumed_train = int(train_state.get("consumed_train_samples", iteration * args.global_batch_size))
@@ -423,12 +448,20 @@ def _pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any
     is_logger = torch.distributed.get_rank() == 0
     metrics = MetricsLogger(args, active=is_logger)
     n_params = sum(p.numel() for p in model[0].parameters())
+    if save_dir is not None:  # warns below two checkpoints' worth of free space
+        save_dir.check_free_space(args, n_params, device)
     print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
                  f"({ps.get_tensor_model_parallel_rank()}, {ps.get_pipeline_model_parallel_rank()}): "
                  f"{n_params}")
     print_rank_0(f" > device: {args.device}, backend: {args.distributed_backend}, world size: "
                  f"{args.world_size} (TP={args.tensor_model_parallel_size}, "
                  f"PP={args.pipeline_model_parallel_size}, DP={args.data_parallel_size})")
+    print_rank_0(f" > attention: {attention_choice(args).describe()}")
+    print_rank_0(fusion_plan(args).summary())
+    if (args.quant_config.enabled and not integration.uses_sharded_engine(args.paro_strategy)
+            and integration.nobody_to_talk_to()):
+        print_rank_0(" > quantized communication off: data-parallel size 1, nothing is sent "
+                     "(megatron-core's exact path, bit-identical to the baseline)")
     report = integration.strategy_report(args, model, optimizer)
     if report:
         print_rank_0(report)
@@ -444,22 +477,38 @@ def _pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any
     def save(it: int) -> None:
         nonlocal last_saved
         if args.save and last_saved != it:
-            checkpointing.save_checkpoint(args, it, model, optimizer, scheduler, {
-                "consumed_train_samples": consumed_train,
-                "consumed_valid_samples": consumed_valid,
-                "skipped_iterations": skipped_total, "nan_iterations": nan_total})
+            if args.ckpt_format == "torch_dist":  # its helper processes die with this rank
+                save_guard.guard_torch_dist_writer_queue()
+            try:
+                checkpointing.save_checkpoint(args, it, model, optimizer, scheduler, {
+                    "consumed_train_samples": consumed_train,
+                    "consumed_valid_samples": consumed_valid,
+                    "skipped_iterations": skipped_total, "nan_iterations": nan_total})
+            except Exception as exc:  # no space / no permission: one line, not torch's
+                failure = save_guard.describe_save_failure(
+                    exc, args.save, it, save_dir.checkpoint_bytes if save_dir else None)
+                if failure is None:
+                    raise
+                raise failure from exc
             last_saved = it
             print_rank_0(f" saved checkpoint at iteration {it:7d} to {args.save}")
 
     for chunk in model:
         chunk.train()
-    while not args.skip_train and iteration < args.train_iters:
+    # A signal that arrived during startup (or a time budget spent by it) stops before training.
+    stop = exits.check(iteration, boundary=False) \
+        if exits.needs_agreement and not args.skip_train else None
+    profiler = StepProfiler(args, torch.distributed.get_rank(), log=print)
+    memory_reported = False
+    while not stop and not args.skip_train and iteration < args.train_iters:
         integration.set_iteration(model, iteration + 1)
+        profiler.before_step(iteration + 1)
         t0 = time.time()
         loss, ok, grad_norm, reason = train_step(args, forward_step_func, train_iter, model,
                                                  optimizer, scheduler, device)
         dt = time.time() - t0
         iteration += 1
+        profiler.after_step(iteration, last=iteration >= args.train_iters)
         run_iters += 1
         run_time += dt
         consumed_train += args.global_batch_size
@@ -497,6 +546,9 @@ def _pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any
                                  _loss_scale(optimizer), grad_norm, interval["skipped"],
                                  interval["nan"], tps, comm)
             print_rank_0(line)
+            if not memory_reported:   # Megatron-LM's report, once, after the first interval
+                memory_reported = True
+                print_rank_0(memory_report(args.device, iteration, torch.distributed.get_rank()))
             metrics.record({"type": "train", "iteration": iteration,
                             "consumed_samples": consumed_train, "lm_loss": avg_loss, "lr": lr,
                             "grad_norm": grad_norm, "loss_scale": _loss_scale(optimizer),
@@ -515,13 +567,14 @@ def _pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any
 
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             save(iteration)
-        if args.exit_interval and iteration % args.exit_interval == 0:
-            exit_reason = f"exit interval {args.exit_interval}"
-            break
-        if _should_exit_on_time(args, start_time, device):
-            exit_reason = f"exit duration {args.exit_duration_in_mins} min"
+        stop = exits.check(iteration)  # the same answer on every rank
+        if stop:
             break
 
+    if stop:
+        exit_reason = stop
+        print_rank_0(f" > {stop}: stopping after iteration {iteration}"
+                     + (f", saving to {args.save}" if args.save else " (no --save)"))
     if exit_reason == "finished" and valid_iter is not None and (args.skip_train or not (
             args.eval_interval and iteration % args.eval_interval == 0)):
         last_val = _run_eval(args, forward_step_func, valid_iter, model, device, metrics,

@@ -44,6 +44,11 @@ split into q / k / v; fused layernorm names (``linear_qkv.layer_norm_weight`` /
 ``linear_fc1.layer_norm_weight``, TE spec and torch_dist) and the local spec's
 ``input_layernorm`` / ``pre_mlp_layernorm`` alike.
 
+Integrity: the files read are first checked against the checkpoint's ``manifest.json`` (sizes and
+digests written at save, see ``megatron/training/checkpoint_integrity.py``): a damaged file is
+refused naming it and the previous complete checkpoint (``--iteration N``);
+``--no-verify-checkpoint`` skips the check.  An unreadable ``.pt`` is one error naming the file.
+
 Vocabulary: the embedding and output layer have ``args.padded_vocab_size`` rows
 (``--make-vocab-size-divisible-by`` x TP).  By default all of them are exported and the HF config's
 ``vocab_size`` is the padded size (the extra ids are never produced by the tokenizer);
@@ -79,6 +84,8 @@ if str(ROOT) not in sys.path:  # the saved args unpickle megatron.distributed.qu
 
 import torch  # noqa: E402
 
+from megatron.training import checkpoint_integrity  # noqa: E402
+
 TRACKER = "latest_checkpointed_iteration.txt"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|gguf|ckpt)$|^config\.json$|"
@@ -93,6 +100,9 @@ class ConversionError(ValueError):
 def resolve_iteration_dir(load: str, iteration: Optional[int]) -> Tuple[str, Optional[int]]:
     """``--load`` root (+ tracker or ``--iteration``) or an ``iter_N`` directory -> (dir, N)."""
     load = os.path.abspath(load)
+    if os.path.isfile(load):
+        raise ConversionError(f"--load {load} is a file, not a checkpoint directory: pass the "
+                              "--save directory of a run or one of its iter_NNNNNNN folders")
     if not os.path.isdir(load):
         raise ConversionError(f"--load {load}: no such directory")
     if _is_iteration_dir(load) and not os.path.isfile(os.path.join(load, TRACKER)):
@@ -134,8 +144,43 @@ def checkpoint_format(path: str) -> str:
 def _torch_load(path: str) -> Dict[str, Any]:
     try:  # mmap: the optimizer state in the same file is never read into memory
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except RuntimeError:  # legacy (non-zip) serialization
-        return torch.load(path, map_location="cpu", weights_only=False)
+    except RuntimeError:  # legacy (non-zip) serialization -- or a damaged file
+        try:
+            return checkpoint_integrity.torch_load(path, os.path.dirname(path), _iteration_flag,
+                                                   map_location="cpu", weights_only=False)
+        except checkpoint_integrity.CheckpointIntegrityError as exc:
+            raise ConversionError(str(exc)) from None
+
+
+def _iteration_flag(iteration: int) -> str:
+    return f"--iteration {iteration}"
+
+
+def _read_by_converter(fmt: str) -> Callable[[str], bool]:
+    """The files this tool reads (only these are verified): the DP-rank-0 files of the torch
+    format (the weights); everything of torch_dist but the per-rank RNG/quantization files."""
+    if fmt == "torch":
+        return lambda name: re.fullmatch(r"mp_rank_\d+_\d+_dp_000\.pt", name) is not None
+    return lambda name: not name.startswith("rank_state/")
+
+
+def verify_checkpoint(path: str, fmt: str, by_folder: bool = False) -> bool:
+    """Check the files the export reads against the checkpoint's manifest; ConversionError
+    naming a damaged file and the previous complete checkpoint.  False when the checkpoint has
+    no manifest (written before manifests existed): nothing to check against."""
+    root = os.path.dirname(path)
+    load_flag = ((lambda m: f"--load {os.path.join(root, f'iter_{m:07d}')}") if by_folder
+                 else _iteration_flag)
+    try:
+        manifest = checkpoint_integrity.read_manifest(path)
+        if manifest is None:
+            return False
+        found = checkpoint_integrity.verify(path, manifest, select=_read_by_converter(fmt))
+    except checkpoint_integrity.CheckpointIntegrityError as exc:
+        raise ConversionError(str(exc)) from None
+    if found is not None:
+        raise ConversionError(checkpoint_integrity.damaged(path, *found, load_flag))
+    return True
 
 
 def _as_namespace(args: Any) -> argparse.Namespace:
@@ -318,13 +363,18 @@ def read_torch_dist_format(path: str) -> Tuple[argparse.Namespace, Dict[str, tor
     return args, full
 
 
-def load_megatron_checkpoint(load: str, iteration: Optional[int] = None
+def load_megatron_checkpoint(load: str, iteration: Optional[int] = None, verify: bool = True
                              ) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor], Dict[str, Any]]:
-    """(args, full model state dict in the TP=1/PP=1 layout, info about the source)."""
+    """(args, full model state dict in the TP=1/PP=1 layout, info about the source).
+
+    ``verify``: check the files against the manifest first (``info["verified"]`` says whether
+    there was one)."""
     path, it = resolve_iteration_dir(load, iteration)
     fmt = checkpoint_format(path)
+    verified = verify and verify_checkpoint(path, fmt,
+                                            by_folder=path == os.path.abspath(load))
     args, sd = read_torch_dist_format(path) if fmt == "torch_dist" else read_torch_format(path)
-    return args, sd, {"path": path, "iteration": it, "format": fmt}
+    return args, sd, {"path": path, "iteration": it, "format": fmt, "verified": verified}
 
 
 # ----------------------------------------------------------------------------- architecture
@@ -631,7 +681,7 @@ def _special_ids(args: argparse.Namespace, tok: Any) -> Dict[str, Optional[int]]
 def convert(load: str, output: str, iteration: Optional[int] = None, dtype: str = "auto",
             vocab_size: Optional[int] = None, tokenizer_dir: Optional[str] = None,
             auto_tokenizer: bool = True, force: bool = False, max_shard_size: str = "5GB",
-            log: Callable[[str], None] = print) -> Dict[str, Any]:
+            log: Callable[[str], None] = print, verify: bool = True) -> Dict[str, Any]:
     """Export; returns a summary dict (also written to ``output/megatron_export.json``)."""
     from huggingface_hub import save_torch_state_dict
     from transformers import GPT2Config, LlamaConfig
@@ -640,11 +690,14 @@ def convert(load: str, output: str, iteration: Optional[int] = None, dtype: str 
             and not force:
         raise ConversionError(f"--output {output} already holds a model; pass --force to "
                               "overwrite")
-    args, sd, info = load_megatron_checkpoint(load, iteration)
+    args, sd, info = load_megatron_checkpoint(load, iteration, verify=verify)
     arch = architecture(args)
     log(f" read {info['format']} checkpoint {info['path']} (iteration {info['iteration']}, "
         f"TP={getattr(args, 'tensor_model_parallel_size', 1)}, "
-        f"PP={getattr(args, 'pipeline_model_parallel_size', 1)}): {len(sd)} tensors")
+        f"PP={getattr(args, 'pipeline_model_parallel_size', 1)}): {len(sd)} tensors, "
+        + ("files verified against manifest.json" if info["verified"] else
+           "files not verified (--no-verify-checkpoint)" if not verify else
+           "files not verified (the checkpoint has no manifest.json)"))
     config_kwargs, hf_sd = (to_gpt2 if arch == "gpt2" else to_llama)(args, sd, vocab_size)
     if dtype == "auto":
         target = args.params_dtype
@@ -717,6 +770,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not export the checkpoint's own tokenizer")
     p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
     p.add_argument("--force", action="store_true", help="overwrite a model in --output")
+    p.add_argument("--no-verify-checkpoint", dest="verify_checkpoint", action="store_false",
+                   help="do not check the checkpoint's files against its manifest.json")
     return p
 
 
@@ -728,7 +783,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         convert(a.load, a.output, iteration=a.iteration, dtype=a.dtype, vocab_size=a.vocab_size,
                 tokenizer_dir=a.tokenizer_dir, auto_tokenizer=not a.no_tokenizer, force=a.force,
-                max_shard_size=a.max_shard_size)
+                max_shard_size=a.max_shard_size, verify=a.verify_checkpoint)
     except ConversionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

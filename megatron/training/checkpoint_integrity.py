@@ -1,0 +1,389 @@
+"""Checkpoint integrity: every file's size and digest in a manifest, checked before a load.
+
+Why: neither format notices damaged bytes.  torch's zip reader is built without its CRC-32
+checks, so 8 flipped bytes in a ``.pt`` load silently (a run resumed from a loss of 2.9e3), and
+megatron-core's ``.distcp`` shards carry no checksum at all (the loss diverged one step later).
+A truncated ``.pt`` gave a raw ``PytorchStreamReader ... central directory`` traceback that
+named no file.  With a manifest a damaged checkpoint is refused before anything is loaded,
+naming the file and the checkpoint and pointing at the previous one.
+
+Layout: ``{iter_dir}/manifest.json``::
+
+    {"format": "checkpoint-manifest", "version": 1, "iteration": 30, "algorithm": "xxh3_128",
+     "files": {"mp_rank_00_000_dp_000.pt": {"size": 123456, "digest": "9f0c..."}, ...}}
+
+Names are relative to the iteration directory, ``/``-separated (``rank_state/tp00_...pt``).
+
+Who hashes what (the cost is spread over the ranks, as the writing is):
+
+* a file written with :func:`save_torch` (``--ckpt-format torch``'s per-rank files, torch_dist's
+  ``rank_state/`` files) is hashed by its writer *while* ``torch.save`` streams it, each large
+  chunk hashed on a helper thread while the main thread writes it (both release the GIL), so
+  the bytes are never read back;
+* megatron-core writes the ``.distcp`` shards itself (in its writer processes), named
+  ``__{rank}_{n}.distcp`` by the rank whose data they hold: that rank hashes them right after
+  the save, from the page cache (:func:`digest_own_distcp_files`);
+* whatever no rank claimed (megatron-core's ``.metadata``, ``metadata.json``, ``common.pt``) is
+  hashed by rank 0 when it writes the manifest (:func:`write_manifest`).
+
+The checkpointing module writes the manifest into the temporary directory, *then* renames it
+into place and moves the tracker: a checkpoint the tracker names always has its manifest.
+
+Verification (:func:`verify`) splits the files over the loading ranks by size, each rank reading
+and hashing its share.  Why a fast non-cryptographic hash: this guards against accidents
+(bit flips, truncation, torn or partial copies), not against an adversary, and it must cost
+little next to the write itself.  ``xxh3_128`` (the ``xxhash`` package, which HF ``datasets``
+already requires) measured several GB/s per core here (docs/performance.md, "Checkpoint
+integrity cost"); ``sha256`` (hashlib, hardware-accelerated on most CPUs) is the fallback when
+``xxhash`` is missing.  The manifest names its algorithm, so either verifies the other's writes
+as long as the algorithm is importable at load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+from .errors import StartupError
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "checkpoint-manifest"
+MANIFEST_VERSION = 1
+READ_CHUNK = 16 << 20
+"""Bytes per read when hashing a file (large enough to amortize the Python call per chunk)."""
+PARALLEL_MIN = 1 << 20
+"""Chunks of ``torch.save`` at least this large are hashed on the helper thread while written;
+smaller ones (pickled headers, small tensors) inline, where a thread hand-off would cost more."""
+
+
+def _xxh3_128() -> Any:
+    import xxhash
+
+    return xxhash.xxh3_128()
+
+
+HASHERS: Dict[str, Callable[[], Any]] = {"xxh3_128": _xxh3_128, "sha256": hashlib.sha256}
+"""Digest algorithms a manifest may name: name -> a fresh hasher (``update`` / ``hexdigest``)."""
+
+
+def _default_algorithm() -> str:
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:
+        return "sha256"
+    return "xxh3_128"
+
+
+DEFAULT_ALGORITHM = _default_algorithm()
+
+
+class CheckpointIntegrityError(StartupError):
+    """A checkpoint file is missing, truncated, unreadable or does not match its digest."""
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """One checkpoint file as it was written."""
+
+    name: str
+    """Path relative to the iteration directory, ``/``-separated."""
+    size: int
+    """Bytes written: a shorter file is truncated."""
+    digest: str
+    """Hex digest of the whole file with the manifest's algorithm."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The contents of one ``manifest.json``."""
+
+    iteration: int
+    algorithm: str
+    files: Tuple[FileDigest, ...]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
+                "iteration": self.iteration, "algorithm": self.algorithm,
+                "files": {f.name: {"size": f.size, "digest": f.digest}
+                          for f in sorted(self.files, key=lambda f: f.name)}}
+
+
+def new_hasher(algorithm: str = DEFAULT_ALGORITHM) -> Any:
+    try:
+        factory = HASHERS[algorithm]
+    except KeyError:
+        raise CheckpointIntegrityError(f"unknown checkpoint digest algorithm {algorithm!r} "
+                                       f"(known: {', '.join(HASHERS)})") from None
+    try:
+        return factory()
+    except ImportError:
+        raise CheckpointIntegrityError(
+            f"the checkpoint's manifest uses {algorithm}, which needs the 'xxhash' package: "
+            "pip install xxhash, or load with --no-verify-checkpoint") from None
+
+
+# ----------------------------------------------------------------------------- writing
+class DigestingWriter:
+    """A write-only file object that hashes what passes through it (for ``torch.save``).
+
+    Each chunk of at least :data:`PARALLEL_MIN` bytes is hashed on ``pool`` while this thread
+    writes it; the hash is joined before the call returns, so chunks are hashed in order and
+    the caller's buffer (torch hands out views of its own memory) outlives both uses."""
+
+    def __init__(self, f: Any, algorithm: str = DEFAULT_ALGORITHM,
+                 pool: Optional[ThreadPoolExecutor] = None) -> None:
+        self._f = f
+        self._hasher = new_hasher(algorithm)
+        self._pool = pool
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        n = view.nbytes
+        if self._pool is not None and n >= PARALLEL_MIN:
+            pending = self._pool.submit(self._hasher.update, view)
+            try:
+                self._f.write(view)
+            finally:
+                pending.result()
+        else:
+            self._hasher.update(view)
+            self._f.write(view)
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def hexdigest(self) -> str:
+        return self._hasher.hexdigest()
+
+
+def save_torch(obj: Any, path: str, directory: str,
+               algorithm: str = DEFAULT_ALGORITHM) -> FileDigest:
+    """``torch.save(obj, path)`` atomically (``.part`` + rename), hashing while writing.
+
+    The data is fsynced before the rename: the manifest, and then the tracker, must not name
+    bytes that a power loss could still take back."""
+    import torch
+
+    part = path + ".part"
+    with open(part, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="ckpt-digest") as pool:
+        writer = DigestingWriter(f, algorithm, pool)
+        torch.save(obj, writer)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+    return FileDigest(_relative(path, directory), writer.size, writer.hexdigest())
+
+
+def digest_file(path: str, algorithm: str = DEFAULT_ALGORITHM) -> Tuple[int, str]:
+    """(size, hex digest) of a file, read in :data:`READ_CHUNK` pieces."""
+    hasher = new_hasher(algorithm)
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(READ_CHUNK)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            hasher.update(view[:n])
+            size += n
+    return size, hasher.hexdigest()
+
+
+def digest_files(directory: str, names: Iterable[str],
+                 algorithm: str = DEFAULT_ALGORITHM) -> List[FileDigest]:
+    out = []
+    for name in names:
+        size, digest = digest_file(os.path.join(directory, name), algorithm)
+        out.append(FileDigest(name, size, digest))
+    return out
+
+
+def digest_own_distcp_files(directory: str, rank: int,
+                            algorithm: str = DEFAULT_ALGORITHM) -> List[FileDigest]:
+    """The ``.distcp`` shards this rank's data went to (torch DCP names them ``__{rank}_{n}``).
+
+    Why after the save and not during it: megatron-core writes them in its own writer
+    processes; they were just written, so this reads the page cache, not the disk."""
+    own = re.compile(rf".*__{rank}_\d+\.distcp")  # an optional group prefix, then DCP's name
+    return digest_files(directory, sorted(n for n in os.listdir(directory) if own.fullmatch(n)),
+                        algorithm)
+
+
+def _relative(path: str, directory: str) -> str:
+    return os.path.relpath(path, directory).replace(os.sep, "/")
+
+
+def _all_files(directory: str) -> List[str]:
+    names = []
+    for parent, _, files in os.walk(directory):
+        names += [_relative(os.path.join(parent, f), directory) for f in files]
+    return sorted(n for n in names if n != MANIFEST and not n.endswith(".part"))
+
+
+def write_manifest(directory: str, iteration: int, entries: Iterable[FileDigest],
+                   algorithm: str = DEFAULT_ALGORITHM) -> Manifest:
+    """Write ``{directory}/manifest.json`` (atomically, fsynced) listing every file there.
+
+    ``entries`` are the digests the writers computed; a file nobody claimed is hashed here, so
+    the manifest covers the whole directory whatever wrote into it."""
+    known = {e.name: e for e in entries}
+    missing = [n for n in known if not os.path.isfile(os.path.join(directory, n))]
+    if missing:
+        raise RuntimeError(f"checkpoint {directory}: files hashed by their writers are gone: "
+                           f"{missing[:4]}")
+    unclaimed = [n for n in _all_files(directory) if n not in known]
+    for entry in digest_files(directory, unclaimed, algorithm):
+        known[entry.name] = entry
+    manifest = Manifest(iteration, algorithm, tuple(known.values()))
+    tmp = os.path.join(directory, f".{MANIFEST}.part")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(manifest.to_json(), f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, MANIFEST))
+    return manifest
+
+
+# ----------------------------------------------------------------------------- reading
+def read_manifest(directory: str) -> Optional[Manifest]:
+    """The manifest of an iteration directory; None when it has none (written before manifests
+    existed).  A manifest that cannot be parsed is itself damage: an error naming it."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        if raw.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"format {raw.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+        if int(raw.get("version", 0)) > MANIFEST_VERSION:
+            raise ValueError(f"version {raw['version']} is newer than this trainer's "
+                             f"{MANIFEST_VERSION}")
+        files = tuple(FileDigest(name, int(v["size"]), str(v["digest"]))
+                      for name, v in raw["files"].items())
+        return Manifest(int(raw["iteration"]), str(raw["algorithm"]), files)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointIntegrityError(damaged(directory, path, f"cannot be read ({exc})")) \
+            from None
+
+
+def check_file(directory: str, entry: FileDigest, algorithm: str) -> Optional[str]:
+    """What is wrong with one file (a phrase after its path), or None when it matches."""
+    path = os.path.join(directory, entry.name)
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if size < entry.size:
+        return f"is truncated: {size} bytes, the manifest says {entry.size}"
+    if size > entry.size:
+        return f"has {size} bytes, the manifest says {entry.size}"
+    try:
+        _, digest = digest_file(path, algorithm)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if digest != entry.digest:
+        return (f"does not match its {algorithm} digest in the manifest (the contents changed "
+                "after the save: the file is corrupt)")
+    return None
+
+
+def files_for_rank(manifest: Manifest, rank: int, world: int,
+                   select: Optional[Callable[[str], bool]] = None) -> List[FileDigest]:
+    """This rank's share of the files to verify: largest first, each to the least loaded rank
+    (the same answer on every rank, so every file is checked exactly once)."""
+    files = [f for f in manifest.files if select is None or select(f.name)]
+    load = [0] * world
+    mine = []
+    for f in sorted(files, key=lambda f: (-f.size, f.name)):
+        target = min(range(world), key=lambda r: (load[r], r))
+        load[target] += f.size
+        if target == rank:
+            mine.append(f)
+    return mine
+
+
+def verify(directory: str, manifest: Manifest, rank: int = 0, world: int = 1,
+           select: Optional[Callable[[str], bool]] = None) -> Optional[Tuple[str, str]]:
+    """Check this rank's share of ``directory``'s files; the first (path, problem), or None."""
+    for entry in files_for_rank(manifest, rank, world, select):
+        problem = check_file(directory, entry, manifest.algorithm)
+        if problem is not None:
+            return os.path.join(directory, entry.name), problem
+    return None
+
+
+def iterations_in(root: str) -> List[int]:
+    """The iterations that have an ``iter_NNNNNNN`` directory under ``root``, ascending."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return sorted(int(m.group(1)) for m in map(re.compile(r"iter_(\d+)$").match, names) if m)
+
+
+def previous_checkpoint(root: str, iteration: int) -> Optional[int]:
+    """The latest iteration before ``iteration`` whose directory has a manifest (a checkpoint
+    that was completed: the manifest is written last), or None."""
+    for it in reversed(iterations_in(root)):
+        if it < iteration and os.path.isfile(os.path.join(root, f"iter_{it:07d}", MANIFEST)):
+            return it
+    return None
+
+
+def ckpt_step_flag(iteration: int) -> str:
+    """How the trainer loads another iteration of the same ``--load`` directory."""
+    return f"--ckpt-step {iteration}"
+
+
+def damaged(directory: str, path: str, problem: str,
+            load_flag: Callable[[int], str] = ckpt_step_flag) -> str:
+    """The error for a damaged file: the file, the checkpoint, and the previous checkpoint to
+    resume from instead (``load_flag(N)``: the flags that load iteration N)."""
+    root, name = os.path.split(os.path.normpath(directory))
+    m = re.match(r"iter_(\d+)$", name)
+    iteration = int(m.group(1)) if m else None
+    where = f"checkpoint {directory}" + (f" (iteration {iteration})" if m else "")
+    prev = previous_checkpoint(root, iteration) if iteration is not None else None
+    advice = (f"the previous complete checkpoint is iteration {prev}: load it with "
+              f"{load_flag(prev)}" if prev is not None
+              else f"there is no earlier complete checkpoint in {root}")
+    return f"{where} is damaged: {path} {problem}; {advice}"
+
+
+READ_ERRORS = (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError,
+               zipfile.BadZipFile, KeyError, AttributeError, IndexError)
+"""What ``torch.load`` raises on a truncated or corrupt file (the zip reader's RuntimeError,
+the unpickler's errors on garbage)."""
+
+
+def torch_load(path: str, directory: str, load_flag: Callable[[int], str] = ckpt_step_flag,
+               **kwargs: Any) -> Any:
+    """``torch.load`` whose failure on a damaged file is one clear error naming the file and the
+    checkpoint (also with ``--no-verify-checkpoint``, or for a checkpoint without manifest)."""
+    import torch
+
+    try:
+        return torch.load(path, **kwargs)
+    except FileNotFoundError:
+        raise CheckpointIntegrityError(damaged(directory, path, "is missing", load_flag)) \
+            from None
+    except READ_ERRORS as exc:
+        # The first sentence: torch's zip errors go on with generic advice.
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
+        raise CheckpointIntegrityError(damaged(
+            directory, path, f"cannot be read: it is truncated or corrupt ({reason})",
+            load_flag)) from None

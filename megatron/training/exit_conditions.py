@@ -1,0 +1,147 @@
+"""When a run stops early: a signal (``--exit-signal-handler``), a time budget
+(``--exit-duration-in-mins``) or an iteration count (``--exit-interval``), as in Megatron-LM.
+
+Why one place: a preempted job (SLURM sends SIGTERM some time before it kills the job) must save
+and exit cleanly, and every rank must stop at the *same* iteration boundary -- a rank that
+stopped one iteration earlier than its peers would leave them blocked in the next collective, and
+the checkpoint would mix two iterations.  Signals arrive at different ranks at different times
+(or at only some of them), and each rank's clock starts at a different moment, so the stop
+decision is agreed: at the end of every iteration each rank contributes its local flags
+("a signal arrived", "the time is up") to one all-reduce MAX over all ranks, and all ranks read
+the same answer.  That all-reduce is the only cost (on GPU one small host sync per iteration),
+and it only happens when ``--exit-signal-handler`` or ``--exit-duration-in-mins`` is set.
+``--exit-interval`` needs no agreement: every rank counts the same iterations.
+
+The signal handler only records the signal (it runs between two Python bytecodes of the main
+thread, possibly in the middle of a step); the training loop then saves (``--save``, the
+checkpoint includes the quantization state as every save does) and exits with status 0.
+
+torchrun (torch 2.13, ``torch.distributed.run``; read in its source and checked by
+tests/test_preemption.py): torchrun handles SIGTERM, SIGINT, SIGHUP and SIGQUIT
+(``--signals-to-handle`` adds e.g. SIGUSR1; a signal not in that list terminates torchrun itself)
+by sending the same signal to the process group of every live worker (each worker runs in its
+own session, so processes a worker forked get it too), waits ``--shutdown-timeout`` seconds
+(default 30, or ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) for them to exit, then sends SIGKILL, and
+finally exits itself with status 1 and a ``SignalException`` traceback, whatever its workers
+returned.  So under torchrun the rest of the current iteration, the save *and the workers'
+interpreter exit* must fit in that timeout.  The checkpoint (tracker last) is complete before
+the exit starts, so a SIGKILL during the exit loses nothing; but on a loaded 2-core machine the
+exit alone (Python's final garbage collection over torch and megatron-core, ~430k objects)
+took more than 30 s, so raise it (``torchrun --shutdown-timeout 300``) for large models or
+crowded hosts.  SLURM sends its SIGTERM to every process of the job step, so workers may see
+the signal twice (harmless: the flag is already set); with ``sbatch --signal=USR1@300`` use
+``--exit-signal SIGUSR1`` and ``torchrun --signals-to-handle SIGTERM,SIGINT,SIGUSR1``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable, Dict, Optional
+
+SIGNALS: Dict[str, signal.Signals] = {
+    "SIGTERM": signal.SIGTERM,
+    "SIGINT": signal.SIGINT,
+    "SIGUSR1": signal.SIGUSR1,
+    "SIGUSR2": signal.SIGUSR2,
+}
+"""The signals ``--exit-signal`` may name (Megatron-LM's choices)."""
+
+
+class ExitSignalHandler:
+    """Records that ``sig`` arrived; :meth:`release` restores the previous handler.
+
+    The handler itself only sets a flag and writes one line to stderr with ``os.write`` (a
+    ``print`` could re-enter a stream the interrupted code was writing to)."""
+
+    def __init__(self, sig: signal.Signals = signal.SIGTERM, rank: Optional[int] = None) -> None:
+        self.sig = sig
+        self.rank = rank
+        self.received = False
+        self._previous: Any = None
+        self._installed = False
+
+    def install(self) -> "ExitSignalHandler":
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("--exit-signal-handler: signal handlers can only be installed "
+                               "from the main thread")
+        self._previous = signal.signal(self.sig, self._handle)
+        self._installed = True
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self.received:
+            who = f"rank {self.rank}" if self.rank is not None else f"pid {os.getpid()}"
+            os.write(2, (f" > {who}: received {signal.Signals(signum).name}: saving and exiting "
+                         "at the end of this iteration\n").encode())
+        self.received = True
+
+    def release(self) -> None:
+        if self._installed:
+            signal.signal(self.sig, self._previous)
+            self._installed = False
+
+
+class ExitConditions:
+    """The early-exit rules of one run; :meth:`check` is called at every iteration boundary.
+
+    ``all_reduce_max`` (for tests) replaces the world all-reduce: it takes a list of two
+    floats and returns the elementwise maximum over all ranks."""
+
+    def __init__(self, args: Any, start_time: float, device: Any = None,
+                 all_reduce_max: Optional[Callable[[list], list]] = None,
+                 rank: Optional[int] = None) -> None:
+        self.interval = getattr(args, "exit_interval", None)
+        minutes = getattr(args, "exit_duration_in_mins", None)
+        self.minutes = minutes
+        self.deadline = None if minutes is None else start_time + 60.0 * float(minutes)
+        self.handler: Optional[ExitSignalHandler] = None
+        if getattr(args, "exit_signal_handler", False):
+            sig = SIGNALS[getattr(args, "exit_signal", None) or "SIGTERM"]
+            self.handler = ExitSignalHandler(sig, rank).install()
+        self.device = device
+        self._all_reduce_max = all_reduce_max
+
+    @property
+    def needs_agreement(self) -> bool:
+        """True when :meth:`check` communicates (a signal or a time budget is watched)."""
+        return self.handler is not None or self.deadline is not None
+
+    def local_flags(self) -> list:
+        """[signal received, time up] on this rank (0.0 / 1.0)."""
+        sig = 1.0 if self.handler is not None and self.handler.received else 0.0
+        late = 1.0 if self.deadline is not None and time.time() >= self.deadline else 0.0
+        return [sig, late]
+
+    def _agree(self, flags: list) -> list:
+        if self._all_reduce_max is not None:
+            return list(self._all_reduce_max(flags))
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(flags, dtype=torch.float32, device=self.device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [float(v) for v in t.tolist()]
+
+    def check(self, iteration: int, boundary: bool = True) -> Optional[str]:
+        """The reason to stop after ``iteration`` (the same on every rank), or None.
+
+        Collective when :attr:`needs_agreement`: every rank must call it at the same
+        boundaries.  ``boundary=False`` (before the first iteration) skips --exit-interval."""
+        if self.needs_agreement:
+            sig, late = self._agree(self.local_flags())
+            if sig:
+                return f"exit signal {self.handler.sig.name if self.handler else 'received'}"
+            if late:
+                return f"exit duration {self.minutes} min"
+        if boundary and self.interval and iteration % self.interval == 0:
+            return f"exit interval {self.interval}"
+        return None
+
+    def release(self) -> None:
+        """Restore the previous signal handler (end of the run)."""
+        if self.handler is not None:
+            self.handler.release()

@@ -1,0 +1,149 @@
+"""``--load`` says what it loads (issue 26, item 3).
+
+Why: ``--load .../iter_0000030`` (a complete checkpoint folder) and ``--load`` on a checkpoint
+*file* both trained from iteration 0 with exit 0.  The rules (:func:`find_checkpoint_to_load`):
+an ``iter_*`` folder loads that iteration, ``--ckpt-step N`` picks N, a file or a folder holding
+something other than a checkpoint is an error naming what was found, and the logged fresh start
+remains only for a ``--load`` directory that does not exist (Megatron-LM's first launch of
+``--save D --load D``) or an empty ``--load`` that is also ``--save``.
+
+These are checks of the resolution alone (no model, milliseconds); that the resolved iteration
+is really what gets loaded is checked end to end in tests/test_checkpoint_integrity.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from megatron.training.checkpointing import LoadTarget, find_checkpoint_to_load
+from megatron.training.errors import StartupError
+
+
+def _args(load: Path, save: Optional[Path] = None, **kw) -> argparse.Namespace:
+    return argparse.Namespace(load=str(load), save=str(save) if save else None, ckpt_step=None,
+                              exit_on_missing_checkpoint=False, **kw)
+
+
+def _checkpoint(root: Path, *iterations: int, tracker: Optional[int] = None) -> Path:
+    """A --save directory with torch-format iteration folders (the file contents do not matter
+    to the resolution)."""
+    for it in iterations:
+        d = root / f"iter_{it:07d}"
+        d.mkdir(parents=True)
+        (d / "mp_rank_00_000_dp_000.pt").write_bytes(b"x")
+        (d / "manifest.json").write_text("{}")
+    if tracker is not None:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(tracker))
+    return root
+
+
+def test_root_loads_the_tracker_iteration_and_ckpt_step_another(tmp_path: Path) -> None:
+    root = _checkpoint(tmp_path / "ckpt", 2, 4, tracker=4)
+    assert find_checkpoint_to_load(_args(root)) == LoadTarget(
+        str(root), 4, str(root / "iter_0000004"))
+    step = _args(root)
+    step.ckpt_step = 2
+    assert find_checkpoint_to_load(step) == LoadTarget(str(root), 2, str(root / "iter_0000002"))
+    step.ckpt_step = 3
+    with pytest.raises(StartupError, match=r"--ckpt-step 3: .*iter_0000003 does not exist "
+                                           r"\(--load .* has iterations 2, 4\)"):
+        find_checkpoint_to_load(step)
+
+
+def test_iteration_folder_loads_that_iteration(tmp_path: Path) -> None:
+    root = _checkpoint(tmp_path / "ckpt", 2, 4, tracker=4)
+    target = find_checkpoint_to_load(_args(root / "iter_0000002"))
+    assert (target.iteration, target.directory, target.root) == (
+        2, str(root / "iter_0000002"), str(root))
+    assert target.by_folder and target.load_flag(1) == f"--load {root / 'iter_0000001'}"
+    trailing_slash = find_checkpoint_to_load(_args(Path(str(root / "iter_0000002") + "/")))
+    assert trailing_slash.iteration == 2
+    conflict = _args(root / "iter_0000002")
+    conflict.ckpt_step = 4
+    with pytest.raises(StartupError, match="folder of iteration 2 but --ckpt-step 4"):
+        find_checkpoint_to_load(conflict)
+
+
+def test_a_file_is_an_error_naming_it_and_the_folder_to_pass(tmp_path: Path) -> None:
+    root = _checkpoint(tmp_path / "ckpt", 4, tracker=4)
+    pt = root / "iter_0000004" / "mp_rank_00_000_dp_000.pt"
+    with pytest.raises(StartupError) as exc:
+        find_checkpoint_to_load(_args(pt))
+    msg = str(exc.value)
+    assert f"--load {pt} is a file (1 bytes), not a checkpoint directory" in msg
+    assert f"pass --load {root / 'iter_0000004'}" in msg
+    assert "does not exist" not in msg  # the old, wrong message
+
+
+def test_folder_without_checkpoint_is_an_error_naming_what_was_found(tmp_path: Path) -> None:
+    hf = tmp_path / "hf_export"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    with pytest.raises(StartupError, match=r"holds no checkpoint \(no latest_checkpointed_"
+                                           r"iteration\.txt, no iter_\* folder\): found "
+                                           r"config\.json, model\.safetensors"):
+        find_checkpoint_to_load(_args(hf))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(StartupError, match="holds no checkpoint .*: it is empty"):
+        find_checkpoint_to_load(_args(empty, save=tmp_path / "elsewhere"))
+
+
+def test_iteration_folders_without_tracker_ask_which_one(tmp_path: Path) -> None:
+    root = _checkpoint(tmp_path / "ckpt", 2, 4)
+    with pytest.raises(StartupError, match=r"has no latest_checkpointed_iteration\.txt but holds "
+                                           r"iteration folders \(iter_0000002, iter_0000004\): "
+                                           r"choose one with --ckpt-step N \(e\.g\. --ckpt-step 4\)"):
+        find_checkpoint_to_load(_args(root))
+
+
+def test_fresh_start_only_for_a_missing_folder_or_an_empty_save_folder(tmp_path: Path,
+                                                                       capsys) -> None:
+    missing = tmp_path / "not_yet"
+    assert find_checkpoint_to_load(_args(missing, save=missing)) is None
+    assert (f"WARNING: --load {missing}: no checkpoint found (the directory does not exist); "
+            "training starts from iteration 0") in capsys.readouterr().out
+    # --save D --load D after `mkdir -p D`, or after a first save that was killed.
+    auto = tmp_path / "auto"
+    (auto / ".tmp_iter_0000002").mkdir(parents=True)
+    assert find_checkpoint_to_load(_args(auto, save=auto)) is None
+    assert "holds no checkpoint yet, only .tmp_iter_0000002" in capsys.readouterr().out
+    strict = _args(missing, save=missing)
+    strict.exit_on_missing_checkpoint = True
+    with pytest.raises(StartupError, match="--exit-on-missing-checkpoint is set"):
+        find_checkpoint_to_load(strict)
+    step = _args(missing)
+    step.ckpt_step = 3
+    with pytest.raises(StartupError, match="does not exist, so --ckpt-step 3 cannot be loaded"):
+        find_checkpoint_to_load(step)
+
+
+def test_checkpoint_files_in_a_folder_not_named_iter_are_refused(tmp_path: Path) -> None:
+    best = tmp_path / "best"
+    best.mkdir()
+    (best / "metadata.json").write_text("{}")
+    with pytest.raises(StartupError, match="holds the files of one checkpoint but is not named "
+                                           "iter_NNNNNNN"):
+        find_checkpoint_to_load(_args(best))
+    hollow = tmp_path / "iter_0000007"
+    hollow.mkdir()
+    with pytest.raises(StartupError, match="named like an iteration folder but holds no "
+                                           "checkpoint files"):
+        find_checkpoint_to_load(_args(hollow))
+
+
+def test_ckpt_step_needs_load(capsys) -> None:
+    from megatron.training.arguments import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                    "--seq-length", "32", "--max-position-embeddings", "32", "--mock-data",
+                    "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+                    "--ckpt-step", "3"])
+    assert exc.value.code == 2
+    assert "--ckpt-step needs --load DIR" in capsys.readouterr().err

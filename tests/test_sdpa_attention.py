@@ -354,14 +354,16 @@ def test_trains_with_sdpa_and_resumes_from_a_local_attention_checkpoint(tmp_path
               "--num-query-groups", "2"]
     ckpt = tmp_path / "ckpt"
     first = run_pretrain(common + ["--train-iters", "2", "--attention-backend", "local",
-                                   "--save", str(ckpt), "--save-interval", "2"], nproc=1)
+                                   "--save", str(ckpt), "--save-interval", "2"], nproc=1,
+                         timeout=300)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     assert " > attention: local (megatron-core's unfused DotProductAttention" in first.stdout
     saved = torch.load(next((ckpt / "iter_0000002").glob("mp_rank_*.pt")), map_location="cpu",
                        weights_only=False)["args"]
     assert (saved.attention_backend, saved.attention_impl) == ("local", "local")
 
-    second = run_pretrain(common + ["--train-iters", "4", "--load", str(ckpt)], nproc=1)
+    second = run_pretrain(common + ["--train-iters", "4", "--load", str(ckpt)], nproc=1,
+                          timeout=300)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
     out = second.stdout
     assert " > attention: sdpa (torch scaled_dot_product_attention" in out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -9,10 +10,13 @@ import time
 import traceback
 import warnings
 from datetime import timedelta
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import pytest
 
 FINAL_BARRIER_TIMEOUT_S = 120.0
 """How long a healthy rank waits at the final barrier for its peers (they may still be finishing
@@ -60,6 +64,33 @@ def init_process_group(rank: int, world: int, port: int) -> None:
     """gloo on 127.0.0.1 with a collective timeout (see :data:`COLLECTIVE_TIMEOUT_S`)."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+@contextlib.contextmanager
+def model_parallel_world_of_one(seed: Optional[int] = None) -> Iterator[None]:
+    """This process as a gloo world of one with megatron-core's model-parallel groups, in scoped
+    CPU mode (skips the test when a process group already exists here). ``seed``: also seed torch
+    and the tensor-parallel RNG tracker (dropout forks it)."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    from megatron.training import cpu_mode
+
+    init_process_group(0, 1, free_port())
+    try:
+        with cpu_mode.cpu_mode():
+            from megatron.core import parallel_state
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+            parallel_state.initialize_model_parallel(1, 1)
+            if seed is not None:
+                torch.manual_seed(seed)
+                model_parallel_cuda_manual_seed(seed)
+            try:
+                yield
+            finally:
+                parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
 
 
 def _entry(rank: int, world: int, port: int, fn, out_dir: str, args: tuple) -> None:

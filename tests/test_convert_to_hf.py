@@ -34,7 +34,6 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_ENV = "CONVERT_TO_HF_REFERENCE_LOGITS"
-GQA_ENV = "CONVERT_TO_HF_NUM_QUERY_GROUPS"
 SEQ = 32
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
@@ -48,7 +47,7 @@ LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", 
 
 
 # ----------------------------------------------------------------------------- helpers
-def _train(tmp_path: Path, extra: List[str], num_query_groups: Optional[int] = None) -> Path:
+def _train(tmp_path: Path, extra: List[str]) -> Path:
     """Train 3 iterations on 2 CPU ranks with --save; returns the checkpoint root.  The
     reference logits land in tmp_path / "reference.pt"."""
     sys.path.insert(0, str(Path(__file__).parent))
@@ -57,8 +56,6 @@ def _train(tmp_path: Path, extra: List[str], num_query_groups: Optional[int] = N
     ckpt = tmp_path / "ckpt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
     env[REFERENCE_ENV] = str(tmp_path / "reference.pt")
-    if num_query_groups:
-        env[GQA_ENV] = str(num_query_groups)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", __file__,
            *TINY, *extra, "--save", str(ckpt)]
@@ -131,8 +128,8 @@ def test_gpt2_style_pipeline_parallel_2_torch_format_exports_gpt2(tmp_path: Path
     copy on stage 1 is dropped for the embedding) -> GPT2LMHeadModel, with a HF tokenizer
     directory copied in."""
     ckpt = _train(tmp_path, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"])
-    assert sorted(os.listdir(ckpt / "iter_0000003")) == ["mp_rank_00_000_dp_000.pt",
-                                                        "mp_rank_00_001_dp_000.pt"]
+    assert sorted(os.listdir(ckpt / "iter_0000003")) == [
+        "manifest.json", "mp_rank_00_000_dp_000.pt", "mp_rank_00_001_dp_000.pt"]
     tok_dir = tmp_path / "tokenizer"
     _tiny_tokenizer(tok_dir)
     summary = _convert(ckpt, tmp_path / "hf", "--dtype", "fp32", "--tokenizer-dir", str(tok_dir))
@@ -183,14 +180,13 @@ def test_llama_style_torch_dist_exports_llama(tmp_path: Path) -> None:
 
 def test_llama_style_gqa_tensor_parallel_2_torch_format(tmp_path: Path) -> None:
     """TP=2 shards merged (vocab-parallel embedding/output, QKV per query group, SwiGLU [gate; up]
-    per shard, row-parallel proj/fc2) with grouped-query attention (2 groups of 2 heads; our
-    flags have no --num-query-groups, so the training wrapper sets it in the config and args as
-    Megatron-LM's --group-query-attention would); the padded vocabulary (125 -> 128, divisible by
+    per shard, row-parallel proj/fc2) with grouped-query attention (``--group-query-attention
+    --num-query-groups 2``: 2 groups of 2 heads); the padded vocabulary (125 -> 128, divisible by
     8 x TP) kept by default; bf16 export (default) is the fp32 export rounded by nothing."""
-    ckpt = _train(tmp_path, LLAMA + ["--tensor-model-parallel-size", "2", "--vocab-size", "125"],
-                  num_query_groups=2)
-    assert sorted(os.listdir(ckpt / "iter_0000003")) == ["mp_rank_00_000_dp_000.pt",
-                                                        "mp_rank_01_000_dp_000.pt"]
+    ckpt = _train(tmp_path, LLAMA + ["--tensor-model-parallel-size", "2", "--vocab-size", "125",
+                                     "--group-query-attention", "--num-query-groups", "2"])
+    assert sorted(os.listdir(ckpt / "iter_0000003")) == [
+        "manifest.json", "mp_rank_00_000_dp_000.pt", "mp_rank_01_000_dp_000.pt"]
     _convert(ckpt, tmp_path / "hf", "--dtype", "fp32")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["num_key_value_heads"] == 2 and config["num_attention_heads"] == 4
@@ -347,20 +343,9 @@ def _reference_logits(args: argparse.Namespace, model: List[torch.nn.Module], pa
 
 def _training_main(argv: List[str]) -> int:
     """pretrain_gpt.main, plus the reference logits after the checkpoint is written."""
-    import dataclasses
-
     import pretrain_gpt
-    from megatron.training import checkpointing, training
+    from megatron.training import checkpointing
 
-    groups = int(os.environ.get(GQA_ENV) or 0)
-    if groups:  # Megatron-LM's --group-query-attention --num-query-groups N, which we lack
-        build_config = training.build_transformer_config
-
-        def with_groups(args: argparse.Namespace):
-            args.group_query_attention, args.num_query_groups = True, groups
-            return dataclasses.replace(build_config(args), num_query_groups=groups)
-
-        training.build_transformer_config = with_groups
     save = checkpointing.save_checkpoint
 
     def save_then_reference(args, iteration, model, *rest, **kwargs):

@@ -14,6 +14,7 @@ import argparse
 import pytest
 import torch
 
+from dist_harness import model_parallel_world_of_one
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
 from megatron.training.fusions import apply_optimizer_fusions, fusion_plan, resolve_fusions
 
@@ -100,37 +101,25 @@ def test_explicit_rope_fusion_without_te_stops_the_launch() -> None:
 def test_cuda_settings_without_apex_build_a_model_and_train_a_step_on_cpu(monkeypatch) -> None:
     """The transformer config a CUDA machine without Apex/TE gets, built and stepped on the CPU
     (megatron-core's jit-fused bias-GeLU / bias-dropout-add run on CPU tensors too)."""
-    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    from megatron.training.cpu_mode import cpu_mode
     from megatron.training.layer_specs import gpt_layer_spec
 
     plan = _plan("cuda", NOTHING)
-    with cpu_mode(True):
-        torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:29571",
-                                             rank=0, world_size=1)
-        try:
-            parallel_state.initialize_model_parallel()
-            model_parallel_cuda_manual_seed(1)
-            config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
-                                       use_cpu_initialization=True, hidden_dropout=0.1,
-                                       **plan.transformer_config_kwargs())
-            args = _args("cpu")
-            model = GPTModel(config=config, transformer_layer_spec=gpt_layer_spec(args, config),
-                             vocab_size=128, max_sequence_length=32)
-            tokens = torch.randint(0, 128, (2, 32))
-            position_ids = torch.arange(32).unsqueeze(0).expand(2, -1)
-            loss = model(tokens, position_ids, None, labels=tokens).float().mean()
-            loss.backward()
-            assert torch.isfinite(loss)
-            assert all(p.grad is not None and torch.isfinite(p.grad).all()
-                       for p in model.parameters())
-        finally:
-            parallel_state.destroy_model_parallel()
-            torch.distributed.destroy_process_group()
+    with model_parallel_world_of_one(seed=1):
+        config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                   use_cpu_initialization=True, hidden_dropout=0.1,
+                                   **plan.transformer_config_kwargs())
+        model = GPTModel(config=config, transformer_layer_spec=gpt_layer_spec(_args("cpu"), config),
+                         vocab_size=128, max_sequence_length=32)
+        tokens = torch.randint(0, 128, (2, 32))
+        position_ids = torch.arange(32).unsqueeze(0).expand(2, -1)
+        loss = model(tokens, position_ids, None, labels=tokens).float().mean()
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert all(p.grad is not None and torch.isfinite(p.grad).all()
+                   for p in model.parameters())
 
 
 def test_fused_adamw_and_foreach_ops_match_the_unfused_step(monkeypatch) -> None:

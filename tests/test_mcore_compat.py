@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import free_port, init_process_group
+from dist_harness import model_parallel_world_of_one
 from megatron.distributed.quant import mcore_compat as mc
 from megatron.training import cpu_mode
 
@@ -34,20 +34,8 @@ PAD = 384  # lcm(P=1, 384) = 384; megatron-core alone pads this model's buckets 
 @pytest.fixture(scope="module")
 def world1() -> Iterator[None]:
     """A gloo world of one with megatron-core's model-parallel groups, in scoped CPU mode."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    init_process_group(0, 1, free_port())
-    try:
-        with cpu_mode.cpu_mode():
-            from megatron.core import parallel_state
-
-            parallel_state.initialize_model_parallel(1, 1)
-            try:
-                yield
-            finally:
-                parallel_state.destroy_model_parallel()
-    finally:
-        dist.destroy_process_group()
+    with model_parallel_world_of_one():
+        yield
 
 
 def _build(pad: int = 0, optimizer: bool = True) -> Tuple[Any, Any]:
@@ -527,3 +515,38 @@ def test_distributed_optimizer_model_param_range_map(world1) -> None:
         assert {"param", "gbuf_world_in_bucket"} <= set(ranges)
         assert (ranges["param"].start, ranges["param"].end) == (0, param.numel())  # P = 1
         assert ranges["gbuf_world_in_bucket"].size == param.numel()
+
+
+def test_torch_dist_results_queue_is_the_global_megatron_core_reads(monkeypatch) -> None:
+    """save_guard installs its own write-results queue (served by a process that dies with the
+    rank): megatron-core must take the installed one instead of spawning its own manager."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    assert mc.torch_dist_results_queue() is None
+    installed = object()
+    mc.set_torch_dist_results_queue(installed)
+    assert mc.torch_dist_results_queue() is installed
+    assert filesystem_async._get_write_results_queue() is installed
+
+
+def test_foreach_multi_tensor_ops_replace_megatron_cores_fallback(monkeypatch) -> None:
+    """The globals install_foreach_multi_tensor_ops replaces are the ones clip_grads and the
+    optimizer read at call time, and a second install changes nothing."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    for module, name in ((clip_grads, "l2_norm_impl"), (clip_grads, "multi_tensor_scale_impl"),
+                         (mcore_optimizer, "multi_tensor_scale_impl")):
+        monkeypatch.setattr(module, name, getattr(module, name))
+    before = clip_grads.l2_norm_impl
+    undo = mc.install_foreach_multi_tensor_ops()
+    assert clip_grads.l2_norm_impl is mc.foreach_multi_tensor_l2_norm
+    assert mcore_optimizer.multi_tensor_scale_impl is mc.foreach_multi_tensor_scale
+    mc.install_foreach_multi_tensor_ops()()          # already installed: its undo is a no-op
+    assert clip_grads.l2_norm_impl is mc.foreach_multi_tensor_l2_norm
+    grads = [torch.full((3,), 2.0), torch.full((4,), 2.0)]
+    norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, None, [grads], False)
+    assert norm.item() == pytest.approx(2.0 * 7 ** 0.5)
+    undo()
+    assert clip_grads.l2_norm_impl is before

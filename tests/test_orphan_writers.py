@@ -1,11 +1,12 @@
 """A rank killed while megatron-core's torch_dist writer processes run leaves nothing behind.
 
 Why: ``--ckpt-format torch_dist`` saves through megatron-core's ``FileSystemWriterAsync``, which
-forks writer processes from the rank (``fork`` context, also for a synchronous save).  When the
-rank was killed with SIGKILL, torchrun tore the surviving ranks down, but the dead rank's
-writers were re-parented to init and lived on (one was found hung in a futex wait, holding
-350 MB).  The trainer now makes every process it forks die with it
-(``save_guard.install_fork_guard``: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` in the child).
+forks writer processes from the rank for every save (``fork`` context, also for a synchronous
+save) and spawns, once, a ``multiprocessing`` manager for their results.  When the rank was
+killed with SIGKILL, the dead rank's helpers were re-parented to init and lived on (one was found
+hung in a futex wait, holding 350 MB).  The trainer now makes every process it forks die with it
+(``save_guard.install_fork_guard``: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` in the child) and starts
+the manager itself with the same request (``save_guard.guard_torch_dist_writer_queue``).
 
 The moment is made deterministic with ``MEGATRON_TEST_HOLD_FORKED_CHILD=0:DIR``: rank 0's
 writer processes announce themselves in DIR (their parent's pid inside) and wait, so rank 0 is

@@ -33,29 +33,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import free_port, init_process_group
-from megatron.training import cpu_mode, layer_specs
+from dist_harness import model_parallel_world_of_one
+from megatron.training import layer_specs
 
 
 # ------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def world1() -> Iterator[None]:
-    """A gloo world of one with megatron-core's model-parallel groups, in scoped CPU mode."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    init_process_group(0, 1, free_port())
-    try:
-        with cpu_mode.cpu_mode():
-            from megatron.core import parallel_state
-
-            parallel_state.initialize_model_parallel(1, 1)
-            _seed(0)  # adds the tensor-parallel RNG tracker's state (dropout forks it)
-            try:
-                yield
-            finally:
-                parallel_state.destroy_model_parallel()
-    finally:
-        dist.destroy_process_group()
+    """A gloo world of one with megatron-core's model-parallel groups, in scoped CPU mode; the
+    seed adds the tensor-parallel RNG tracker's state (dropout forks it)."""
+    with model_parallel_world_of_one(seed=0):
+        yield
 
 
 def _seed(seed: int) -> None:

@@ -571,9 +571,9 @@ def guard_torch_dist_writer_queue() -> bool:
     when the rank dies.  Idempotent; returns whether the queue is ours."""
     if not sys.platform.startswith("linux"):
         return False
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.distributed.quant import mcore_compat
 
-    if getattr(filesystem_async, "_results_queue", None) is not None:
+    if mcore_compat.torch_dist_results_queue() is not None:
         return bool(_writer_managers)
     import multiprocessing as mp
     from multiprocessing.managers import SyncManager
@@ -581,7 +581,7 @@ def guard_torch_dist_writer_queue() -> bool:
     manager = SyncManager(ctx=mp.get_context("spawn"))
     manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
     _writer_managers.append(manager)
-    filesystem_async._results_queue = manager.Queue()
+    mcore_compat.set_torch_dist_results_queue(manager.Queue())
     return True
 
 

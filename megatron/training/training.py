@@ -392,16 +392,12 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
         return _pretrain(args, forward_step_func, cleanup)
 
 
-def _pretrain(args: argparse.Namespace, forward_step_func=None,
-              cleanup: Optional[Any] = None) -> Dict[str, Any]:
-    from contextlib import ExitStack
-
+def _pretrain(args: argparse.Namespace, forward_step_func, cleanup: Any) -> Dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     from .exit_conditions import ExitConditions
     from .initialize import initialize_megatron
 
-    cleanup = cleanup if cleanup is not None else ExitStack()
     start_time = time.time()
     # Preemption (--exit-signal-handler / --exit-duration-in-mins / --exit-interval): the handler
     # is in place before the (possibly long) startup; the ranks agree at iteration boundaries.

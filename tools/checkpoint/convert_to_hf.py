@@ -399,9 +399,9 @@ def split_qkv(w: torch.Tensor, num_heads: int, num_groups: int, head_dim: int
 
 def _attention_shape(args: argparse.Namespace) -> Tuple[int, int, int]:
     heads = args.num_attention_heads
-    groups = heads
-    if getattr(args, "group_query_attention", False) or getattr(args, "num_query_groups", None):
-        groups = int(getattr(args, "num_query_groups", None) or heads)
+    # Megatron-LM's rule: --num-query-groups counts only with --group-query-attention (its
+    # default, 1, is stored in every checkpoint's args).
+    groups = int(args.num_query_groups) if getattr(args, "group_query_attention", False) else heads
     head_dim = getattr(args, "kv_channels", None) or args.hidden_size // heads
     if heads % groups:
         raise ConversionError(f"--num-attention-heads {heads} is not a multiple of "

@@ -155,7 +155,8 @@ class LoCoBucketErrors:
             elif "codes" in v:
                 if self._owner.error_bits != 8:
                     raise ValueError(f"LoCo state holds 8-bit errors but error_bits={self._owner.error_bits}")
-                q = QuantizedTensor(v["codes"].to(device, copy=True), v["scales"].to(device, copy=True), int(v["bits"]),
+                q = QuantizedTensor(v["codes"].to(device, copy=True),
+                                    v["scales"].to(device, copy=True), int(v["bits"]),
                                     int(v["group_size"]), int(v["numel"]))
                 q.validate()
                 self._buf[k] = _StoredError(int(v["numel"]), int(v["group_size"]), q=q)

@@ -68,6 +68,9 @@ Touch points (megatron-core name -- what we rely on -- who uses it):
   read at call time; megatron-core's fallback is ``utils.local_multi_tensor_applier`` --
   :func:`install_foreach_multi_tensor_ops`, used by ``megatron/training/fusions.py`` on CUDA
   without TE/Apex.
+* ``dist_checkpointing.strategies.filesystem_async._results_queue`` -- the lazily created
+  write-results queue of torch_dist saves -- :func:`torch_dist_results_queue`,
+  :func:`set_torch_dist_results_queue`, used by ``megatron/training/save_guard.py``.
 * ``DistributedOptimizer._get_model_param_range_map`` -- which elements of a model param this
   rank's shard owns -- :func:`model_param_range_map`, for ``tests/test_integration_ddp.py``.
 
@@ -634,11 +637,13 @@ def install_foreach_multi_tensor_ops() -> Undo:
     ``multi_tensor_scale_impl`` of ``megatron.core.optimizer.clip_grads`` and
     ``multi_tensor_scale_impl`` of ``megatron.core.optimizer.optimizer``, which their functions
     read at call time through ``multi_tensor_applier`` (the local applier passes its arguments
-    through). A no-op (returns a no-op undo) when megatron-core uses TE's or Apex's kernels."""
+    through). A no-op (returns a no-op undo) when megatron-core uses TE's or Apex's kernels, or
+    when they are installed already (the trainer applies its fusions again after a load)."""
     from megatron.core import utils as mcore_utils
     from megatron.core.optimizer import clip_grads, optimizer as mcore_optimizer
 
-    if clip_grads.multi_tensor_applier is not mcore_utils.local_multi_tensor_applier:
+    if (clip_grads.multi_tensor_applier is not mcore_utils.local_multi_tensor_applier
+            or clip_grads.l2_norm_impl is foreach_multi_tensor_l2_norm):  # TE/Apex, or done
         return lambda: None
     saved = [(clip_grads, "l2_norm_impl", clip_grads.l2_norm_impl),
              (clip_grads, "multi_tensor_scale_impl", clip_grads.multi_tensor_scale_impl),
@@ -653,6 +658,24 @@ def install_foreach_multi_tensor_ops() -> Undo:
     return undo
 
 
+# ================================================================================ torch_dist writer
+def torch_dist_results_queue() -> Any:
+    """megatron-core's torch_dist write-results queue, or None before the first save creates it
+    (``dist_checkpointing.strategies.filesystem_async._results_queue``, made lazily by
+    ``_get_write_results_queue`` with a spawn-context ``Manager``)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    return getattr(filesystem_async, "_results_queue", None)
+
+
+def set_torch_dist_results_queue(queue: Any) -> None:
+    """Install ``queue`` as that queue before the first save, so megatron-core uses it instead
+    of creating its own (``_get_write_results_queue`` only creates one when the global is None)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = queue
+
+
 __all__ = [
     "SUPPORTED", "SUPPORTED_SPEC", "MCORE_VERSION", "check_version",
     "TP_RNG_LOGGER", "TP_RNG_CPU_STATE_WARNING", "patch_tp_rng_state", "suspend_jit_fuser",
@@ -665,5 +688,6 @@ __all__ = [
     "bucket_grad_shard", "bucket_param_shard", "patch_bucket_collectives", "HOOK_MARK",
     "leaf_optimizers", "wrap_copy_main_params_to_model_params", "wrap_prepare_grads",
     "model_param_range_map", "writes_model_params_in_step", "foreach_multi_tensor_l2_norm",
-    "foreach_multi_tensor_scale", "install_foreach_multi_tensor_ops",
+    "foreach_multi_tensor_scale", "install_foreach_multi_tensor_ops", "torch_dist_results_queue",
+    "set_torch_dist_results_queue",
 ]

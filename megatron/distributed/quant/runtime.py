@@ -26,7 +26,7 @@ from megatron.core import parallel_state
 from .accounting import CommAccounting
 from .collectives import (PendingCollective, gather_layout, quantized_all_gather,
                           reduce_scatter_flat, two_level_reduce_scatter)
-from .config import QuantizationConfig, launcher_ranks_per_node, ranks_per_node_from_hosts
+from .config import QuantizationConfig, TopologyUnknownError, ranks_per_node_from_hosts
 from .loco import LoCoErrorFeedback
 from .streams import CommStreams, CommTiming
 from .topology import TwoLevelGroups, build_two_level_groups_for_all
@@ -421,10 +421,11 @@ def build_runtime(config: QuantizationConfig,
         dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_size = dist.get_world_size(dp_group)
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    per_host = None
-    if config.data_parallel_intra_node_size is None and launcher_ranks_per_node() is None:
+    try:
+        intra = config.intra_node_size(dp_size, tp_size)
+    except TopologyUnknownError:  # neither the flag nor a launcher says it: count hostnames
         hostnames: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(hostnames, socket.gethostname())
         per_host = ranks_per_node_from_hosts(hostnames, dist.get_process_group_ranks(dp_group))
-    intra = config.intra_node_size(dp_size, tp_size, dp_ranks_per_host=per_host)
+        intra = config.intra_node_size(dp_size, tp_size, dp_ranks_per_host=per_host)
     return QuantizationRuntime(config, _two_level_groups_for(dp_group, intra))

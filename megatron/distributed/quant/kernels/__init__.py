@@ -158,9 +158,7 @@ def _count_nonfinite_into(counter: torch.Tensor, *tensors: torch.Tensor) -> None
     one-pass C++ counter on CPU, a device reduction elsewhere (never read back here)."""
     for x in tensors:
         if backend_for(x) == "cpp" and x.device.type == "cpu":
-            bad = _cpu().count_nonfinite(x)
-            if bad:
-                counter.add_(bad)
+            counter.add_(count_nonfinite(x))
         else:
             counter.add_((~torch.isfinite(x)).sum().to(counter.dtype))
 

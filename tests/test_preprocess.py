@@ -354,3 +354,200 @@ def test_legacy_flags_refuse_or_note(env, capsys):
     err = capsys.readouterr().err
     assert err.count("note: --torch-backend gloo is ignored") == 1
     assert "note: --split validation is ignored: a jsonl file has one split" in err
+
+
+# --------------------------------------------------------------------------------------------
+# Long documents tokenized in pieces (--tokenize-chunk-chars), peak RSS, tokenizer description,
+# null text.
+# --------------------------------------------------------------------------------------------
+
+# Runs of spaces / newlines / tabs next to words, unicode (incl. non-ASCII whitespace that the
+# GPT-2 regex and str.isspace treat differently), punctuation, contractions, digits.
+TRICKY = (
+    "Hello   world!!  It's   a test.\n\n\n    indented    code();\n\t\tTabs\t and\tmixed \t \n"
+    "café naïve 東京の天気は晴れ 🎉🎉 emoji, punctuation... ?!?! ((x)) [y] {z} -- — “quotes” «fr»\n"
+    "numbers 12345 6.02e23 0x1F, contractions we'll they've I'm 'tis don 't\r\n"
+    "nbsp\u00a0here ideographic\u3000space line\u2028sep para\u2029sep \x1cfs\x1d nel\x85x \u200bzw "
+    + " " * 200 + "after a long run of spaces" + "\n" * 150 + "after newlines " + "x" * 300
+    + " end " + "  \n " * 30 + " a b c d e f g h i j k l m n o p " + "<|endoftext|> literal"
+    + " trailing   "
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizers_under_test(env):
+    """{type: (tokenizer, kwargs)} for every tokenizer type the tests build offline."""
+    from transformers import GPT2TokenizerFast
+
+    try:
+        hf = GPT2TokenizerFast(vocab=env["vocab"], merges=env["merges"])
+    except TypeError:
+        hf = GPT2TokenizerFast(vocab_file=env["vocab"], merges_file=env["merges"])
+    hf_dir = str(env["dir"] / "hf_tok_chunks")
+    hf.save_pretrained(hf_dir)
+
+    import sentencepiece as spm
+
+    model_prefix = str(env["dir"] / "sp_chunks")
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(NONEMPTY * 3), model_prefix=model_prefix,
+                                   vocab_size=120, model_type="bpe", minloglevel=2)
+    kwargs = {
+        "GPT2BPETokenizer": dict(vocab_file=env["vocab"], merge_file=env["merges"]),
+        "HuggingFaceTokenizer": dict(tokenizer_model=hf_dir),
+        "SentencePieceTokenizer": dict(tokenizer_model=model_prefix + ".model"),
+    }
+    return {t: (pp.build_tokenizer(t, **kw), kw) for t, kw in kwargs.items()}
+
+
+def _check_pieces(text, n):
+    pieces = list(pp.iter_text_pieces(text, n))
+    assert "".join(pieces) == text
+    assert all(pieces)
+    for a, b in zip(pieces, pieces[1:]):  # every cut: "non-space| non-space"
+        assert b[0] == " " and not a[-1].isspace() and len(b) > 1 and not b[1].isspace()
+    return pieces
+
+
+def test_iter_text_pieces_cuts_only_between_words():
+    assert _check_pieces("one two three four", 3) == ["one", " two", " three", " four"]
+    assert _check_pieces("a  b", 1) == ["a  b"]  # two spaces: never cut inside a whitespace run
+    assert _check_pieces("a \nb c", 1) == ["a \nb", " c"]
+    assert _check_pieces("x" * 50 + " y", 10) == ["x" * 50, " y"]  # no cut point: longer piece
+    assert _check_pieces("abc", 0) == ["abc"]
+    pieces = _check_pieces(TRICKY, 64)
+    assert len(pieces) > 10
+    assert max(len(p) for p in pieces) <= 400  # only the 300-char "x" run exceeds 64 (+ its word)
+
+
+@pytest.mark.parametrize("tok_type", ["GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer"])
+def test_chunked_tokenization_equals_whole(tokenizers_under_test, tok_type):
+    tok, _ = tokenizers_under_test[tok_type]
+    reason = pp.chunking_unsafe_reason(tok)
+    if tok_type == "SentencePieceTokenizer":
+        assert reason and "SentencePiece" in reason  # documented fallback: tokenized whole
+    else:
+        assert reason is None, reason  # chunking really is exercised for BPE tokenizers
+    whole = tok.tokenize(TRICKY)
+    for n in (64, 7, 1):
+        chunk_chars, _ = pp.effective_chunk_chars(tok, n)
+        ids = pp.tokenize_document(tok, TRICKY, chunk_chars, eod=tok.eod)
+        assert ids.tolist() == whole + [tok.eod], (tok_type, n)
+        if reason is None:  # the pieces themselves, tokenized one by one, give the same ids
+            pieces = _check_pieces(TRICKY, n)
+            assert [i for p in pieces for i in tok.tokenize(p)] == whole
+    for text in NONEMPTY:
+        assert pp.tokenize_document(tok, text, 5).tolist() == tok.tokenize(text)
+
+
+def test_chunked_tokenization_fuzz(tokenizers_under_test):
+    """Random mixes of words, whitespace runs and unicode, cut at many chunk sizes."""
+    import random
+
+    rng = random.Random(0)
+    atoms = ["a", "bc", "def", " ", "  ", "\n", "\n\n", "\t", " \n", ".", "!?", "'s", "'ll", "é",
+             "東京", "🎉", "12", "3.4", "\u00a0", "\u3000", "\u2028", "\x85", "\x1c", "-", "(", ")",
+             "<|endoftext|>"]
+    for tok_type in ("GPT2BPETokenizer", "HuggingFaceTokenizer"):
+        tok, _ = tokenizers_under_test[tok_type]
+        for _ in range(150):
+            text = "".join(rng.choice(atoms) for _ in range(rng.randint(1, 60)))
+            whole = tok.tokenize(text)
+            for n in (1, 3, 8):
+                assert [i for p in pp.iter_text_pieces(text, n) for i in tok.tokenize(p)] == whole, (
+                    tok_type, n, text)
+
+
+def test_unsafe_hf_tokenizer_is_not_chunked(env, tokenizers_under_test):
+    """An added token that strips the space after it would change the tokens at a cut: such a
+    tokenizer is tokenized whole, and the reason names the token."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tokenizers_under_test["HuggingFaceTokenizer"][1]["tokenizer_model"])
+    hf.add_tokens([AddedToken("<sep>", rstrip=True)])
+    path = str(env["dir"] / "hf_rstrip")
+    hf.save_pretrained(path)
+    tok = pp.build_tokenizer("HuggingFaceTokenizer", tokenizer_model=path)
+    text = "a<sep> b"
+    assert [i for p in pp.iter_text_pieces(text, 1) for i in tok.tokenize(p)] != tok.tokenize(text)
+    reason = pp.chunking_unsafe_reason(tok)
+    assert reason and "'<sep>'" in reason
+    assert pp.effective_chunk_chars(tok, 64) == (0, reason)
+    chunk_chars, _ = pp.effective_chunk_chars(tok, 1)
+    assert pp.tokenize_document(tok, text, chunk_chars).tolist() == tok.tokenize(text)
+
+
+def test_tokenize_chunk_chars_output_byte_identical(env, capsys):
+    path = env["dir"] / "long_docs.jsonl"
+    _write_jsonl(path, [{"text": t} for t in [TRICKY, TRICKY * 3] + TEXTS])
+    whole, chunked, chunked_w2 = (env["dir"] / n for n in ("cc_whole", "cc_16", "cc_16_w2"))
+    assert _run(env, path, whole, "--tokenize-chunk-chars", "0") == 0
+    assert "tokenize-chunk=off, documents tokenized whole (--tokenize-chunk-chars 0)" in capsys.readouterr().err
+    assert _run(env, path, chunked, "--tokenize-chunk-chars", "16") == 0
+    assert "tokenize-chunk=16 chars" in capsys.readouterr().err
+    assert _run(env, path, chunked_w2, "--tokenize-chunk-chars", "16", "--workers", "2") == 0
+    expected = _files(f"{whole}_text_document")
+    assert _files(f"{chunked}_text_document") == expected
+    assert _files(f"{chunked_w2}_text_document") == expected
+    docs, _ = _read(f"{whole}_text_document")
+    assert docs[0] == env["tok"].tokenize(TRICKY) + [env["tok"].eod]
+
+
+def test_tokenize_chunk_chars_flag(env, capsys):
+    base = ["--input", env["corpus"], "--output-prefix", str(env["dir"] / "f"),
+            "--tokenizer-type", "GPT2BPETokenizer"]
+    assert pp.get_args(base).tokenize_chunk_chars == pp.DEFAULT_TOKENIZE_CHUNK_CHARS == 1_000_000
+    with pytest.raises(SystemExit):
+        pp.get_args(base + ["--tokenize-chunk-chars", "-1"])
+    assert "--tokenize-chunk-chars must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pp.get_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--tokenize-chunk-chars N" in help_text and "(default: 1,000,000)" in help_text
+    assert "SentencePieceTokenizer and other HF tokenizers always tokenize whole documents" in help_text
+
+
+def test_summary_reports_peak_rss_and_readable_tokenizer(env, tokenizers_under_test, capsys):
+    for workers in ("1", "2"):
+        prefix = env["dir"] / f"rss_{workers}"
+        argv = ["--input", env["corpus"], "--output-prefix", str(prefix), "--tokenizer-type",
+                "GPT2BPETokenizer", "--vocab-file", env["vocab"], "--merge-file", env["merges"],
+                "--workers", workers]
+        summary = pp.preprocess(pp.get_args(argv))
+        err = capsys.readouterr().err
+        assert summary["peak_rss_mb"] > 10
+        last = err.strip().splitlines()[-1]
+        assert last.startswith(f"done: {summary['records']} records, ") and " MB/s), peak RSS " in last, last
+        assert f"peak RSS {summary['peak_rss_mb']:.0f} MB" in last
+        if workers == "2":
+            assert "(largest worker " in last and summary["peak_rss_mb_workers"] > 10
+        assert " object at 0x" not in err
+        assert (f"tokenizer=GPT2BPETokenizer(vocab_file={env['vocab']}, merge_file={env['merges']}, "
+                f"vocab_size=400, eod=0) ") in err
+    hf, kw = tokenizers_under_test["HuggingFaceTokenizer"]
+    assert pp.describe_tokenizer(hf) == f"HuggingFaceTokenizer(model={kw['tokenizer_model']}, vocab_size=400, eod=0)"
+    sp, kw = tokenizers_under_test["SentencePieceTokenizer"]
+    assert pp.describe_tokenizer(sp) == f"SentencePieceTokenizer(model={kw['tokenizer_model']}, vocab_size=120, eod=2)"
+
+
+def test_null_or_non_string_text_is_a_bad_record(env, capsys):
+    path = env["dir"] / "null_text.jsonl"
+    path.write_text('{"text": "a b c"}\n{"text": null}\n{"text": "d e"}\n{"text": 7}\n')
+    prefix = env["dir"] / "null_text"
+    for workers in ("1", "2"):
+        assert _run(env, path, prefix, "--workers", workers, "--chunk-size", "1") == 1
+        err = capsys.readouterr().err
+        assert (f"error: {path}: line 2: value of 'text' is null, not a string; fix it, or pass "
+                f"--skip-bad-records") in err, err
+        assert "empty document" not in err
+        assert not os.path.exists(f"{prefix}_text_document.bin")
+    summary = pp.preprocess(pp.get_args(
+        ["--input", str(path), "--output-prefix", str(prefix), "--tokenizer-type", "GPT2BPETokenizer",
+         "--vocab-file", env["vocab"], "--merge-file", env["merges"], "--skip-bad-records"]))
+    assert summary["records"] == 2 and summary["bad_record_numbers"] == [2, 4]
+    err = capsys.readouterr().err
+    assert ("warning: skipped 2 bad record(s) (--skip-bad-records), at lines 2, 4; first: line 2: "
+            "value of 'text' is null, not a string") in err
+    assert "empty document" not in err
+    docs, _ = _read(f"{prefix}_text_document")
+    assert docs == [env["tok"].tokenize("a b c"), env["tok"].tokenize("d e")]

@@ -30,7 +30,7 @@ the mmap ``.bin/.idx`` pair is the only format megatron-core reads (any other
 ``--dataset-impl`` is refused rather than silently written as mmap), and tokenization runs in
 this process plus its ``--workers`` without torch.distributed.
 
-A bad record (a line that is not UTF-8 or not a JSON object, a missing or non-string
+A bad record (a line that is not UTF-8 or not a JSON object, a missing, ``null`` or non-string
 ``--json-keys`` field) stops the run with the file and its 1-based line number (record number
 for parquet / HF inputs) and what is wrong; ``--skip-bad-records`` skips such records instead
 and reports how many, and the first few numbers, at the end.
@@ -42,6 +42,14 @@ Tokenizers (all loaded from local files, no network access needed):
 * ``HuggingFaceTokenizer``: ``--tokenizer-model`` = a local directory saved with
   ``save_pretrained`` (or a hub name already in the local cache); EOD = ``eos_token``.
 * ``SentencePieceTokenizer``: ``--tokenizer-model`` = a ``.model`` file; EOD = ``eos`` id.
+
+Long documents are tokenized in pieces of about ``--tokenize-chunk-chars`` characters (default
+1,000,000) so that memory stays bounded: one 30 MB document passed to a HF tokenizer in one call
+peaks at several GB (per-byte alignment tables and per-token strings).  The pieces are cut only
+where the tokens provably do not change (see :func:`iter_text_pieces`), so the ``.bin/.idx``
+files are byte-identical to whole-document tokenization; tokenizers for which that cannot be
+guaranteed (SentencePiece, HF tokenizers that are not GPT-2-style byte-level BPE) tokenize each
+document whole, and the startup line says so.  The final line reports the peak resident memory.
 
 The tokenizers are the trainer's own (``megatron/training/tokenizer.py``), so the ids written
 here are exactly what ``pretrain_gpt.py`` assumes. megatron-core 0.16.1's wrappers are not used:
@@ -61,9 +69,13 @@ import gzip
 import json
 import multiprocessing
 import os
+import re
+import resource
 import sys
 import time
-from typing import List
+from typing import Any, Iterator, List, Optional
+
+import numpy
 
 # Run as a script, sys.path[0] is tools/: make the repository root importable for megatron.training.
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,6 +85,7 @@ if _REPO_ROOT not in sys.path:
 from megatron.training.tokenizer import TokenizerError, build_tokenizer_from  # noqa: E402
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
+DEFAULT_TOKENIZE_CHUNK_CHARS = 1_000_000
 
 
 class PreprocessError(Exception):
@@ -90,6 +103,163 @@ def build_tokenizer(tokenizer_type, vocab_file=None, merge_file=None, tokenizer_
                                     tokenizer_model=tokenizer_model)
     except TokenizerError as e:
         raise PreprocessError(str(e)) from None
+
+
+def describe_tokenizer(tokenizer: Any) -> str:
+    """A one-line, human-readable description for the startup log.
+
+    Why: the default ``repr`` (``<...GPT2BPETokenizer object at 0x7f...>``) says neither which
+    files were loaded nor the vocabulary size, which is what one checks when a run's ids look wrong.
+    """
+    name = type(tokenizer).__name__
+    paths = list(getattr(tokenizer, "unique_identifiers", {}).get("tokenizer_path", []))
+    labels = {"GPT2BPETokenizer": ("vocab_file", "merge_file")}.get(name, ("model",))
+    parts = [f"{label}={path}" for label, path in zip(labels, paths)]
+    parts += [f"vocab_size={tokenizer.vocab_size}", f"eod={tokenizer.eod}"]
+    return f"{name}({', '.join(parts)})"
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizing long documents in pieces.
+#
+# Why the pieces give exactly the whole-document tokens: GPT-2's byte-level BPE first splits the
+# text with the regex
+#     's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+# and then merges within each pre-token only.  Cut at a position p where text[p] is an ASCII
+# space, text[p-1] is not whitespace and text[p+1] is not whitespace ("word| next"):
+#   * the pre-token containing text[p-1] ends at p: only the whitespace alternatives can continue
+#     across a space, and text[p-1] is not whitespace (a space is allowed only as the first char
+#     of the other alternatives);
+#   * the pre-token starting at p is " " + the run after it (the " ?" prefix; "\s+(?!\S)" cannot
+#     match a single space before a non-space), and the regex has no look-behind or anchors, so
+#     matching at p does not depend on the text before p; the regex only looks ahead within a
+#     whitespace run, which ends before p-1 on the left of the cut.
+# So both halves pre-tokenize into exactly the whole text's pre-tokens.  A run of several spaces
+# or newlines is never cut (no cut next to whitespace on either side).  "Not whitespace" uses
+# Python's str.isspace, a superset of the Unicode White_Space set the regex's \s matches, so the
+# check is conservative.  Other tokenizers normalize whitespace or search globally (SentencePiece
+# adds a dummy prefix and collapses spaces; unigram is a whole-string Viterbi search), so they
+# are not cut: see chunking_unsafe_reason.
+# --------------------------------------------------------------------------------------------
+
+# A space with a non-whitespace character on both sides: the only places a document is cut.
+_CUT_RE = re.compile(r"(?<=\S) (?=\S)")
+
+# Tricky text checked at startup (whole vs. pieces) before chunking is enabled for a tokenizer:
+# a cheap guard against a tokenizer configuration this module's reasoning does not cover.
+_PROBE_TEXT = ("Hello world!  Two  spaces,\tTABS\t\tand\n\nnewlines \n trailing  \n"
+               "It's we'll they've I'm 'quoted' \"dq\" x=1+2 12345 67.89 café naïve 東京 都 "
+               "emoji 🎉 🎉🎉 nbsp\u00a0here ideo\u3000space sep\u2028line "
+               "<|endoftext|> <s> </s> [CLS] end.   ")
+
+
+def _last_cut(text: str, lo: int, hi: int) -> int:
+    """The largest cut position p with lo <= p <= hi, or -1.  Scans backwards from hi in growing
+    windows so that a normal text (cut points every few characters) costs a few hundred chars."""
+    window = 256
+    while True:
+        a = max(lo, hi - window)
+        last = -1
+        for m in _CUT_RE.finditer(text, a, hi + 2):  # endpos hi+2: the look-ahead may see hi+1
+            last = m.start()
+        if last >= 0 or a == lo:
+            return last
+        window *= 4
+
+
+def iter_text_pieces(text: str, chunk_chars: int) -> Iterator[str]:
+    """Split ``text`` into consecutive pieces (their concatenation is ``text``) of at most
+    ``chunk_chars`` characters where possible, cut only before a space that has a non-whitespace
+    character on both sides (see the comment above for why the tokens then do not change).
+
+    A stretch longer than ``chunk_chars`` with no such space (minified JSON, base64, a huge run of
+    whitespace) stays one piece: cutting it elsewhere could change the tokens.
+    """
+    if chunk_chars <= 0:
+        yield text
+        return
+    n, start = len(text), 0
+    while n - start > chunk_chars:
+        p = _last_cut(text, start + 1, start + chunk_chars)
+        if p < 0:
+            m = _CUT_RE.search(text, start + chunk_chars + 1)
+            if m is None:
+                break
+            p = m.start()
+        yield text[start:p]
+        start = p
+    yield text[start:]
+
+
+def _backend_tokenizer(tokenizer: Any) -> Any:
+    """The HF ``tokenizers.Tokenizer`` behind one of the trainer's wrappers, or None."""
+    inner = getattr(tokenizer, "_tok", None)
+    if inner is None:
+        return None
+    backend = getattr(inner, "backend_tokenizer", None)  # transformers fast tokenizer
+    if backend is None:
+        backend = getattr(inner, "_tokenizer", None)  # tokenizers' ByteLevelBPETokenizer
+    return backend
+
+
+def chunking_unsafe_reason(tokenizer: Any) -> Optional[str]:
+    """None if a document may be tokenized in pieces (:func:`iter_text_pieces`) with exactly the
+    whole-document tokens, else why not (printed at startup; the document is then tokenized whole).
+
+    Allowed: a HF ``tokenizers`` pipeline that is GPT-2 byte-level BPE -- no normalizer, the
+    ``ByteLevel`` pre-tokenizer with its GPT-2 regex, a BPE model without dropout -- and added
+    tokens that contain no whitespace and do not strip or require spaces around them (an
+    ``rstrip`` token just before a cut would eat the space after the cut only when tokenized
+    whole).  Then the pieces are also checked on a probe text.
+    """
+    name = type(tokenizer).__name__
+    if name == "SentencePieceTokenizer":
+        return ("SentencePiece normalizes whitespace and adds a dummy prefix per call (and unigram "
+                "segmentation is a whole-string search), so pieces could tokenize differently")
+    backend = _backend_tokenizer(tokenizer)
+    if backend is None:
+        return f"{name} is not backed by a HF 'tokenizers' pipeline (a slow tokenizer?)"
+    from tokenizers import models, pre_tokenizers
+
+    if backend.normalizer is not None:
+        return f"its normalizer ({type(backend.normalizer).__name__}) may act across a cut"
+    pre = backend.pre_tokenizer
+    if not isinstance(pre, pre_tokenizers.ByteLevel) or not pre.use_regex:
+        return (f"its pre-tokenizer ({type(pre).__name__}) is not GPT-2's byte-level regex split; "
+                f"only that one is known to be safe to cut")
+    model = backend.model
+    if not isinstance(model, models.BPE) or model.dropout:
+        return f"its model ({type(model).__name__}) is not a deterministic BPE"
+    for tok in backend.get_added_tokens_decoder().values():
+        if tok.lstrip or tok.rstrip or tok.single_word or any(c.isspace() for c in tok.content):
+            return (f"its added token {tok.content!r} contains whitespace or strips / requires "
+                    f"spaces around it")
+    whole = list(tokenizer.tokenize(_PROBE_TEXT))
+    pieces = [i for piece in iter_text_pieces(_PROBE_TEXT, 8) for i in tokenizer.tokenize(piece)]
+    if pieces != whole:
+        return "tokenizing a probe text in pieces gave different tokens than tokenizing it whole"
+    return None
+
+
+def tokenize_document(tokenizer: Any, text: str, chunk_chars: int,
+                      eod: Optional[int] = None) -> "numpy.ndarray":
+    """Token ids of ``text`` (int64), tokenized in pieces of about ``chunk_chars`` characters
+    (0: whole), followed by ``eod`` if given -- unless the text has no tokens at all (an empty
+    document stays empty).  Why int64 arrays per piece: a Python list of ints costs ~36 bytes per
+    token, a few hundred MB for a 30 MB document; the arrays cost 8."""
+    pieces = [text] if chunk_chars <= 0 or len(text) <= chunk_chars else iter_text_pieces(text, chunk_chars)
+    parts = [numpy.asarray(tokenizer.tokenize(piece), dtype=numpy.int64) for piece in pieces]
+    if eod is not None and any(len(p) for p in parts):
+        parts.append(numpy.asarray([eod], dtype=numpy.int64))
+    return parts[0] if len(parts) == 1 else numpy.concatenate(parts)
+
+
+def effective_chunk_chars(tokenizer: Any, chunk_chars: int) -> "tuple[int, Optional[str]]":
+    """``(chunk_chars to use, reason chunking is off or None)`` for this tokenizer."""
+    if chunk_chars <= 0:
+        return 0, "--tokenize-chunk-chars 0"
+    reason = chunking_unsafe_reason(tokenizer)
+    return (0, reason) if reason else (chunk_chars, None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,11 +367,14 @@ class Encoder:
     """Turns one record into {key: token ids or None (empty)}; errors are returned, not raised,
     so that the parent process can report them with the record number."""
 
-    def __init__(self, tokenizer_kwargs, keys, append_eod, unit):
+    def __init__(self, tokenizer_kwargs, keys, append_eod, unit, chunk_chars: int = 0):
         self.tokenizer_kwargs = tokenizer_kwargs
         self.keys = keys
         self.append_eod = append_eod
         self.unit = unit
+        # Already checked against the tokenizer type by the parent (effective_chunk_chars): the
+        # workers build the same tokenizer from the same files, so the check is not repeated.
+        self.chunk_chars = chunk_chars
         self.tokenizer = None
 
     def initializer(self):
@@ -226,9 +399,12 @@ class Encoder:
                 rec = json.loads(payload)
             except json.JSONDecodeError as e:
                 return recno, None, nbytes, f"{self.unit} {recno}: invalid JSON ({e.msg} at column {e.colno})"
+            count_text_bytes = False  # the line's bytes are counted already
         else:
             rec = payload
             nbytes = 0
+            count_text_bytes = True
+        del payload  # a long line's decoded copy is not needed while its text is tokenized
         if not isinstance(rec, dict):
             return recno, None, nbytes, f"{self.unit} {recno}: expected a JSON object, got {type(rec).__name__}"
         out = {}
@@ -239,23 +415,19 @@ class Encoder:
                     f"choose the text field with --json-keys"
                 )
             text = rec[key]
-            if text is None:
-                text = ""
             if not isinstance(text, str):
-                return recno, None, nbytes, f"{self.unit} {recno}: value of {key!r} is {type(text).__name__}, not a string"
-            if not isinstance(payload, str):
+                # null is a bad record, not an empty document: it usually means a broken export,
+                # which silently shrinking the corpus would hide.
+                what = "null" if text is None else type(text).__name__
+                return recno, None, nbytes, f"{self.unit} {recno}: value of {key!r} is {what}, not a string"
+            if count_text_bytes:
                 nbytes += len(text.encode("utf-8"))
             if not text.strip():
                 out[key] = None
                 continue
-            ids = self.tokenizer.tokenize(text)
-            if not ids:
-                out[key] = None
-                continue
-            if self.append_eod:
-                ids = list(ids)
-                ids.append(self.tokenizer.eod)
-            out[key] = ids
+            ids = tokenize_document(self.tokenizer, text, self.chunk_chars,
+                                    eod=self.tokenizer.eod if self.append_eod else None)
+            out[key] = ids if len(ids) else None
         return recno, out, nbytes, None
 
 
@@ -290,6 +462,17 @@ def get_args(argv=None):
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes (output is identical for any value)")
     g.add_argument("--chunk-size", type=int, default=32, help="records per task sent to a worker")
+    g.add_argument("--tokenize-chunk-chars", type=int, default=DEFAULT_TOKENIZE_CHUNK_CHARS, metavar="N",
+                   help=f"tokenize a document longer than N characters in pieces of about N "
+                        f"(default: {DEFAULT_TOKENIZE_CHUNK_CHARS:,}), bounding memory: one 30 MB "
+                        f"document tokenized in one call needs several GB.  Pieces are cut only "
+                        f"before a space that has a non-space character on both sides, where "
+                        f"GPT-2 byte-level BPE gives exactly the whole-document tokens (output "
+                        f"is byte-identical); a stretch of more than N characters without such a "
+                        f"space stays one piece.  GPT2BPETokenizer and GPT-2-style byte-level "
+                        f"BPE HuggingFaceTokenizer models are cut; SentencePieceTokenizer and "
+                        f"other HF tokenizers always tokenize whole documents (the startup line "
+                        f"says which).  0: never cut")
     g.add_argument("--log-interval", type=int, default=1000, help="report progress every N documents (stderr)")
     g.add_argument("--skip-bad-records", action="store_true",
                    help="skip records that are not valid UTF-8 / JSON objects or lack a --json-keys "
@@ -305,6 +488,10 @@ def get_args(argv=None):
         p.error("--workers must be >= 1")
     if args.log_interval < 1:
         p.error("--log-interval must be >= 1")
+    if args.chunk_size < 1:
+        p.error("--chunk-size must be >= 1")
+    if args.tokenize_chunk_chars < 0:
+        p.error("--tokenize-chunk-chars must be >= 0 (0: tokenize each document whole)")
     if len(set(args.json_keys)) != len(args.json_keys):
         p.error("--json-keys contains duplicates")
     if args.dataset_impl is not None and args.dataset_impl != "mmap":
@@ -336,11 +523,19 @@ def _log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
+def peak_rss_mb(who: int = resource.RUSAGE_SELF) -> float:
+    """Peak resident set size in MB (``ru_maxrss``: KiB on Linux, bytes on macOS).
+
+    Why report it: the memory a corpus needs is decided by its longest document, which is easy to
+    miss; the number tells how much headroom --tokenize-chunk-chars / --workers leave.
+    """
+    rss = resource.getrusage(who).ru_maxrss
+    return rss / 1e6 if sys.platform == "darwin" else rss * 1024 / 1e6
+
+
 def preprocess(args):
     """Run the conversion; returns a summary dict. Raises PreprocessError on bad input."""
     import warnings
-
-    import numpy
 
     with warnings.catch_warnings():  # megatron-core's import-time "Transformer Engine/Apex" notices
         warnings.simplefilter("ignore", UserWarning)
@@ -368,7 +563,9 @@ def preprocess(args):
     prefixes = {k: output_prefix_for(args.output_prefix, k) for k in keys}
     builders = {k: IndexedDatasetBuilder(get_bin_path(prefixes[k]), dtype=dtype) for k in keys}
 
-    encoder = Encoder(tok_kwargs, keys, args.append_eod, unit)
+    chunk_chars, no_chunk_reason = effective_chunk_chars(
+        tokenizer, getattr(args, "tokenize_chunk_chars", DEFAULT_TOKENIZE_CHUNK_CHARS))
+    encoder = Encoder(tok_kwargs, keys, args.append_eod, unit, chunk_chars)
     pool = None
     if args.workers > 1:
         pool = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn").Pool(
@@ -378,8 +575,9 @@ def preprocess(args):
         encoder.tokenizer = tokenizer
         encoded = map(encoder.encode, records)
 
-    _log(f"preprocess: input={args.input} ({fmt}) keys={keys} tokenizer={tokenizer!r} "
-         f"dtype={numpy.dtype(dtype).name} workers={args.workers}")
+    chunking = (f"{chunk_chars} chars" if chunk_chars else f"off, documents tokenized whole ({no_chunk_reason})")
+    _log(f"preprocess: input={args.input} ({fmt}) keys={keys} tokenizer={describe_tokenizer(tokenizer)} "
+         f"dtype={numpy.dtype(dtype).name} workers={args.workers} tokenize-chunk={chunking}")
     stats = {k: {"documents": 0, "tokens": 0, "empty": 0} for k in keys}
     empty_examples = {k: [] for k in keys}
     n_bad, bad = 0, []  # skipped bad records (--skip-bad-records): count, first 5 (number, message)
@@ -404,7 +602,7 @@ def preprocess(args):
                     if len(empty_examples[key]) < 5:
                         empty_examples[key].append(recno)
                     continue
-                builders[key].add_document(numpy.asarray(ids, dtype=numpy.int64), [len(ids)])
+                builders[key].add_document(ids, [len(ids)])
                 stats[key]["documents"] += 1
                 stats[key]["tokens"] += len(ids)
             if n_records % args.log_interval == 0:
@@ -452,14 +650,22 @@ def preprocess(args):
         "mb_per_s": round(total_bytes / elapsed / 1e6, 3),
         "vocab_size": tokenizer.vocab_size,
         "eod": tokenizer.eod,
+        "tokenize_chunk_chars": chunk_chars,  # 0: documents were tokenized whole
         "outputs": {k: dict(prefix=prefixes[k], **stats[k]) for k in keys},
+        "peak_rss_mb": round(peak_rss_mb(), 1),
     }
+    # The workers' peak: ru_maxrss of the largest child this process has waited for (the pool was
+    # joined above); in a long-lived caller it may include earlier children too.
+    rss = f"peak RSS {summary['peak_rss_mb']:.0f} MB"
+    if pool is not None:
+        summary["peak_rss_mb_workers"] = round(peak_rss_mb(resource.RUSAGE_CHILDREN), 1)
+        rss += f" (largest worker {summary['peak_rss_mb_workers']:.0f} MB)"
     for key in keys:
         s = stats[key]
         _log(f"done: {prefixes[key]}.bin/.idx: {s['documents']} documents, {s['tokens']} tokens, "
              f"{s['empty']} empty skipped")
     _log(f"done: {n_records} records, {total_bytes / 1e6:.2f} MB in {elapsed:.2f}s "
-         f"({n_records / elapsed:.1f} docs/s, {total_bytes / elapsed / 1e6:.2f} MB/s)")
+         f"({n_records / elapsed:.1f} docs/s, {total_bytes / elapsed / 1e6:.2f} MB/s), {rss}")
     return summary
 
 

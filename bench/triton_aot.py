@@ -508,17 +508,17 @@ def _es(sig: str) -> int:
 def traffic(spec: Spec) -> Optional[Tuple[float, float, str]]:
     """(bytes read, bytes written, what an element is) per element, from the argument dtypes and
     constexprs; None for a kernel without a model. Index / slot / counter loads are per group or
-    per program and left out; sources S are the bound ``num_sources`` (D for the middle hop, M for
-    the final one, 1 when the JIT specialised it away)."""
-    c, s, a = spec.constexpr_by_name, spec.signature, spec.args
+    per program and left out; sources S are the constexpr ``S`` (D for the middle hop, M for the
+    final one)."""
+    c, s = spec.constexpr_by_name, spec.signature
     per = lambda bits, gs: bits / 8 + 4 / gs       # packed codes + one fp32 scale per group
     if spec.kernel == "_quantize_kernel":
         read = _es(s["x_ptr"]) + (_es(s["ref_ptr"]) if c["DIFF"] else 0)
         return read, per(c["BITS"], c["GS"]), "input element"
     if spec.kernel == "_dsum_requant_kernel":
-        return a["num_sources"] * per(c["BITS_IN"], c["GS_IN"]), per(c["BITS"], c["GS"]), "output element"
+        return c["S"] * per(c["BITS_IN"], c["GS_IN"]), per(c["BITS"], c["GS"]), "output element"
     if spec.kernel == "_dsum_kernel":
-        return a["num_sources"] * per(c["BITS"], c["GS"]), _es(s["out_ptr"]), "output element"
+        return c["S"] * per(c["BITS"], c["GS"]), _es(s["out_ptr"]), "output element"
     if spec.kernel == "_dequant_add_kernel":
         return per(c["BITS"], c["GS"]) + _es(s["ref_ptr"]), _es(s["out_ptr"]), "element"
     return None
@@ -530,8 +530,8 @@ _SHORT_DTYPE = {"*fp32": "fp32", "*bf16": "bf16", "*fp16": "fp16"}
 def label(spec: Spec) -> str:
     """Compact specialisation name: float pointer dtypes, sources, then the declared constexprs
     (booleans by name when on; GP only when it differs from GS; HB only with the Hadamard
-    transform). Runtime ints the JIT specialised to constexpr 1 (``out_stride``, a single source)
-    are not listed: ``S=1`` shows the latter."""
+    transform). Runtime ints the JIT specialised to constexpr 1 (``out_stride``) are not
+    listed."""
     c = spec.constexpr_by_name
     declared = {p.name for p in spec.fn.params if p.is_constexpr}
     parts = []
@@ -541,8 +541,6 @@ def label(spec: Spec) -> str:
         if name == "ref_ptr" and c.get("DIFF") is False:
             continue                            # the launcher passes x again when DIFF is off
         parts.append(f"{name.replace('_ptr', '')}:{_SHORT_DTYPE[sig]}")
-    if "num_sources" in spec.args:
-        parts.append(f"S={spec.args['num_sources']}")
     for name, v in c.items():
         if name not in declared:
             continue

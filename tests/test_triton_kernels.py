@@ -275,7 +275,125 @@ def test_fused_nonfinite_counter_counts_without_reading_back(monkeypatch) -> Non
 
 def test_partition_slot_table_is_built_once_per_order_and_device() -> None:
     """It was ``torch.tensor(slot_of, device=...)`` per call: a host-to-device copy (a sync)
-    per bucket in the backward hooks."""
-    a = T._slot_table((1, 0, 3, 2), torch.device(DEV))
-    assert a is T._slot_table((1, 0, 3, 2), torch.device(DEV))
-    assert a.tolist() == [1, 0, 3, 2] and T._slot_table((0, 1, 2, 3), torch.device(DEV)) is not a
+    per bucket in the backward hooks; the table is now cached (megatron/distributed/quant/
+    device_tables.py), shared with LoCo's un-permutation."""
+    from megatron.distributed.quant.device_tables import slot_of
+
+    a = slot_of((1, 0, 3, 2), torch.device(DEV))
+    assert a is slot_of([1, 0, 3, 2], DEV)
+    assert a.dtype == torch.int32 and a.tolist() == [1, 0, 3, 2]
+    assert slot_of((2, 0, 3, 1), DEV).tolist() == [1, 3, 0, 2]    # t[order[s]] = s
+    assert slot_of((0, 1, 2, 3), DEV) is not a
+
+
+@pytest.mark.skipif(not _CUDA, reason="needs a CUDA device: set_sync_debug_mode is CUDA's")
+def test_per_bucket_kernel_calls_never_synchronise_the_host() -> None:
+    """Issue 24 item 1, on a GPU: the calls a bucket makes (TLq hop 1 with the partition order,
+    the middle hop, the final hop, qWD's send and receive), stochastic with the trainer's host
+    generator and a device non-finite counter, run under ``set_sync_debug_mode("error")``: any
+    ``.item()``, blocking copy or host-built device tensor raises.  One warm-up call first (the
+    Triton compile and the cached slot table are once per process, not per bucket)."""
+    x = _randn(8 * 4096, seed=11)
+    ref = _randn(8 * 4096, seed=12).to(torch.bfloat16)
+    order = [0, 4, 1, 5, 2, 6, 3, 7]
+    out = torch.zeros(4096, device=DEV)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEV)
+    gen = torch.Generator(device="cpu").manual_seed(5)
+
+    def bucket() -> None:
+        p = K.quantize_partitions(x, 8, order, 8, 128, generator=gen, hadamard=True,
+                                  nonfinite_counter=counter)
+        m = K.dequantize_sum_requantize(p, 2, 4, generator=gen)
+        K.dequantize_sum(m, 4, hadamard=True, out=out)
+        d = K.quantize_difference(x, ref, 4, 2048, generator=gen, nonfinite_counter=counter)
+        K.dequantize_add(d, ref)
+
+    bucket()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        bucket()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert counter.item() == 0
+
+
+# -- issue 24 item 2: stochastic-rounding noise from all four Philox outputs ---------------------
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _noise_probe_kernel(base_ptr, out_ptr, seed, R: tl.constexpr, GP: tl.constexpr,
+                        ALIGNED: tl.constexpr):
+    """Writes the kernels' own noise (_uniform_tile) for R rows of GP elements per program."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    base = tl.load(base_ptr + rows)
+    u = T._uniform_tile(seed, base, R, GP, ALIGNED)
+    tl.store(out_ptr + rows[:, None] * GP + tl.arange(0, GP)[None, :], u)
+
+
+def _noise(row_bases, gp: int, seed: int, aligned: bool, rows: int = 8) -> torch.Tensor:
+    """u [len(row_bases), gp]: row r holds the noise of stream elements row_bases[r] + 0..gp-1."""
+    base = torch.tensor(row_bases, dtype=torch.int32, device=DEV)
+    assert base.numel() % rows == 0
+    out = torch.empty(base.numel(), gp, dtype=torch.float32, device=DEV)
+    _noise_probe_kernel[(base.numel() // rows,)](base, out, seed, R=rows, GP=gp, ALIGNED=aligned)
+    return out.cpu()
+
+
+def test_noise_is_a_pure_function_of_seed_and_element_index() -> None:
+    """Both code paths (aligned rows: one Philox call per 4 elements, interleaved; any row: each
+    element's own call and lane) give element i the same u, wherever its row starts: so pipeline
+    chunks, permuted layouts and group sizes that are not multiples of 4 keep drawing the noise of
+    the whole call."""
+    gp = 64
+    whole = _noise([r * gp for r in range(16)], gp, seed=77, aligned=True).reshape(-1)
+    same = _noise([r * gp for r in range(16)], gp, seed=77, aligned=False).reshape(-1)
+    assert torch.equal(whole, same)
+    # rows starting anywhere (unaligned path): element i still gets whole[i]
+    starts = [3, 1, 130, 517, 64, 0, 902, 45]
+    moved = _noise(starts, gp, seed=77, aligned=False)
+    for r, s in enumerate(starts):
+        assert torch.equal(moved[r], whole[s:s + gp]), s
+    # rows in another order, aligned: permuted layouts
+    perm = [5, 2, 7, 0, 1, 6, 3, 4]
+    assert torch.equal(_noise([p * gp for p in perm], gp, seed=77, aligned=True),
+                       whole.view(16, gp)[perm])
+    assert not torch.equal(_noise([0] * 8, gp, seed=78, aligned=True)[0], whole[:gp])
+
+
+def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double() - a.double().mean(), b.double() - b.double().mean()
+    return float((a * b).sum() / (a.norm() * b.norm()))
+
+
+def test_noise_statistics_uniform_and_uncorrelated() -> None:
+    """2^16 draws per seed, 3 consecutive seeds (steps).  Each bound is 5 standard errors of a
+    truly uniform, independent source: mean 1/2 (se 1/sqrt(12 n)); 16-bin histogram chi-square
+    (15 degrees of freedom: mean 15, sd 5.5) under 15 + 5 x 5.5; correlations (se 1/sqrt(n)) of
+    neighbours (lag 1, 2, 3 and 4: inside one Philox call and across calls), of the same
+    element in neighbouring groups (rows), and of the same element across steps (seeds)."""
+    rows, gp = 256, 256
+    n = rows * gp
+    bound = 5 / math.sqrt(n)
+    steps = [_noise([r * gp for r in range(rows)], gp, seed=s, aligned=True) for s in (41, 42, 43)]
+    for u in steps:
+        flat = u.reshape(-1)
+        assert float(flat.min()) >= 0.0 and float(flat.max()) < 1.0
+        assert abs(float(flat.double().mean()) - 0.5) < 5 / math.sqrt(12 * n)
+        hist = torch.histc(flat, bins=16, min=0.0, max=1.0)
+        chi2 = float(((hist - n / 16) ** 2 / (n / 16)).sum())
+        assert chi2 < 15 + 5 * math.sqrt(30), chi2
+        for lag in (1, 2, 3, 4):
+            assert abs(_corr(flat[:-lag], flat[lag:])) < 5 / math.sqrt(n - lag), lag
+        assert abs(_corr(u[:-1].reshape(-1), u[1:].reshape(-1))) < 5 / math.sqrt(n - gp)
+        # the four outputs of one Philox call against each other
+        lanes = flat.view(-1, 4)
+        for a in range(4):
+            for b in range(a + 1, 4):
+                assert abs(_corr(lanes[:, a], lanes[:, b])) < 5 / math.sqrt(n // 4), (a, b)
+    for a, b in ((0, 1), (1, 2), (0, 2)):
+        assert abs(_corr(steps[a].reshape(-1), steps[b].reshape(-1))) < bound

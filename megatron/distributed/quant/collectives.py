@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from .accounting import CommAccounting
+from .device_tables import slot_of
 from .kernels import (NoiseIndex, NonFiniteError, QuantizedTensor, all_finite, dequantize,
                       dequantize_add, dequantize_sum, dequantize_sum_requantize, quantize,
                       quantize_difference, quantize_partitions)
@@ -168,13 +169,9 @@ def _write_result(src_fp32: torch.Tensor, output: torch.Tensor) -> None:
 
 
 def _unswizzle(slots: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
-    """Inverse of the slot permutation: input-layout tensor from a slot-ordered one."""
-    p = len(order)
-    inv = [0] * p
-    for j, part in enumerate(order):
-        inv[part] = j
-    idx = torch.tensor(inv, dtype=torch.long, device=slots.device)
-    return slots.view(p, -1).index_select(0, idx).reshape(-1)
+    """Inverse of the slot permutation: input-layout tensor from a slot-ordered one (the index
+    table is cached on the device: no host copy per bucket)."""
+    return slots.view(len(order), -1).index_select(0, slot_of(order, slots.device)).reshape(-1)
 
 
 class PendingCollective:

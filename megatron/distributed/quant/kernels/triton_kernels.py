@@ -15,10 +15,13 @@ bit-identical and stochastic rounding matches in distribution (Philox ``tl.rand`
 * The stochastic rounding seed is drawn from the caller's ``torch.Generator`` with
   ``torch.randint`` (so the generator is consumed deterministically); the random stream is indexed
   by the *input* element index, so a permuted output layout does not change which ``u`` an
-  element gets.
+  element gets.  Element i's ``u`` is output i % 4 of Philox(seed, counter i // 4)
+  (``tl.randint4x``): all four outputs of each Philox call are used.
 
 NaN/Inf detection is fused: the quantize kernels count non-finite inputs into an int32 counter with
-``atomic_add``; the host raises :class:`NonFiniteError` after the launch (one small sync).
+``atomic_add``.  The trainer passes its own device counter (``nonfinite_counter``), read once per
+step; a call without one reads a private counter back and raises :class:`NonFiniteError` (one
+small sync: for direct callers and tests).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device_tables import slot_of
 from . import reference as _ref
 from .reference import NonFiniteError, QuantizedTensor
 
@@ -97,8 +101,33 @@ def _round_to(x, DT: tl.constexpr):
 
 
 @triton.jit
-def _quant_tile(x, rand_offs, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """x fp32 [R, C] (one group per row, padding = 0) -> (int32 codes [R, C], fp32 scales [R])."""
+def _uniform_tile(seed, rand_base, R: tl.constexpr, GP: tl.constexpr, ALIGNED: tl.constexpr):
+    """Stochastic-rounding noise u in [0, 1) for a tile [R, GP] whose row r holds the random-stream
+    elements rand_base[r] + 0..GP-1 (int32).
+
+    Element i of the stream gets output i % 4 of the Philox call at counter i // 4: a pure
+    function of (seed, i), so pipeline chunks and permuted layouts draw the same u as the whole
+    call, with one Philox call per four elements (``tl.rand`` draws one per element and uses one
+    of its four outputs).  ALIGNED (every row base and GP multiples of 4): GP / 4 calls per row,
+    their outputs interleaved; else each element computes its own call and picks its lane."""
+    if ALIGNED:
+        ctr = (rand_base // 4)[:, None] + tl.arange(0, GP // 4)[None, :]
+        r0, r1, r2, r3 = tl.randint4x(seed, ctr)
+        # join(join(r0, r2), join(r1, r3))[k, q, p] = r_(2q + p), i.e. element 4k + 2q + p
+        r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (R, GP))
+    else:
+        i = rand_base[:, None] + tl.arange(0, GP)[None, :]
+        r0, r1, r2, r3 = tl.randint4x(seed, i // 4)
+        lane = i % 4
+        r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+    return tl.random.uint_to_uniform_float(r)
+
+
+@triton.jit
+def _quant_tile(x, rand_base, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr,
+                R: tl.constexpr, GP: tl.constexpr, ALIGNED: tl.constexpr):
+    """x fp32 [R, GP] (one group per row, padding = 0) -> (int32 codes [R, GP], fp32 scales [R]).
+    Row r's elements are random-stream elements rand_base[r] + 0.. (see _uniform_tile)."""
     a = tl.abs(x)
     a = tl.where(a == a, a, float("inf"))          # NaN groups -> amax = inf -> scale NaN
     amax = tl.max(a, axis=1)
@@ -112,7 +141,7 @@ def _quant_tile(x, rand_offs, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr
     lo = tl.floor(v)
     frac = v - lo
     if STOCHASTIC:
-        u = tl.rand(seed, rand_offs)
+        u = _uniform_tile(seed, rand_base, R, GP, ALIGNED)
         q = lo + tl.where(u < frac, 1.0, 0.0)
     else:
         q = lo + tl.where(frac >= 0.5, 1.0, 0.0)
@@ -157,6 +186,25 @@ def _load_deq(codes_ptr, scales_ptr, idx, mask, BITS: tl.constexpr, GS: tl.const
     return c.to(tl.float32) * s
 
 
+@triton.jit
+def _load_deq_rows(codes_ptr, scales_ptr, first, gmask, R: tl.constexpr, GP: tl.constexpr,
+                   GS: tl.constexpr, BITS: tl.constexpr):
+    """Dequantize R whole groups -> fp32 [R, GP]: row r is the group starting at flat index
+    first[r] (int64, a multiple of GS).  Same values as _load_deq; one scale load per group
+    instead of one per element, and the nibble shifts are per column."""
+    PER: tl.constexpr = 8 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    SIGN: tl.constexpr = 1 << (BITS - 1)
+    e = tl.arange(0, GP)
+    m = gmask[:, None] & (e[None, :] < GS)
+    byte = tl.load(codes_ptr + (first[:, None] + e[None, :]) // PER, mask=m, other=0).to(tl.int32)
+    shift = ((PER - 1) - (e % PER)) * BITS
+    c = (byte >> shift[None, :]) & MASK
+    c = (c ^ SIGN) - SIGN
+    s = tl.load(scales_ptr + first // GS, mask=gmask, other=0.0)
+    return c.to(tl.float32) * s[:, None]
+
+
 # ------------------------------------------------------------------------------------------------
 # kernels
 # ------------------------------------------------------------------------------------------------
@@ -166,7 +214,8 @@ def _quantize_kernel(x_ptr, ref_ptr, codes_ptr, scales_ptr, slot_ptr, nonfinite_
                      num_groups, groups_per_part,
                      GS: tl.constexpr, GP: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
                      STOCHASTIC: tl.constexpr, HADAMARD: tl.constexpr, HB: tl.constexpr,
-                     DIFF: tl.constexpr, PERMUTE: tl.constexpr, CHECK: tl.constexpr):
+                     DIFF: tl.constexpr, PERMUTE: tl.constexpr, CHECK: tl.constexpr,
+                     ALIGNED: tl.constexpr):
     """[new - ref ->] [FWHT ->] absmax -> round -> pack -> store at (permuted) group slot."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     pid = tl.program_id(0)
@@ -188,7 +237,7 @@ def _quantize_kernel(x_ptr, ref_ptr, codes_ptr, scales_ptr, slot_ptr, nonfinite_
         tl.atomic_add(nonfinite_ptr, bad)
     if HADAMARD:
         x = tl.reshape(_fwht(tl.reshape(x, (R * GP // HB, HB)), R * GP // HB, HB), (R, GP))
-    q, scale = _quant_tile(x, offs.to(tl.int32), seed, QMAX, STOCHASTIC)
+    q, scale = _quant_tile(x, (g * GS).to(tl.int32), seed, QMAX, STOCHASTIC, R, GP, ALIGNED)
     if PERMUTE:
         part = g // groups_per_part
         slot = tl.load(slot_ptr + part, mask=gmask, other=0).to(tl.int64)
@@ -201,42 +250,48 @@ def _quantize_kernel(x_ptr, ref_ptr, codes_ptr, scales_ptr, slot_ptr, nonfinite_
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed per launch: never a new compile
 def _dsum_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, seed,
-                         n, num_groups_out, num_sources, part_len, part_stride, base,
+                         n, num_groups_out, part_len, part_stride, base, S: tl.constexpr,
                          GS_IN: tl.constexpr, BITS_IN: tl.constexpr,
                          GS: tl.constexpr, GP: tl.constexpr, R: tl.constexpr,
-                         BITS: tl.constexpr, STOCHASTIC: tl.constexpr):
+                         BITS: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr):
     """Sum the dequantized source chunks (order 0..S-1, fp32) and requantize per output group.
     The noise of output element i is that of element (i // part_len) * part_stride + base +
-    i % part_len of the whole call (reference.NoiseIndex; part_len = n, base = 0: identity)."""
+    i % part_len of the whole call (reference.NoiseIndex; part_len = n, base = 0: identity).
+    S is a compile-time constant so the S source loads are unrolled and issued together."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     pid = tl.program_id(0)
     g = pid.to(tl.int64) * R + tl.arange(0, R)
     gmask = g < num_groups_out
     e = tl.arange(0, GP)
     m = gmask[:, None] & (e[None, :] < GS)
-    idx = g[:, None] * GS + e[None, :]
     acc = tl.zeros((R, GP), dtype=tl.float32)
-    src = idx                                   # int64 running offset: no int32 overflow
-    for _s in range(num_sources):
-        acc = acc + _load_deq(codes_ptr, scales_ptr, src, m, BITS_IN, GS_IN)
+    src = g * GS                                # int64 running offset: no int32 overflow
+    for _s in tl.static_range(S):
+        if GS_IN == GS:                         # output groups are input groups: a scale per row
+            acc = acc + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, R, GP, GS, BITS_IN)
+        else:
+            acc = acc + _load_deq(codes_ptr, scales_ptr, src[:, None] + e[None, :], m, BITS_IN,
+                                  GS_IN)
         src = src + n
-    noise_idx = (idx // part_len) * part_stride + base + idx % part_len
-    q, scale = _quant_tile(acc, noise_idx.to(tl.int32), seed, QMAX, STOCHASTIC)
+    first = g * GS                              # a row never straddles a part (NoiseIndex.check)
+    noise_base = (first // part_len) * part_stride + base + first % part_len
+    q, scale = _quant_tile(acc, noise_base.to(tl.int32), seed, QMAX, STOCHASTIC, R, GP, ALIGNED)
     tl.store(out_scales_ptr + g, scale, mask=gmask)
     _store_packed(out_codes_ptr, q, g, R, GS, GP, BITS, gmask)
 
 
 @triton.jit
-def _dsum_kernel(codes_ptr, scales_ptr, out_ptr, out_stride, scale, n, num_sources,
+def _dsum_kernel(codes_ptr, scales_ptr, out_ptr, out_stride, scale, n, S: tl.constexpr,
                  GS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
                  HADAMARD: tl.constexpr, HB: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """Dequantize + fp32 sum over sources [-> inverse FWHT] [* scale] -> strided out (any float)."""
+    """Dequantize + fp32 sum over sources [-> inverse FWHT] [* scale] -> strided out (any float).
+    S (sources) is a compile-time constant: the S loads are unrolled and issued together."""
     pid = tl.program_id(0)
     idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = idx < n
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     src = idx                                   # int64 running offset: no int32 overflow
-    for _s in range(num_sources):
+    for _s in tl.static_range(S):
         acc = acc + _load_deq(codes_ptr, scales_ptr, src, m, BITS, GS)
         src = src + n
     if HADAMARD:
@@ -266,6 +321,13 @@ def _dequant_add_kernel(codes_ptr, scales_ptr, ref_ptr, out_ptr, n,
 # ------------------------------------------------------------------------------------------------
 # host wrappers (same signatures and checks as the reference)
 # ------------------------------------------------------------------------------------------------
+
+def _noise_rows_aligned(*sizes: int) -> bool:
+    """Whether every tile row starts the random stream at a multiple of 4 and spans whole Philox
+    calls (group size, padded group size and the noise index's part geometry all multiples of 4):
+    then _uniform_tile draws one Philox call per four elements."""
+    return all(v % 4 == 0 for v in sizes)
+
 
 def _seed(stochastic: bool, generator: Optional[torch.Generator]) -> int:
     return _ref.draw_seed(generator, 0, 2 ** 31 - 1) if stochastic else 0
@@ -305,7 +367,7 @@ def _launch_quantize(x: torch.Tensor, ref: Optional[torch.Tensor], bits: int, gr
             GS=group_size, GP=gp, R=rows, BITS=bits, STOCHASTIC=bool(stochastic),
             HADAMARD=bool(hadamard), HB=hadamard_block if hadamard else 1,
             DIFF=ref is not None, PERMUTE=slots is not None, CHECK=counter is not None,
-            enable_fp_fusion=False)
+            ALIGNED=_noise_rows_aligned(group_size, gp), enable_fp_fusion=False)
     if check_finite and nonfinite_counter is None:
         bad = int(counter.item())
         if bad:
@@ -347,7 +409,7 @@ def quantize_partitions(x: torch.Tensor, num_partitions: int, partition_order: S
     if hadamard:
         _ref._check_hadamard(group_size, hadamard_block)
     order = _ref._check_order(partition_order, num_partitions)
-    slots = _slot_table(tuple(order), f.device)
+    slots = slot_of(order, f.device)
     gpp = f.numel() // (num_partitions * group_size)
     return _launch_quantize(f, None, bits, group_size, stochastic, generator, hadamard,
                             hadamard_block, check_finite, slots, gpp, "quantize_partitions",
@@ -364,23 +426,6 @@ def _unused_i32(device: torch.device) -> torch.Tensor:
     if t is None:
         t = _UNUSED_I32[str(device)] = torch.zeros(1, dtype=torch.int32, device=device)
     return t
-
-
-_SLOT_TABLES: Dict[Tuple[Tuple[int, ...], str], torch.Tensor] = {}
-
-
-def _slot_table(order: Tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The device table ``slot_of[partition]`` of a partition order, built once per (order,
-    device): building it per call copied it from host memory, a host sync per bucket inside the
-    backward hooks."""
-    key = (order, str(device))
-    table = _SLOT_TABLES.get(key)
-    if table is None:
-        slot_of = [0] * len(order)
-        for j, p in enumerate(order):
-            slot_of[p] = j
-        table = _SLOT_TABLES[key] = torch.tensor(slot_of, dtype=torch.int32, device=device)
-    return table
 
 
 def quantize_difference(new: torch.Tensor, reference: torch.Tensor, bits: int, group_size: int, *,
@@ -420,7 +465,7 @@ def _launch_dsum(q: QuantizedTensor, num_sources: int, n: int, out1d: torch.Tens
     if n > 0:
         _dsum_kernel[(triton.cdiv(n, block),)](
             q.codes, q.scales, out1d, out1d.stride(0) if out1d.numel() > 1 else 1, float(scale),
-            n, num_sources, GS=q.group_size, BITS=q.bits, BLOCK=block, HADAMARD=bool(hadamard),
+            n, S=num_sources, GS=q.group_size, BITS=q.bits, BLOCK=block, HADAMARD=bool(hadamard),
             HB=hadamard_block if hadamard else 1, HAS_SCALE=float(scale) != 1.0,
             enable_fp_fusion=False)
 
@@ -480,9 +525,11 @@ def dequantize_sum_requantize(q: QuantizedTensor, num_sources: int, bits_out: in
     seed = _seed(stochastic, generator)
     if ng > 0:
         _dsum_requant_kernel[(triton.cdiv(ng, rows),)](
-            q.codes, q.scales, codes, scales, seed, n, ng, num_sources, part_len, part_stride,
-            base, GS_IN=q.group_size, BITS_IN=q.bits, GS=gs, GP=gp, R=rows, BITS=bits_out,
-            STOCHASTIC=bool(stochastic), enable_fp_fusion=False)
+            q.codes, q.scales, codes, scales, seed, n, ng, part_len, part_stride,
+            base, S=num_sources, GS_IN=q.group_size, BITS_IN=q.bits, GS=gs, GP=gp, R=rows, BITS=bits_out,
+            STOCHASTIC=bool(stochastic),
+            ALIGNED=_noise_rows_aligned(gs, gp, part_len, part_stride, base),
+            enable_fp_fusion=False)
     return QuantizedTensor(codes, scales, bits_out, gs, n)
 
 

@@ -1,0 +1,51 @@
+"""Small constant index tables on the device, built once and never with a host sync.
+
+Why: a partition order becomes a device index table inside the per-bucket path (the Triton
+quantize kernel's slot table, LoCo's un-permutation of what hop 1 sent). ``torch.tensor(list,
+device="cuda")`` copies from pageable host memory, which blocks the host until the copy is done:
+a host synchronisation per bucket inside the backward hooks (found by bench/virtual_cuda_ranks.py
+under ``set_sync_debug_mode("error")``). Here each table is copied once per (order, device) from
+pinned memory without blocking, on the stream that first asks for it; an event marks the copy and
+every later caller's current stream waits on it (a device-side wait), so a table first built on
+one communication stage's stream is safe on any other.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["slot_of"]
+
+_Entry = Tuple[torch.Tensor, Optional[torch.cuda.Event], torch.Tensor]
+_TABLES: Dict[Tuple[Tuple[int, ...], str], _Entry] = {}
+_LOCK = threading.Lock()   # stages of several ranks (bench/virtual_world.py) may ask at once
+
+
+def slot_of(order: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int32 table ``t[partition] = slot`` of ``order`` (``order[slot] = partition``) on
+    ``device``; the same tensor for every call with this order and device."""
+    device = torch.device(device)
+    key = (tuple(int(p) for p in order), str(device))
+    with _LOCK:
+        entry = _TABLES.get(key)
+        if entry is None:
+            inverse = [0] * len(key[0])
+            for slot, part in enumerate(key[0]):
+                inverse[part] = slot
+            host = torch.tensor(inverse, dtype=torch.int32)
+            if device.type == "cuda":
+                host = host.pin_memory()   # kept in the entry: the copy reads it asynchronously
+                table = host.to(device, non_blocking=True)
+                ready: Optional[torch.cuda.Event] = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(device))
+            else:
+                table, ready = host.to(device), None
+            _TABLES[key] = (table, ready, host)
+            return table
+    table, ready, _ = entry
+    if ready is not None:
+        torch.cuda.current_stream(device).wait_event(ready)
+    return table

@@ -14,6 +14,13 @@ kernels and torch ops release the GIL, so the threads really run side by side.
 The transport is exact (a copy of the sender's bytes), like gloo: the study's numbers are those a
 real cluster with the same seeds would produce (``tests/test_quant_error_study.py`` checks it
 against 4 real gloo ranks bit for bit).
+
+On CUDA tensors the collectives follow NCCL's stream semantics, so several ranks can share one GPU
+(NCCL refuses two ranks on one device) and still exercise the product's CUDA stream code: the
+host never waits; the receiver's current stream waits on an event the sender recorded on its
+current stream at the call, copies on the receiver's stream, and the sender's stream then waits
+until every receiver's copy is done (the sender may reuse its input after that, in stream order,
+as after an NCCL call).  bench/virtual_cuda_ranks.py runs the runtime's bucket calls this way.
 """
 
 from __future__ import annotations
@@ -68,6 +75,26 @@ class VirtualGroup:
 
     def abort(self) -> None:
         self._barrier.abort()
+
+    def exchange_on_streams(self, rank: int, tensor: torch.Tensor,
+                            consume: Callable[[List[torch.Tensor]], Any]) -> Any:
+        """:meth:`exchange` for CUDA tensors with NCCL's stream semantics and no host wait on the
+        device: ``consume`` runs on the caller's current stream after it waits on every member's
+        "input ready" event; then every member's stream waits on every member's "copied" event,
+        so no input is overwritten (or its block reused) before all peers have read it."""
+        stream = torch.cuda.current_stream(tensor.device)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+
+        def read(entries: List[Tuple[torch.Tensor, torch.cuda.Event]]) -> Any:
+            for _, ev in entries:
+                stream.wait_event(ev)
+            return consume([t for t, _ in entries])
+        result = self.exchange(rank, (tensor, ready), read)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+        self.exchange(rank, copied, lambda events: [stream.wait_event(ev) for ev in events])
+        return result
 
 
 class VirtualDist:
@@ -143,6 +170,13 @@ class VirtualDist:
         if async_op:
             raise NotImplementedError("the virtual world runs collectives synchronously")
 
+    @staticmethod
+    def _exchange(g: VirtualGroup, me: int, tensor: torch.Tensor,
+                  consume: Callable[[List[torch.Tensor]], Any]) -> Any:
+        if tensor.is_cuda:
+            return g.exchange_on_streams(me, tensor, consume)
+        return g.exchange(me, tensor, consume)
+
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           output_split_sizes: Any = None, input_split_sizes: Any = None,
                           group: Optional[VirtualGroup] = None, async_op: bool = False) -> None:
@@ -156,7 +190,7 @@ class VirtualDist:
             out = output.view(k, -1)
             for j, src in enumerate(inputs):  # piece i of every member, in member order
                 out[j].copy_(src.reshape(k, -1)[i])
-        g.exchange(me, input, consume)
+        self._exchange(g, me, input, consume)
         if self.record:
             self.received.setdefault(me, []).append((g, output.clone()))
 
@@ -170,7 +204,7 @@ class VirtualDist:
             out = output.view(g.size(), -1)
             for j, src in enumerate(inputs):
                 out[j].copy_(src.reshape(-1))
-        g.exchange(me, input, consume)
+        self._exchange(g, me, input, consume)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM,
                    group: Optional[VirtualGroup] = None, async_op: bool = False) -> None:
@@ -183,7 +217,7 @@ class VirtualDist:
 
         def consume(inputs: List[torch.Tensor]) -> torch.Tensor:
             return fns[op](torch.stack([t.clone() for t in inputs]), dim=0)
-        tensor.copy_(g.exchange(me, tensor, consume))
+        tensor.copy_(self._exchange(g, me, tensor, consume))
 
     def run(self, fn: Callable[[int], Any]) -> List[Any]:
         """``fn(rank)`` on every virtual rank, one thread each; results in rank order.

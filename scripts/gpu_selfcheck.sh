@@ -18,13 +18,18 @@
 #   4 bench        bench/bench_quant.py on CUDA: GB/s per kernel and % of the measured
 #                  device-to-device copy bandwidth
 #   5 smoke        1-GPU pretrain_gpt.py, bf16, SDP4Bit flags, mock data, tiny GPT
-#   6 nccl-vs-gloo with >= 2 GPUs: the same 2-rank SDP4Bit run, overlap flags and
+#   6 nccl-vs-gloo with >= 4 GPUs: the same 4-rank SDP4Bit run (2 nodes x 2 GPUs:
+#                  --data-parallel-intra-node-size 2, so both hops run), overlap flags and
 #                  --gradient-alltoall-pipeline 2 on (CUDA communication streams), on NCCL (CUDA) and on gloo (CPU
 #                  ranks, the path CI tests), deterministic (CPU init, no dropout, round to
 #                  nearest, whose kernels are bit-identical across backends): per-iteration losses
 #                  must agree within SELFCHECK_LOSS_RTOL (default 0.02 relative; what remains is
 #                  GPU vs CPU bf16 matmul rounding and, when Transformer Engine is installed, TE
-#                  layers on the CUDA side vs megatron-core's local ones on the CPU side)
+#                  layers on the CUDA side vs megatron-core's local ones on the CPU side).
+#                  With fewer GPUs (NCCL refuses two ranks on one GPU): bench/virtual_cuda_ranks.py,
+#                  2x2 and 2x4 ranks as threads sharing the GPU (NCCL's stream semantics), the
+#                  runtime's bucket calls with overlap, LoCo, qWD, a NaN step and a resume, bit for
+#                  bit against the same ranks on the CPU, under set_sync_debug_mode("error")
 #   7 throughput   bench/gpu_throughput.py: ms/iteration, TFLOP/s, peak memory of the recipe
 #                  (baseline and SDP4Bit, 1 GPU, mock data, no recompute) against the plain PyTorch
 #                  GPT of bench/reference_gpt.py, shape 125m (SELFCHECK_THROUGHPUT_SHAPES=
@@ -62,7 +67,7 @@ SC_TP_ITERS=${SELFCHECK_THROUGHPUT_ITERS:-10}
 SC_OUT=${SC_OUT:-$SC_RUN_DIR/gpu_selfcheck.md}
 mkdir -p "$SC_RUN_DIR" "$(dirname "$SC_OUT")"
 # This run's logs only: the report quotes them.
-rm -f "$SC_RUN_DIR"/{env,aot,kernel-tests,bench,smoke,nccl,gloo,throughput}.log "$SC_RUN_DIR/nccl-vs-gloo.md" \
+rm -f "$SC_RUN_DIR"/{env,aot,kernel-tests,bench,smoke,nccl,gloo,virtual-ranks,throughput}.log "$SC_RUN_DIR/nccl-vs-gloo.md" \
       "$SC_RUN_DIR/throughput.json"
 # The kernels must be compiled for the GPU, never interpreted; the dispatcher must pick Triton.
 unset TRITON_INTERPRET QUANT_KERNELS
@@ -74,7 +79,7 @@ SC_MODEL=(--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 
        --train-iters "$SC_ITERS" --lr 1e-3 --lr-warmup-iters 2 --log-interval 1 --log-throughput
        --eval-iters 0 --seed 1234)
 SC_SDP4BIT=(--bf16 --use-distributed-optimizer --quantized-weights --quantized-gradients
-         --hadamard-transform --data-parallel-intra-node-size 1)
+         --hadamard-transform)
 # Deterministic and backend-independent numerics for the NCCL vs gloo comparison.
 SC_SAME_NUMERICS=(--use-cpu-initialization --attention-dropout 0 --hidden-dropout 0 --no-stochastic-rounding)
 
@@ -279,12 +284,16 @@ if [[ $SC_STOP == 0 ]]; then
     fi
 
     # ---- 5 smoke ------------------------------------------------------------------------------
-    SC_SMOKE=("${SC_MODEL[@]}" "${SC_SDP4BIT[@]}" --device cuda --jsonl-log "$SC_RUN_DIR/smoke.jsonl")
+    SC_SMOKE=("${SC_MODEL[@]}" "${SC_SDP4BIT[@]}" --data-parallel-intra-node-size 1 --device cuda
+              --jsonl-log "$SC_RUN_DIR/smoke.jsonl")
     # Overlap on, several buckets, pipelined hops: on CUDA this exercises the communication
     # streams (megatron/distributed/quant/streams.py), on gloo the worker threads.
     SC_OVERLAP=(--overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 200000
              --gradient-alltoall-pipeline 2)
-    SC_PAIR=("${SC_MODEL[@]}" "${SC_SDP4BIT[@]}" "${SC_SAME_NUMERICS[@]}" "${SC_OVERLAP[@]}")
+    # 4 ranks as 2 nodes x 2 GPUs: the intra hop, the middle requantization and the inter hop run.
+    SC_PAIR=("${SC_MODEL[@]}" "${SC_SDP4BIT[@]}" "${SC_SAME_NUMERICS[@]}" "${SC_OVERLAP[@]}"
+             --data-parallel-intra-node-size 2 --global-batch-size 16)
+    SC_VIRTUAL=("$PYTHON" bench/virtual_cuda_ranks.py --layouts 2x2,2x4 --steps 4)
     SC_NCCL_RUN=("${SC_PAIR[@]}" --device cuda --distributed-backend nccl --jsonl-log "$SC_RUN_DIR/nccl.jsonl")
     SC_GLOO_RUN=("${SC_PAIR[@]}" --device cpu --distributed-backend gloo --jsonl-log "$SC_RUN_DIR/gloo.jsonl")
     rm -f "$SC_RUN_DIR/smoke.jsonl" "$SC_RUN_DIR/nccl.jsonl" "$SC_RUN_DIR/gloo.jsonl"
@@ -293,8 +302,8 @@ if [[ $SC_STOP == 0 ]]; then
         record smoke FAIL "see $SC_RUN_DIR/smoke.log"
     elif [[ $SC_DRY_RUN == 1 ]]; then
         # The flag sets of steps 5 and 6 parse and validate (pretrain_gpt.py --dry-run, one process).
-        if out=$("$PYTHON" -c "$SC_PY_PARSE" smoke 1 "${SC_SMOKE[@]}" :: nccl 2 "${SC_NCCL_RUN[@]}" \
-                    :: gloo 2 "${SC_GLOO_RUN[@]}" 2>&1); then
+        if out=$("$PYTHON" -c "$SC_PY_PARSE" smoke 1 "${SC_SMOKE[@]}" :: nccl 4 "${SC_NCCL_RUN[@]}" \
+                    :: gloo 4 "${SC_GLOO_RUN[@]}" 2>&1); then
             echo "$out" | grep -E '^(smoke|nccl|gloo):' | sed 's/^/    /'
             record smoke DRY "the flags of steps 5 and 6 parse (pretrain_gpt.py --dry-run)"
         else
@@ -318,27 +327,36 @@ PY
     fi
 
     # ---- 6 nccl-vs-gloo -----------------------------------------------------------------------
-    if [[ $SC_DRY_RUN == 0 && $SC_NGPU -lt 2 ]]; then
-        log "step 6/${#SC_STEPS[@]} nccl-vs-gloo: needs 2 GPUs, found $SC_NGPU"
-        record nccl-vs-gloo SKIP "needs >= 2 GPUs, found $SC_NGPU"
+    if [[ $SC_DRY_RUN == 0 && $SC_NGPU -lt 4 ]]; then
+        # NCCL refuses two ranks on one GPU: the ranks run as threads sharing this GPU instead.
+        if run_step nccl-vs-gloo:virtual-ranks "${SC_VIRTUAL[@]}"; then
+            record nccl-vs-gloo PASS "$SC_NGPU GPU(s) < 4 ranks: virtual ranks on one GPU, $(grep -c 'CUDA == CPU bit for bit' "$SC_RUN_DIR/virtual-ranks.log") layouts bit-identical to CPU"
+        else
+            record nccl-vs-gloo FAIL "virtual ranks: see $SC_RUN_DIR/virtual-ranks.log"
+        fi
     else
         ok=1
-        run_step nccl-vs-gloo:nccl "$PYTHON" -m torch.distributed.run --nproc-per-node 2 \
+        run_step nccl-vs-gloo:nccl "$PYTHON" -m torch.distributed.run --nproc-per-node 4 \
             --master-addr 127.0.0.1 --master-port "$(free_port)" pretrain_gpt.py "${SC_NCCL_RUN[@]}" || ok=0
         SC_NCCL_CMD=${SC_CMD[nccl-vs-gloo]}
-        run_step nccl-vs-gloo:gloo env OMP_NUM_THREADS=4 "$PYTHON" -m torch.distributed.run \
-            --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "$(free_port)" pretrain_gpt.py \
+        run_step nccl-vs-gloo:gloo env OMP_NUM_THREADS=2 "$PYTHON" -m torch.distributed.run \
+            --nproc-per-node 4 --master-addr 127.0.0.1 --master-port "$(free_port)" pretrain_gpt.py \
             "${SC_GLOO_RUN[@]}" || ok=0
         SC_CMD[nccl-vs-gloo]="$SC_NCCL_CMD; then the same with --device cpu --distributed-backend gloo"
         if [[ $SC_DRY_RUN == 1 ]]; then
+            SC_CMD[nccl-vs-gloo]+="; with fewer than 4 GPUs: $(shell_join "${SC_VIRTUAL[@]}")"
+            log "step 6/${#SC_STEPS[@]} nccl-vs-gloo: with fewer than 4 GPUs: $(shell_join "${SC_VIRTUAL[@]}")"
             # The comparison itself: identical logs pass, a 10 % gap fails.
             printf '{"type": "train", "iteration": 1, "lm_loss": 6.9}\n{"type": "train", "iteration": 2, "lm_loss": 6.5}\n' > "$SC_RUN_DIR/dry_a.jsonl"
             printf '{"type": "train", "iteration": 1, "lm_loss": 6.9}\n{"type": "train", "iteration": 2, "lm_loss": 7.15}\n' > "$SC_RUN_DIR/dry_b.jsonl"
+            # ... and the virtual ranks' CPU side (what the GPU side is compared against) runs.
             if "$PYTHON" -c "$SC_PY_COMPARE" "$SC_RUN_DIR/dry_a.jsonl" "$SC_RUN_DIR/dry_a.jsonl" "$SC_RTOL" > /dev/null && \
-               ! "$PYTHON" -c "$SC_PY_COMPARE" "$SC_RUN_DIR/dry_a.jsonl" "$SC_RUN_DIR/dry_b.jsonl" "$SC_RTOL" > /dev/null 2>&1; then
-                record nccl-vs-gloo DRY "loss comparison (rtol $SC_RTOL) accepts equal logs and rejects a 10% gap"
+               ! "$PYTHON" -c "$SC_PY_COMPARE" "$SC_RUN_DIR/dry_a.jsonl" "$SC_RUN_DIR/dry_b.jsonl" "$SC_RTOL" > /dev/null 2>&1 && \
+               "$PYTHON" bench/virtual_cuda_ranks.py --device cpu --layouts 2x2 --steps 3 --numel 8192 \
+                   > "$SC_RUN_DIR/virtual-ranks.log" 2>&1; then
+                record nccl-vs-gloo DRY "loss comparison (rtol $SC_RTOL) accepts equal logs and rejects a 10% gap; virtual ranks' CPU side runs"
             else
-                record nccl-vs-gloo FAIL "the loss comparison's self-test failed"
+                record nccl-vs-gloo FAIL "the loss comparison's self-test or the virtual ranks' CPU side failed"
             fi
             rm -f "$SC_RUN_DIR/dry_a.jsonl" "$SC_RUN_DIR/dry_b.jsonl"
         elif [[ $ok == 0 ]]; then
@@ -401,8 +419,12 @@ done
         echo; echo '```'; cat "$SC_RUN_DIR/aot.log"; echo '```'
     fi
     if [[ $SC_DRY_RUN == 0 && -f $SC_RUN_DIR/nccl-vs-gloo.md ]]; then
-        echo; echo "NCCL (CUDA) vs gloo (CPU ranks), 2 ranks, SDP4Bit, round to nearest:"
+        echo; echo "NCCL (CUDA) vs gloo (CPU ranks), 4 ranks (2 x 2), SDP4Bit, round to nearest:"
         echo; cat "$SC_RUN_DIR/nccl-vs-gloo.md"
+    fi
+    if [[ $SC_DRY_RUN == 0 && -f $SC_RUN_DIR/virtual-ranks.log ]]; then
+        echo; echo "Virtual ranks on one GPU vs the same ranks on the CPU (bench/virtual_cuda_ranks.py):"
+        echo; echo '```'; grep '^\[virtual_cuda_ranks\]\|^MISMATCH' "$SC_RUN_DIR/virtual-ranks.log"; echo '```'
     fi
     if [[ $SC_DRY_RUN == 0 && -f $SC_RUN_DIR/throughput.log ]]; then
         echo; echo "bench/gpu_throughput.py (ours/reference = ms/iteration over the plain PyTorch GPT's):"

@@ -83,11 +83,15 @@ def test_dry_run_prints_every_step_and_checks_what_runs_on_cpu(dry_run: tuple) -
     assert "pytest" in commands["kernel-tests"] and "tests/test_triton_kernels.py" in commands["kernel-tests"]
     assert "bench/bench_quant.py" in commands["bench"] and "--device cuda" in commands["bench"]
     sdp4bit = ("--bf16", "--quantized-weights", "--quantized-gradients", "--hadamard-transform",
-               "--data-parallel-intra-node-size 1", "--mock-data")
+               "--mock-data")
     assert "--nproc-per-node 1" in commands["smoke"] and "--device cuda" in commands["smoke"]
     assert all(flag in commands["smoke"] for flag in sdp4bit), commands["smoke"]
+    assert "--data-parallel-intra-node-size 1" in commands["smoke"]
     pair = commands["nccl-vs-gloo"]
-    assert pair.count("--nproc-per-node 2") == 2 and all(f in pair for f in sdp4bit)
+    # 4 ranks as 2 nodes x 2 GPUs, so both hops run; the virtual ranks with fewer GPUs
+    assert pair.count("--nproc-per-node 4") == 2 and all(f in pair for f in sdp4bit)
+    assert pair.count("--data-parallel-intra-node-size 2") == 2
+    assert "bench/virtual_cuda_ranks.py --layouts 2x2,2x4" in pair
     assert "--device cuda --distributed-backend nccl" in pair
     assert "--device cpu --distributed-backend gloo" in pair
     assert pair.count("--no-stochastic-rounding") == 2 and pair.count("--use-cpu-initialization") == 2
@@ -96,11 +100,11 @@ def test_dry_run_prints_every_step_and_checks_what_runs_on_cpu(dry_run: tuple) -
     assert m and int(m.group(1)) >= 3, out[-3000:]          # one per entry kernel (--quick --list)
     assert re.search(r"kernel-tests: DRY \(\d+ tests collected", out)
     for name, world, device, backend, sr in (("smoke", 1, "cuda", "nccl", True),
-                                             ("nccl", 2, "cuda", "nccl", False),
-                                             ("gloo", 2, "cpu", "gloo", False)):
+                                             ("nccl", 4, "cuda", "nccl", False),
+                                             ("gloo", 4, "cpu", "gloo", False)):
         assert (f"{name}: flags parse (world {world}, device {device}, backend {backend}, qWD True, "
                 f"TLq True 8/4 bits, Hadamard True, stochastic rounding {sr})") in out, out[-3000:]
-    assert "accepts equal logs and rejects a 10% gap" in out
+    assert "accepts equal logs and rejects a 10% gap; virtual ranks' CPU side runs" in out
     throughput = commands["throughput"]
     assert "bench/gpu_throughput.py" in throughput and "--device cuda" in throughput
     assert "--shapes 125m " in throughput, throughput            # the default: one shape

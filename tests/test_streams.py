@@ -137,3 +137,22 @@ def test_cuda_stage_time_is_device_time_and_completion_is_the_device_s(monkeypat
     assert job.is_completed()
     assert streams.busy_seconds()["intra"] == pytest.approx(0.0025)   # the fake's 2.5 ms
     assert streams.busy_seconds()["intra"] == pytest.approx(0.0025)   # counted once
+
+
+# -- issue 25, defect 6: one hardware queue serialises the communication stages with compute ------
+
+def test_single_hardware_queue_is_warned_about_only_where_it_stalls_overlap() -> None:
+    from megatron.distributed.quant.streams import single_hardware_queue_warning as warn
+
+    one = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    kw = dict(device="cuda", overlap=True, tensor_parallel=1, sequence_parallel=False)
+    msg = warn(one, **kw)
+    assert msg and "CUDA_DEVICE_MAX_CONNECTIONS=1" in msg and "unset it" in msg
+    assert "--overlap-grad-reduce" in msg
+    # tensor-parallel communication overlap is why Megatron-LM recipes set it: no "unset it"
+    tp = warn(one, **dict(kw, tensor_parallel=2, sequence_parallel=True))
+    assert tp and "unset it" not in tp
+    assert warn({}, **kw) is None
+    assert warn({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, **kw) is None
+    assert warn(one, **dict(kw, overlap=False)) is None
+    assert warn(one, **dict(kw, device="cpu")) is None

@@ -515,7 +515,11 @@ def _pretrain(args: argparse.Namespace, forward_step_func, cleanup: Any) -> Dict
         if is_nan:
             nan_total += 1
             interval["nan"] += 1
-        else:
+        # The logged loss is the mean of the interval's finite forward losses. A step skipped for
+        # NaN/Inf gradients (a 'nan' iteration) still ran a finite forward when only its
+        # gradients were poisoned: that loss is real and is reported; a loss the forward itself
+        # made non-finite is left out, and an interval with none left prints NAN.
+        if math.isfinite(loss):
             interval["loss"] += loss
             interval["n"] += 1
             last_loss = loss
@@ -523,7 +527,7 @@ def _pretrain(args: argparse.Namespace, forward_step_func, cleanup: Any) -> Dict
         lr = float(optimizer.param_groups[0]["lr"])
 
         if iteration % args.tensorboard_log_interval == 0:
-            tb = {"lm loss": loss if not is_nan else None, "learning-rate": lr,
+            tb = {"lm loss": loss if math.isfinite(loss) else None, "learning-rate": lr,
                   "grad-norm": grad_norm if (grad_norm is not None and math.isfinite(grad_norm)) else None,
                   "throughput/tokens-per-sec": tokens_per_iter / dt if dt > 0 else None}
             if args.log_loss_scale:

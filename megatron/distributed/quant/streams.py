@@ -49,7 +49,8 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
-__all__ = ["Job", "CommStreams", "CommTiming", "INLINE", "STAGES", "used_on_this_stage"]
+__all__ = ["Job", "CommStreams", "CommTiming", "INLINE", "STAGES", "used_on_this_stage",
+           "single_hardware_queue_warning"]
 
 STAGES = ("intra", "inter", "weights")
 
@@ -73,6 +74,27 @@ def used_on_this_stage(*tensors: torch.Tensor) -> None:
         return
     for t in tensors:
         t.record_stream(stage.stream)
+
+
+def single_hardware_queue_warning(env: Dict[str, str], *, device: str, overlap: bool,
+                                  tensor_parallel: int, sequence_parallel: bool) -> Optional[str]:
+    """The startup warning for ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with overlapped quantized
+    communication on CUDA, or None.
+
+    With one hardware queue every stream's work is serialised in submission order: the inter
+    stage's wait on the intra stage's all-to-all (which waits on the network) then holds back the
+    compute kernels queued after it, and the communication stops overlapping with compute
+    (stream priorities cannot help). Megatron-LM's recipes export the variable for tensor-parallel
+    communication overlap; with one tensor-parallel rank, or without sequence parallelism, it
+    buys nothing here."""
+    if device != "cuda" or not overlap or env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        return None
+    why = ("" if tensor_parallel > 1 and sequence_parallel else
+           " (nothing in this run needs it: unset it)")
+    return ("CUDA_DEVICE_MAX_CONNECTIONS=1 puts every CUDA stream in one hardware queue: the "
+            "quantized collectives' communication stages (--overlap-grad-reduce / "
+            "--overlap-param-gather) then block the compute queued after them, so communication "
+            f"no longer overlaps with compute{why}")
 
 
 class Job:

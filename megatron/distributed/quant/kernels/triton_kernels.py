@@ -44,6 +44,10 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def _rows_for(gp: int) -> int:
     return max(1, _TILE // gp)
 
@@ -190,16 +194,23 @@ def _load_deq(codes_ptr, scales_ptr, idx, mask, BITS: tl.constexpr, GS: tl.const
 def _load_deq_rows(codes_ptr, scales_ptr, first, gmask, R: tl.constexpr, GP: tl.constexpr,
                    GS: tl.constexpr, BITS: tl.constexpr):
     """Dequantize R whole groups -> fp32 [R, GP]: row r is the group starting at flat index
-    first[r] (int64, a multiple of GS).  Same values as _load_deq; one scale load per group
-    instead of one per element, and the nibble shifts are per column."""
-    PER: tl.constexpr = 8 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
+    first[r] (int64, a multiple of GS).  Same values as _load_deq, but each row's packed bytes
+    are loaded once as a contiguous run (4- and 2-bit codes are split in registers instead of
+    every element loading its own byte) and there is one scale load per group."""
     SIGN: tl.constexpr = 1 << (BITS - 1)
-    e = tl.arange(0, GP)
-    m = gmask[:, None] & (e[None, :] < GS)
-    byte = tl.load(codes_ptr + (first[:, None] + e[None, :]) // PER, mask=m, other=0).to(tl.int32)
-    shift = ((PER - 1) - (e % PER)) * BITS
-    c = (byte >> shift[None, :]) & MASK
+    PER: tl.constexpr = 8 // BITS
+    eb = tl.arange(0, GP // PER)
+    mb = gmask[:, None] & (eb[None, :] < GS // PER)
+    byte = tl.load(codes_ptr + (first // PER)[:, None] + eb[None, :], mask=mb,
+                   other=0).to(tl.int32)
+    if BITS == 8:
+        c = byte
+    elif BITS == 4:                             # element 2i in the high nibble
+        c = tl.reshape(tl.join(byte >> 4, byte & 0xF), (R, GP))
+    else:                                       # element 4i in the highest two bits
+        # join(join(c0, c2), join(c1, c3))[i, q, p] = c_(2q + p): element 4i + 2q + p
+        c = tl.reshape(tl.join(tl.join(byte >> 6, (byte >> 2) & 3),
+                               tl.join((byte >> 4) & 3, byte & 3)), (R, GP))
     c = (c ^ SIGN) - SIGN
     s = tl.load(scales_ptr + first // GS, mask=gmask, other=0.0)
     return c.to(tl.float32) * s[:, None]
@@ -283,17 +294,31 @@ def _dsum_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, s
 @triton.jit
 def _dsum_kernel(codes_ptr, scales_ptr, out_ptr, out_stride, scale, n, S: tl.constexpr,
                  GS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                 HADAMARD: tl.constexpr, HB: tl.constexpr, HAS_SCALE: tl.constexpr):
+                 HADAMARD: tl.constexpr, HB: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 ROWS: tl.constexpr):
     """Dequantize + fp32 sum over sources [-> inverse FWHT] [* scale] -> strided out (any float).
-    S (sources) is a compile-time constant: the S loads are unrolled and issued together."""
+    S (sources) is a compile-time constant: the S loads are unrolled and issued together. ROWS
+    (GS a power of two dividing BLOCK): the block is BLOCK // GS whole groups, loaded as rows
+    (packed bytes once, one scale per group); else every element loads its own byte and scale."""
     pid = tl.program_id(0)
     idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = idx < n
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    src = idx                                   # int64 running offset: no int32 overflow
-    for _s in tl.static_range(S):
-        acc = acc + _load_deq(codes_ptr, scales_ptr, src, m, BITS, GS)
-        src = src + n
+    if ROWS:
+        RB: tl.constexpr = BLOCK // GS
+        first = (pid.to(tl.int64) * RB + tl.arange(0, RB)) * GS
+        gmask = first < n                       # n is a multiple of GS: rows are whole or out
+        acc2 = tl.zeros((RB, GS), dtype=tl.float32)
+        src = first                             # int64 running offset: no int32 overflow
+        for _s in tl.static_range(S):
+            acc2 = acc2 + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, RB, GS, GS, BITS)
+            src = src + n
+        acc = tl.reshape(acc2, (BLOCK,))
+    else:
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        src = idx                               # int64 running offset: no int32 overflow
+        for _s in tl.static_range(S):
+            acc = acc + _load_deq(codes_ptr, scales_ptr, src, m, BITS, GS)
+            src = src + n
     if HADAMARD:
         acc = tl.reshape(_fwht(tl.reshape(acc, (BLOCK // HB, HB)), BLOCK // HB, HB), (BLOCK,))
         acc = acc * (1.0 / HB)
@@ -467,7 +492,7 @@ def _launch_dsum(q: QuantizedTensor, num_sources: int, n: int, out1d: torch.Tens
             q.codes, q.scales, out1d, out1d.stride(0) if out1d.numel() > 1 else 1, float(scale),
             n, S=num_sources, GS=q.group_size, BITS=q.bits, BLOCK=block, HADAMARD=bool(hadamard),
             HB=hadamard_block if hadamard else 1, HAS_SCALE=float(scale) != 1.0,
-            enable_fp_fusion=False)
+            ROWS=_pow2(q.group_size) and block % q.group_size == 0, enable_fp_fusion=False)
 
 
 def _dsum_into(q: QuantizedTensor, num_sources: int, n: int, out: Optional[torch.Tensor],

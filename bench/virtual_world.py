@@ -109,9 +109,10 @@ class VirtualDist:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = int(world_size)
-        self._groups: Dict[Tuple[int, ...], VirtualGroup] = {}
+        self._groups: Dict[Tuple[Tuple[int, ...], int], VirtualGroup] = {}
+        self._created: Dict[Tuple[Optional[int], Tuple[int, ...]], int] = {}
         self._tls = threading.local()
-        world = self.new_group(list(range(self.world_size)))
+        world = VirtualGroup(range(self.world_size))   # not a new_group: none of them returns it
         self.group = SimpleNamespace(WORLD=world)
         self.received: Dict[int, List[Tuple[VirtualGroup, torch.Tensor]]] = {}
         """Per rank, every all-to-all output while :attr:`record` is on (the study reads the
@@ -140,11 +141,18 @@ class VirtualDist:
 
     def new_group(self, ranks: Optional[Sequence[int]] = None, backend: Any = None,
                   **_: Any) -> VirtualGroup:
-        """The group of ``ranks`` (one object per member set: every rank gets the same one)."""
+        """A new group of ``ranks``, like ``dist.new_group``: the k-th call for a member set
+        returns, on every rank, the same object, and a different one from the (k-1)-th (two
+        communicators over the same ranks stay two rendezvous, as with NCCL)."""
         members = range(self.world_size) if ranks is None else ranks
-        key = tuple(sorted(int(r) for r in members))
+        ranks_key = tuple(sorted(int(r) for r in members))
+        me = getattr(self._tls, "rank", None)
+        count_key = (me, ranks_key)
+        k = self._created.get(count_key, 0)
+        self._created[count_key] = k + 1
+        key = (ranks_key, k)
         if key not in self._groups:
-            self._groups[key] = VirtualGroup(key)
+            self._groups[key] = VirtualGroup(ranks_key)
         return self._groups[key]
 
     def get_rank(self, group: Optional[VirtualGroup] = None) -> int:

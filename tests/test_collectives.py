@@ -477,3 +477,32 @@ def test_build_for_all_dp_groups(tmp_path):
         want = (1 << (rank % 2)) | (1 << (rank % 2 + 2))
         assert r["mask"] == want and r["mask2"] == want and r["none"]
         assert r["dp_rank"] == rank // 2
+
+
+# -- issue 25, defect 5: one communicator per stage, also where a layout makes groups coincide ----
+
+def _communicators_worker(rank: int, world: int) -> dict:
+    out = {}
+    for name, d in (("M=1", world), ("D=1", 1), ("2x2", 2)):
+        g = build_two_level_groups(list(range(world)), d)
+        stage_groups = [x for x in (g.intra_group, g.inter_group, g.weights_group) if x is not None]
+        out[name] = {
+            "distinct": len({id(x) for x in stage_groups + [g.dp_group]}) == len(stage_groups) + 1,
+            "weights_ranks": dist.get_process_group_ranks(g.weights_communicator),
+        }
+        t = torch.tensor([1 << rank], dtype=torch.int64)   # each communicator works
+        for x in stage_groups:
+            dist.all_reduce(t, group=x)
+        out[name]["ok"] = True
+    return out
+
+
+def test_each_stage_has_its_own_communicator_even_when_ranks_coincide(tmp_path):
+    """With M = 1 the intra group's ranks are the DP group's, with D = 1 the inter group's: they
+    used to be the DP group object itself, so the intra (or inter) stage, the weights stage and
+    megatron-core's default stream drove one communicator from three streams."""
+    res = run_distributed(4, _communicators_worker, tmp_path)
+    for r in res:
+        for name in ("M=1", "D=1", "2x2"):
+            assert r[name]["distinct"] and r[name]["ok"], (name, r)
+            assert r[name]["weights_ranks"] == [0, 1, 2, 3]

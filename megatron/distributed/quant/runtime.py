@@ -246,7 +246,7 @@ class QuantizationRuntime:
             exact = shard.detach().to(output.dtype).to(torch.float64).reshape(-1)
         if hops is None:
             g = self.scope_groups(scope)
-            group: Any = g.dp_group
+            group: Any = g.weights_communicator
             kwargs["link_of_peer"] = g.link_of_peer
         else:
             parts = [(self.scope_groups(h).dp_group, h) for h in hops]

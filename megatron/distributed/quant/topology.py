@@ -32,6 +32,13 @@ class TwoLevelGroups:
     ``inter_group`` is None when ``inter_size == 1`` (the DP group lives on one node: no inter
     hop). Group ranks equal ``local`` inside ``intra_group`` and ``node`` inside ``inter_group``
     (new_group orders members by global rank and ``dp_ranks`` is ascending).
+
+    One communicator per communication stage (streams.py): ``intra_group`` (the ``intra``
+    stage), ``inter_group`` (``inter``) and ``weights_group`` (``weights``, the DP ranks) are
+    communicators of their own even where a layout makes their ranks coincide with the DP group's
+    (M = 1, D = 1): megatron-core drives ``dp_group`` from the default stream, and one
+    communicator driven from several streams deadlocks as soon as two ranks issue in a different
+    order. ``weights_group`` None (scope views, hand-built groups) means ``dp_group``.
     """
 
     dp_group: Any
@@ -45,6 +52,13 @@ class TwoLevelGroups:
     local: int
     dp_ranks: List[int] = field(default_factory=list)
     """Global ranks of the DP group, indexed by DP rank."""
+    weights_group: Optional[Any] = None
+    """The quantized weight all-gather's communicator (the DP ranks); None: ``dp_group``."""
+
+    @property
+    def weights_communicator(self) -> Any:
+        """The group the ``weights`` stage all-gathers over."""
+        return self.dp_group if self.weights_group is None else self.weights_group
 
     @property
     def D(self) -> int:  # noqa: N802 - the papers' symbol
@@ -135,18 +149,18 @@ def _build(dp_ranks: Sequence[int], intra_size: int, dp_group: Optional[Any],
             dp_group = dist.group.WORLD
         else:
             dp_group = _new_group(ranks, backend)
-    # Intra groups (one per node), then inter groups (one per local index), in a fixed order.
-    # A degenerate dimension reuses the DP group instead of creating a duplicate communicator.
+    # Intra groups (one per node), then inter groups (one per local index), then the weights
+    # group, in a fixed order. Each is its own communicator, also where its ranks are the DP
+    # group's (M = 1 or D = 1): one communicator per stream (see TwoLevelGroups).
     intra_groups: List[Optional[Any]] = []
     if d > 1:
         for node in range(m):
-            members = ranks[node * d:(node + 1) * d]
-            intra_groups.append(dp_group if m == 1 else _new_group(members, backend))
+            intra_groups.append(_new_group(ranks[node * d:(node + 1) * d], backend))
     inter_groups: List[Optional[Any]] = []
     if m > 1:
         for local in range(d):
-            members = ranks[local::d]
-            inter_groups.append(dp_group if d == 1 else _new_group(members, backend))
+            inter_groups.append(_new_group(ranks[local::d], backend))
+    weights_group = _new_group(ranks, backend) if p > 1 else None
     if me not in ranks:
         return None
     dp_rank = ranks.index(me)
@@ -156,7 +170,7 @@ def _build(dp_ranks: Sequence[int], intra_size: int, dp_group: Optional[Any],
         intra_group=intra_groups[node] if d > 1 else None,
         inter_group=inter_groups[local] if m > 1 else None,
         dp_size=p, dp_rank=dp_rank, intra_size=d, inter_size=m, node=node, local=local,
-        dp_ranks=ranks,
+        dp_ranks=ranks, weights_group=weights_group,
     )
 
 

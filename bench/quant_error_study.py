@@ -111,10 +111,11 @@ def reduce_scatter_step(rt: QuantizationRuntime, bucket: torch.Tensor,
 
 
 def weight_gather_step(rt: QuantizationRuntime, params: torch.Tensor, master: torch.Tensor,
-                       iteration: int) -> None:
+                       iteration: int, streams: Optional[Any] = None) -> None:
     """One optimizer step's weight path: the hook snapshots the qWD reference shard, the
     optimizer copies the new master shard into the param buffer (cast to its dtype), then
-    ``start_param_sync`` gathers every shard into ``params`` (in place, as the param buffer)."""
+    ``start_param_sync`` gathers every shard into ``params`` (in place, as the param buffer);
+    with ``streams`` (overlap) on the runtime's stages, waited on the caller's stream."""
     rt.set_iteration(iteration)
     p, r = rt.groups.dp_size, rt.groups.dp_rank
     shard = params.view(p, -1)[r]
@@ -125,7 +126,9 @@ def weight_gather_step(rt: QuantizationRuntime, params: torch.Tensor, master: to
     new = shard.detach().clone()
     if ref is not None:
         shard.copy_(ref)
-    rt.all_gather(new, params, key=KEY, index=INDEX, reference=params)
+    handle = rt.all_gather(new, params, key=KEY, index=INDEX, reference=params, streams=streams)
+    if streams is not None:
+        handle.wait()
 
 
 class VirtualCluster:

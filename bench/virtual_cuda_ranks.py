@@ -56,7 +56,7 @@ for _p in (str(ROOT), str(ROOT / "bench")):
 
 from megatron.distributed.quant.config import QuantizationConfig  # noqa: E402
 from megatron.distributed.quant.runtime import QuantizationRuntime  # noqa: E402
-from quant_error_study import INDEX, KEY, VirtualCluster  # noqa: E402
+from quant_error_study import INDEX, KEY, VirtualCluster, weight_gather_step  # noqa: E402
 
 CONFIG = QuantizationConfig(quantized_gradients=True, hadamard_transform=True, loco=True,
                             quantized_weights=True, stochastic_rounding=False,
@@ -130,23 +130,9 @@ class Ranks:
             torch.cuda.synchronize()
 
         def rank_work(r: int) -> None:
-            rt, params = self.cl.runtimes[r], self.params[r]
-            rt.set_iteration(it)
+            rt = self.cl.runtimes[r]
             with self._on_rank_stream(r):
-                p, me = rt.groups.dp_size, rt.groups.dp_rank
-                shard = params.view(p, -1)[me]
-                rt.note_weights_updated(KEY, shard)
-                shard.copy_(master.view(p, -1)[me])
-                updated, ref = rt.take_update(KEY)
-                assert updated
-                new = shard.detach().clone()
-                if ref is not None:
-                    shard.copy_(ref)
-                streams = self._streams(rt)
-                handle = rt.all_gather(new, params, key=KEY, index=INDEX, reference=params,
-                                       streams=streams)
-                if streams is not None:
-                    handle.wait()
+                weight_gather_step(rt, self.params[r], master, it, streams=self._streams(rt))
         self._no_sync(rank_work)
         return [b.to("cpu", copy=True) for b in self.params]
 

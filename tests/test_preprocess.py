@@ -181,15 +181,21 @@ def test_missing_tokenizer_files(env, capsys):
     assert "--tokenizer-model" in capsys.readouterr().err
 
 
-def test_hf_and_sentencepiece_tokenizers(env):
+def _save_hf_gpt2(env, name: str) -> str:
+    """The tests' GPT-2 vocabulary as a saved HF fast tokenizer directory (offline)."""
     from transformers import GPT2TokenizerFast
 
     try:
         hf = GPT2TokenizerFast(vocab=env["vocab"], merges=env["merges"])
     except TypeError:
         hf = GPT2TokenizerFast(vocab_file=env["vocab"], merges_file=env["merges"])
-    hf_dir = str(env["dir"] / "hf_tok")
+    hf_dir = str(env["dir"] / name)
     hf.save_pretrained(hf_dir)
+    return hf_dir
+
+
+def test_hf_and_sentencepiece_tokenizers(env):
+    hf_dir = _save_hf_gpt2(env, "hf_tok")
     t = pp.build_tokenizer("HuggingFaceTokenizer", tokenizer_model=hf_dir)
     assert t.eod == env["tok"].eod and t.vocab_size == 400
     assert all(t.tokenize(x) == env["tok"].tokenize(x) for x in NONEMPTY if "<|endoftext|>" not in x)
@@ -377,14 +383,7 @@ TRICKY = (
 @pytest.fixture(scope="module")
 def tokenizers_under_test(env):
     """{type: (tokenizer, kwargs)} for every tokenizer type the tests build offline."""
-    from transformers import GPT2TokenizerFast
-
-    try:
-        hf = GPT2TokenizerFast(vocab=env["vocab"], merges=env["merges"])
-    except TypeError:
-        hf = GPT2TokenizerFast(vocab_file=env["vocab"], merges_file=env["merges"])
-    hf_dir = str(env["dir"] / "hf_tok_chunks")
-    hf.save_pretrained(hf_dir)
+    hf_dir = _save_hf_gpt2(env, "hf_tok_chunks")
 
     import sentencepiece as spm
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """What checkpoint integrity costs: hash throughput, and a few-hundred-MB checkpoint file saved
-and loaded with and without the digest (docs/performance.md, "Checkpoint integrity cost").
+and loaded with and without the digest (docs/performance.md, "Checkpoint integrity: cost on
+save and load").
 
     python bench/checkpoint_integrity_cost.py --dir /tmp/ckpt_bench --mb 300 --repeats 3
 

@@ -34,7 +34,7 @@ and hashing its share.  Why a fast non-cryptographic hash: this guards against a
 (bit flips, truncation, torn or partial copies), not against an adversary, and it must cost
 little next to the write itself.  ``xxh3_128`` (the ``xxhash`` package, which HF ``datasets``
 already requires) measured several GB/s per core here (docs/performance.md, "Checkpoint
-integrity cost"); ``sha256`` (hashlib, hardware-accelerated on most CPUs) is the fallback when
+integrity: cost on save and load"); ``sha256`` (hashlib, hardware-accelerated on most CPUs) is the fallback when
 ``xxhash`` is missing.  The manifest names its algorithm, so either verifies the other's writes
 as long as the algorithm is importable at load.
 """

@@ -206,15 +206,14 @@ def _model_state_dicts(model: List[torch.nn.Module], keep: bool) -> List[Dict[st
     """Full weights of every chunk (only when ``keep``).
 
     PaRO-engine chunks hold only a shard of partitioned parameters: their full weights are
-    gathered (collective, every rank takes part) and copied out before the buffer is released.
+    gathered bucket by bucket (collective, every rank takes part) and copied to the host
+    (:func:`~megatron.distributed.quant.integration.model_state_dict_for_save`).
     """
     out: List[Dict[str, Any]] = []
     for chunk in model:
-        with integration.full_model_params([chunk]) as gathered:
-            if keep:
-                sd = chunk.module.state_dict()
-                out.append({k: v.detach().clone() if torch.is_tensor(v) else v
-                            for k, v in sd.items()} if gathered else sd)
+        sd = integration.model_state_dict_for_save(chunk, keep)
+        if keep:
+            out.append(sd)
     return out
 
 

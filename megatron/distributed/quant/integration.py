@@ -300,6 +300,16 @@ def full_model_params(model_chunks: List[torch.nn.Module],
         yield bool(engines)
 
 
+def model_state_dict_for_save(chunk: torch.nn.Module, keep: bool) -> Optional[Dict[str, Any]]:
+    """The chunk's full weights for a checkpoint (None unless ``keep``). Collective for a PaRO
+    engine chunk with partitioned parameters (every DP rank calls it): its buckets are gathered
+    one at a time and copied to the host, never the whole model gathered and cloned on the
+    device; a megatron-core chunk's own ``state_dict()`` (its parameters are always full)."""
+    if _engine_chunks([chunk]):
+        return chunk.host_state_dict(keep=keep)
+    return chunk.module.state_dict() if keep else None
+
+
 def quantization_state_dict(model_chunks: List[torch.nn.Module]) -> Dict[str, Any]:
     """Every piece of quantization state (error buffers, RNG) for the checkpoint of this rank."""
     rts = _runtimes(model_chunks)

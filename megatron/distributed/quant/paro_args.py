@@ -29,10 +29,13 @@ def add_paro_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "i.e. one node).")
     group.add_argument("--paro-gpu-memory-gb", type=float, default=None,
                        help="Memory per GPU (GB = 1e9 bytes) that --paro-strategy auto may fill "
-                            "(default: the device's total memory).")
-    group.add_argument("--paro-reserved-memory-gb", type=float, default=0.0,
+                            "with model states, less --paro-reserved-memory-gb (default: the "
+                            "device's total memory).")
+    group.add_argument("--paro-reserved-memory-gb", type=float, default=None,
                        help="Memory per GPU kept for activations and workspace when choosing "
-                            "automatically.")
+                            "automatically (default: none when --paro-gpu-memory-gb is given; "
+                            "else a tenth of the device memory plus the estimated activations of "
+                            "one micro-batch).")
     group.add_argument("--paro-intra-bandwidth-gbs", type=float, default=150.0,
                        help="Intra-group (NVLink) bandwidth per GPU in GB/s for the cost model.")
     group.add_argument("--paro-inter-bandwidth-gbs", type=float, default=12.5,

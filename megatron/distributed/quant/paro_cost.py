@@ -9,7 +9,9 @@ parameters on n ranks in groups of m:
   optionally with quantized collectives taken from a
   :class:`~megatron.distributed.quant.config.QuantizationConfig`;
 * :func:`paro_report` / :func:`format_report` -- the startup report;
-* :func:`choose_strategy_auto` -- ``--paro-strategy auto``.
+* :func:`choose_strategy_auto` -- ``--paro-strategy auto``;
+* :func:`activation_memory` -- an estimate of one micro-batch's activations, which ``auto``
+  reserves next to the model states (:data:`DEVICE_RESERVE_FRACTION` on top).
 
 The engine (:mod:`.paro_engine`) counts what it really sends with :class:`.paro_comm.CommCounter`,
 in the same convention, so a measured step equals :func:`communication_volume` exactly.
@@ -33,7 +35,7 @@ __all__ = [
     "StateBytes", "CollectiveSpec", "MemoryBreakdown", "CommVolume", "strategy_collectives",
     "ring_bytes", "wire_bytes_per_element", "model_state_memory", "communication_volume",
     "estimate_step_time", "paro_report", "format_report", "compare_strategies", "AutoChoice",
-    "choose_strategy_auto",
+    "choose_strategy_auto", "activation_memory", "DEVICE_RESERVE_FRACTION",
 ]
 
 
@@ -458,3 +460,50 @@ def choose_strategy_auto(num_params: float, world_size: int, group_size: Optiona
         parts.append(f"Do not fit: {', '.join(excluded)}.")
     return AutoChoice(strategy=PaRoStrategy.from_string(best["strategy"]), report=best,
                       candidates=ordered, explanation=" ".join(parts))
+
+
+DEVICE_RESERVE_FRACTION = 0.10
+"""Share of the device memory ``auto`` keeps free besides the activations by default: the CUDA
+context, NCCL's communicator buffers, cuBLAS workspaces, the allocator's fragmentation and the
+engine's transient buckets (about 1-3 GB each on an 80 GB GPU together, the rest is slack)."""
+
+
+def activation_memory(*, seq_length: int, micro_batch_size: int, hidden_size: int, num_layers: int,
+                      num_attention_heads: int, vocab_size: int,
+                      ffn_hidden_size: Optional[int] = None, gated_mlp: bool = False,
+                      bytes_per_value: float = 2.0, attention_scores: bool = True,
+                      recompute: Optional[str] = None, recompute_num_layers: int = 1) -> float:
+    """Bytes of activations one micro-batch keeps for its backward on one rank (no tensor,
+    sequence or pipeline parallelism: the only layouts ``auto`` chooses for).
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+    §4.1), generalised to the MLP width and the activation dtype: per layer, with s, b, h, a, f =
+    sequence, micro-batch, hidden, heads, MLP width and B = ``bytes_per_value``,
+
+    * attention: B·5·sbh (QKV input, Q, K, V, output-projection input) + sbh (dropout mask) and,
+      when the scores are materialised (``attention_scores``: the local / unfused kernel; not
+      flash or memory-efficient SDPA), B·2·as²b (softmax output, its dropout) + as²b (mask);
+    * MLP: B·sbh (input) + B·2·sbf (activation input and output; B·3·sbf for a gated MLP,
+      whose activation input has both halves) + sbh (dropout mask);
+    * two layer norms: B·2·sbh;
+
+    for B = 2 and f = 4h that is the paper's sbh·(34 + 5as/h). Plus the logits: B·sbV and the
+    fp32 copy the cross entropy keeps, 4·sbV. ``recompute='selective'`` drops the attention-score
+    terms; ``'full'`` keeps each layer's input (B·sbh) plus the activations of
+    ``recompute_num_layers`` layers being recomputed. An estimate for reserving room, not a
+    measurement: it leaves out embedding-gradient and optimizer-step temporaries.
+    """
+    s, b, h, a, v = seq_length, micro_batch_size, hidden_size, num_attention_heads, vocab_size
+    f = ffn_hidden_size or 4 * h
+    B = float(bytes_per_value)
+    sbh = s * b * h
+    mlp_act = 3 * f if gated_mlp else 2 * f
+    scores = (B * 2 + 1) * a * s * s * b if (attention_scores and recompute != "selective") else 0
+    per_layer = (B * 5 * sbh + sbh + scores            # attention
+                 + B * sbh + B * s * b * mlp_act + sbh  # MLP
+                 + B * 2 * sbh)                         # layer norms
+    if recompute == "full":
+        layers = B * sbh * num_layers + per_layer * min(recompute_num_layers, num_layers)
+    else:
+        layers = per_layer * num_layers
+    return layers + (B + 4) * s * b * v

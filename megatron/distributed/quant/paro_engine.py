@@ -248,7 +248,11 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
 
     def level_indices(self, level: Level) -> torch.Tensor:
         """Flat-buffer indices of this rank's shard at ``level``, in shard order (the buckets'
-        shards one after another)."""
+        shards one after another).
+
+        int64, 8 bytes per shard element on the host: for tests and debugging only. The engine
+        keeps no index tensors (contiguous ranges per bucket, :meth:`_local_range`, say the
+        same), so its host memory does not grow with the model."""
         parts = []
         for b in self.buckets:
             a, e = self._local_range(b, level)
@@ -264,16 +268,38 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
             fa, fe = self._local_range(b, fine)
             yield b.shard_offset(kc) + fa - ca, b.shard_offset(kf), fe - fa
 
-    def weight_decay_mask(self) -> torch.Tensor:
-        """Per element of the flat buffer: True where weight decay applies.
+    @staticmethod
+    def _decays(name: str, shape: torch.Size) -> bool:
+        """megatron-core's default parameter groups: no weight decay for biases and 1-D
+        parameters (norm weights)."""
+        return not (len(shape) == 1 or name.endswith(".bias"))
 
-        megatron-core's default parameter groups: no weight decay for biases and 1-D parameters
-        (norm weights); padding is excluded too.
+    def weight_decay_mask(self, level: Level = Level.N,
+                          device: Optional[torch.device] = None) -> torch.Tensor:
+        """Per element of this rank's shard at ``level``, in shard order (level N: the whole flat
+        buffer): True where weight decay applies (megatron-core's default parameter groups, see
+        :meth:`_decays`); padding is excluded too.
+
+        Built at the shard's size directly on ``device`` (default: CPU), one slice fill per
+        decayed parameter piece inside the shard. Why: the optimizer used to take
+        ``weight_decay_mask()[level_indices(level)]`` on the host -- a model-sized bool mask, int64
+        indices (per-bucket aranges and their concatenation, alive together) and the indexed
+        copy: 18 bytes per model element at os = N at the peak (~126 GB per rank for 7B).
+        Now the only allocation is the 1-byte-per-shard-element mask itself, where it is used.
         """
-        mask = torch.zeros(self.padded_numel, dtype=torch.bool)
-        for slot in self.slots:
-            if not (len(slot.shape) == 1 or slot.name.endswith(".bias")):
-                mask[slot.offset:slot.offset + slot.numel] = True
+        k = self.level_ranks(level)
+        mask = torch.zeros(self.padded_numel // k, dtype=torch.bool, device=device)
+        for b in self.buckets:
+            a, e = self._local_range(b, level)
+            base = b.shard_offset(k) - a  # bucket offset x -> shard index base + x
+            for i in b.params:
+                slot = self.slots[i]
+                if not self._decays(slot.name, slot.shape):
+                    continue
+                lo = max(slot.offset - b.start, a)
+                hi = min(slot.offset - b.start + slot.numel, e)
+                if lo < hi:
+                    mask[base + lo:base + hi] = True
         return mask
 
     # ------------------------------------------------------------------ parameters
@@ -375,6 +401,45 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
                     a, e = self._local_range(b, p)
                     b.shard(self.param_shard, k).copy_(b.full[a:e])
             self.release_params()
+
+    @torch.no_grad()
+    def host_state_dict(self, keep: bool = True) -> Optional[Dict[str, Any]]:
+        """``self.module.state_dict()`` with every tensor copied to the CPU, for a checkpoint;
+        collective for p = I / G (every rank of the DP group calls it; ``keep=False`` on ranks
+        that do not store the weights: they take part in the gathers and return None).
+
+        Same keys, order, dtypes, shapes and values as the old save path (``state_dict()`` inside
+        :meth:`full_params`, then ``.detach().clone()`` of every tensor), but the buckets are
+        gathered one at a time, copied to the host and released. Why: the old path held every
+        bucket's full parameters *and* a device clone of them at once -- twice the model's
+        parameters on the GPU on top of the shards, at a moment the caching allocator's
+        activation blocks may still be reserved. Now the device holds at most one gathered bucket
+        above the persistent state (none for p = N) and nothing is cloned on it.
+        """
+        # keep_vars: the parameter objects themselves (their data is not read while released).
+        sd = self.module.state_dict(keep_vars=True)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        keys_of: Dict[int, List[str]] = {}
+        out: Dict[str, Any] = {}
+        for key, value in sd.items():
+            if torch.is_tensor(value) and id(value) in index:
+                keys_of.setdefault(index[id(value)], []).append(key)
+                out[key] = None  # filled bucket by bucket below; keeps the key order
+            elif keep:
+                out[key] = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+        for b in self.buckets:
+            wanted = [i for i in b.params if i in keys_of]
+            if not wanted:
+                continue
+            was_gathered = b.gathered
+            self._gather_bucket(b)
+            if keep:
+                for i in wanted:
+                    for key in keys_of[i]:
+                        out[key] = self.params[i].detach().to("cpu", copy=True)
+            if not was_gathered:
+                self._release_bucket(b)
+        return out if keep else None
 
     def param_level_storage(self) -> torch.Tensor:
         """The persistent parameter tensor at the p level (full buffer for N, else the shard)."""

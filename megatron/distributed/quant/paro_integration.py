@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from .config import QuantizationConfig
 
 __all__ = ["is_engine", "wrap_with_engine", "build_engine_optimizer", "resolve_auto_strategy",
-           "strategy_report"]
+           "reserved_bytes_for_auto", "activation_bytes_estimate", "strategy_report"]
 
 
 def is_engine(chunk: Any) -> bool:
@@ -73,7 +73,8 @@ def _state_bytes(args: argparse.Namespace) -> Any:
 
 def _memory_for_auto(args: argparse.Namespace) -> float:
     """Bytes per rank that --paro-strategy auto may fill: the flag, else the device's memory (CPU:
-    host memory shared by the ranks of this node); the minimum over all ranks (collective)."""
+    host memory shared by the ranks of this node); the minimum over all ranks (collective).
+    :func:`reserved_bytes_for_auto` says how much of it is kept free."""
     if args.paro_gpu_memory_gb is not None:
         mem = args.paro_gpu_memory_gb * 1e9
     elif args.device == "cuda":
@@ -85,6 +86,48 @@ def _memory_for_auto(args: argparse.Namespace) -> float:
     t = torch.tensor([mem], dtype=torch.float64, device=dev)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
     return float(t.item())
+
+
+def activation_bytes_estimate(args: argparse.Namespace) -> float:
+    """:func:`.paro_cost.activation_memory` of one micro-batch of this run (its shape, precision,
+    attention kernel and recomputation flags)."""
+    from .paro_cost import activation_memory
+
+    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 0
+    return activation_memory(
+        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        hidden_size=args.hidden_size, num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads, vocab_size=vocab,
+        ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
+        gated_mlp=bool(getattr(args, "swiglu", False)),
+        bytes_per_value=2.0 if (args.bf16 or args.fp16) else 4.0,
+        # Only the local (unfused) kernel keeps the s x s scores; unknown: assume it does.
+        attention_scores=getattr(args, "attention_impl", "local") in ("local", None),
+        recompute=getattr(args, "recompute_granularity", None),
+        recompute_num_layers=getattr(args, "recompute_num_layers", None) or 1)
+
+
+def reserved_bytes_for_auto(args: argparse.Namespace, memory_bytes: float) -> Tuple[float, str]:
+    """(bytes of ``memory_bytes`` that ``auto`` keeps free, how that was decided).
+
+    ``--paro-reserved-memory-gb`` when given. Else, when the memory is the device's own (no
+    ``--paro-gpu-memory-gb``): :data:`.paro_cost.DEVICE_RESERVE_FRACTION` of it (CUDA context,
+    NCCL buffers, workspaces, fragmentation) plus :func:`activation_bytes_estimate`. Why: the
+    reserve was 0, so ``auto`` planned model states that filled the whole GPU and the first
+    forward ran out of memory. An explicit ``--paro-gpu-memory-gb`` already says what model states
+    may fill, so nothing is taken off it by default.
+    """
+    from .paro_cost import DEVICE_RESERVE_FRACTION
+
+    if args.paro_reserved_memory_gb is not None:
+        return args.paro_reserved_memory_gb * 1e9, "--paro-reserved-memory-gb"
+    if args.paro_gpu_memory_gb is not None:
+        return 0.0, "none by default with --paro-gpu-memory-gb"
+    act = activation_bytes_estimate(args)
+    fixed = DEVICE_RESERVE_FRACTION * memory_bytes
+    return fixed + act, (f"{DEVICE_RESERVE_FRACTION:.0%} of {memory_bytes / 1e9:.2f} GB for "
+                         f"context and workspace + {act / 1e9:.2f} GB estimated activations of a "
+                         f"micro-batch")
 
 
 def resolve_auto_strategy(args: argparse.Namespace, num_params: int) -> Optional[str]:
@@ -100,15 +143,17 @@ def resolve_auto_strategy(args: argparse.Namespace, num_params: int) -> Optional
 
     if args.paro_strategy != AUTO:
         return None
+    memory = _memory_for_auto(args)
+    reserved, why = reserved_bytes_for_auto(args, memory)
     choice = choose_strategy_auto(
-        num_params, args.data_parallel_size, args.paro_group_size, _memory_for_auto(args),
+        num_params, args.data_parallel_size, args.paro_group_size, memory,
         args.paro_intra_bandwidth_gbs * 1e9, args.paro_inter_bandwidth_gbs * 1e9,
         micro_steps=get_num_microbatches(), state_bytes=_state_bytes(args),
-        reserved_bytes=args.paro_reserved_memory_gb * 1e9)
+        reserved_bytes=reserved)
     args.paro_strategy = choice.strategy.name
     if args.paro_strategy in MEGATRON_CORE_STRATEGIES:
         args.use_distributed_optimizer = MEGATRON_CORE_STRATEGIES[args.paro_strategy]
-    return choice.explanation
+    return f"{choice.explanation} Reserved {reserved / 1e9:.2f} GB ({why})."
 
 
 def strategy_report(args: argparse.Namespace, model_chunks: List[torch.nn.Module],

@@ -39,6 +39,7 @@ Exit status 0: every comparison held; 1: a mismatch (printed); 2: usage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 import sys
@@ -91,7 +92,7 @@ class Ranks:
         step, which builds what is built once per process (Triton compiles, index tables)."""
 
     def _on_rank_stream(self, rank: int):
-        return torch.cuda.stream(self.compute[rank]) if self.cuda else _nullcontext()
+        return torch.cuda.stream(self.compute[rank]) if self.cuda else contextlib.nullcontext()
 
     def _streams(self, rt: QuantizationRuntime):
         return rt.streams(self.device, overlap=True) if self.cuda else None
@@ -164,14 +165,6 @@ class Ranks:
     def load(self, states: Sequence[bytes]) -> None:
         for rt, raw in zip(self.cl.runtimes, states):
             rt.load_state_dict(torch.load(io.BytesIO(raw), map_location="cpu"), self.device)
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def inputs(p: int, numel: int, steps: int, nan_step: int, seed: int

@@ -247,8 +247,8 @@ def tokenize_document(tokenizer: Any, text: str, chunk_chars: int,
     (0: whole), followed by ``eod`` if given -- unless the text has no tokens at all (an empty
     document stays empty).  Why int64 arrays per piece: a Python list of ints costs ~36 bytes per
     token, a few hundred MB for a 30 MB document; the arrays cost 8."""
-    pieces = [text] if chunk_chars <= 0 or len(text) <= chunk_chars else iter_text_pieces(text, chunk_chars)
-    parts = [numpy.asarray(tokenizer.tokenize(piece), dtype=numpy.int64) for piece in pieces]
+    parts = [numpy.asarray(tokenizer.tokenize(piece), dtype=numpy.int64)
+             for piece in iter_text_pieces(text, chunk_chars)]
     if eod is not None and any(len(p) for p in parts):
         parts.append(numpy.asarray([eod], dtype=numpy.int64))
     return parts[0] if len(parts) == 1 else numpy.concatenate(parts)

@@ -276,7 +276,8 @@ def _dsum_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, s
     e = tl.arange(0, GP)
     m = gmask[:, None] & (e[None, :] < GS)
     acc = tl.zeros((R, GP), dtype=tl.float32)
-    src = g * GS                                # int64 running offset: no int32 overflow
+    first = g * GS                              # a row never straddles a part (NoiseIndex.check)
+    src = first                                 # int64 running offset: no int32 overflow
     for _s in tl.static_range(S):
         if GS_IN == GS:                         # output groups are input groups: a scale per row
             acc = acc + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, R, GP, GS, BITS_IN)
@@ -284,7 +285,6 @@ def _dsum_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, s
             acc = acc + _load_deq(codes_ptr, scales_ptr, src[:, None] + e[None, :], m, BITS_IN,
                                   GS_IN)
         src = src + n
-    first = g * GS                              # a row never straddles a part (NoiseIndex.check)
     noise_base = (first // part_len) * part_stride + base + first % part_len
     q, scale = _quant_tile(acc, noise_base.to(tl.int32), seed, QMAX, STOCHASTIC, R, GP, ALIGNED)
     tl.store(out_scales_ptr + g, scale, mask=gmask)
@@ -550,9 +550,9 @@ def dequantize_sum_requantize(q: QuantizedTensor, num_sources: int, bits_out: in
     seed = _seed(stochastic, generator)
     if ng > 0:
         _dsum_requant_kernel[(triton.cdiv(ng, rows),)](
-            q.codes, q.scales, codes, scales, seed, n, ng, part_len, part_stride,
-            base, S=num_sources, GS_IN=q.group_size, BITS_IN=q.bits, GS=gs, GP=gp, R=rows, BITS=bits_out,
-            STOCHASTIC=bool(stochastic),
+            q.codes, q.scales, codes, scales, seed, n, ng, part_len, part_stride, base,
+            S=num_sources, GS_IN=q.group_size, BITS_IN=q.bits, GS=gs, GP=gp, R=rows,
+            BITS=bits_out, STOCHASTIC=bool(stochastic),
             ALIGNED=_noise_rows_aligned(gs, gp, part_len, part_stride, base),
             enable_fp_fusion=False)
     return QuantizedTensor(codes, scales, bits_out, gs, n)

@@ -14,11 +14,13 @@ allocator then keeps the block until the reader is done).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 class FakeCuda:
@@ -106,32 +108,40 @@ class StreamAllocationCheck(TorchDispatchMode):
 
     An op output without alias information in the op's schema is a new allocation (not a view, an
     in-place result or an ``out=`` argument), exactly the blocks the caching allocator hands out
-    per stream. :meth:`note_read` (called by a fake collective) records a read of a tensor on
-    the current stream; :meth:`hazards` lists reads of a block allocated on another *stage*
+    per stream. :meth:`note_read` (called for every operand of an op, and by a fake collective)
+    records a use of a tensor on the current stream; :meth:`hazards` lists reads of a block allocated on another *stage*
     stream that was never ``record_stream``-ed to the reader. Blocks allocated on the default
     stream are the caller's buffers, which the caller keeps until it waits (not a hazard)."""
 
     def __init__(self, fake: FakeCuda) -> None:
         super().__init__()
         self.fake = fake
-        self.allocated_on: Dict[int, str] = {}
-        self.reads: List[Tuple[int, str, str]] = []
+        self.allocated_on: Dict[int, Tuple[str, int]] = {}
+        """storage data_ptr -> (stage current at its allocation, allocation number)"""
+        self.reads: List[Tuple[int, str, str, int]] = []
+        self._allocations = itertools.count()
+        """(data_ptr, allocating stage, reading stage, allocation number) of every use"""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        for t in tree_leaves((args, kwargs or {})):   # every op's operands are reads too (the
+            if isinstance(t, torch.Tensor) and t.numel() > 0:   # copy into a packed message)
+                self.note_read(t)
         out = func(*args, **(kwargs or {}))
         returns = func._schema.returns
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for ret, t in zip(returns, outs):
             if isinstance(t, torch.Tensor) and ret.alias_info is None and t.numel() > 0:
-                self.allocated_on[t.untyped_storage().data_ptr()] = self.fake.current.name
+                self.allocated_on[t.untyped_storage().data_ptr()] = (
+                    self.fake.current.name, next(self._allocations))
         return out
 
     def note_read(self, tensor: torch.Tensor) -> None:
         ptr = tensor.untyped_storage().data_ptr()
-        self.reads.append((ptr, self.allocated_on.get(ptr, "default"), self.fake.current.name))
+        stage, number = self.allocated_on.get(ptr, ("default", -1))
+        self.reads.append((ptr, stage, self.fake.current.name, number))
 
     def hazards(self) -> List[Tuple[str, str]]:
         """``(allocating stage, reading stage)`` of every unprotected cross-stage read."""
         protected: Set[Tuple[int, str]] = set(self.fake.recorded)
-        return [(alloc, reader) for ptr, alloc, reader in self.reads
+        return [(alloc, reader) for ptr, alloc, reader, _ in self.reads
                 if alloc not in ("default", reader) and (ptr, reader) not in protected]

@@ -123,8 +123,9 @@ def test_middle_hop_codes_are_kept_for_the_inter_stage(fake_world, pipeline: int
     with check:
         _reduce_scatter(streams, pipeline=pipeline, loco=loco, hadamard=hadamard)
     assert ("all_to_all", "intra") in transport.calls and ("all_to_all", "inter") in transport.calls
-    crossing = [(a, r) for _, a, r in check.reads if a == "intra" and r == "inter"]
-    assert len(crossing) == 2 * 2 * pipeline      # codes + scales, per bucket and chunk
+    crossing = {number for _, a, r, number in check.reads if a == "intra" and r == "inter"}
+    # codes + scales, per bucket and chunk (LoCo: per bucket, the inter stage slices the chunks)
+    assert len(crossing) == 2 * 2 * (1 if loco else pipeline)
     assert check.hazards() == []
 
 
@@ -150,6 +151,63 @@ def test_the_check_catches_an_unprotected_cross_stage_read(fake_world, monkeypat
         _reduce_scatter(_cuda_streams(), pipeline=2, loco=False,
                         hadamard=False)
     assert check.hazards() and set(check.hazards()) == {("intra", "inter")}
+
+
+@pytest.mark.parametrize("pipeline,loco", [(1, False), (2, False), (2, True)])
+def test_inter_node_hops_send_codes_and_scales_as_one_message(fake_world, monkeypatch,
+                                                               pipeline: int, loco: bool) -> None:
+    """Review item 8: a hop that crosses nodes pays one all-to-all latency, not two (codes and
+    scales packed in one message); the intra-node hop keeps two (a copy costs more than a
+    message on NVLink). Packing changes no number: the shards equal those of the two-message
+    exchange bit for bit."""
+    fake, check, transport = fake_world
+    streams = _cuda_streams()
+
+    def shards() -> List[torch.Tensor]:
+        transport.calls.clear()
+        gen = torch.Generator().manual_seed(0)
+        ef = LoCoErrorFeedback() if loco else None
+        outs = []
+        for b in range(2):
+            x = torch.randn(4 * 2 * GS * 2, generator=gen)
+            outs.append(torch.empty(x.numel() // 4))
+            collectives.two_level_reduce_scatter(
+                x, outs[-1], _groups_2x2(), bits_intra=8, group_size_intra=GS, bits_inter=4,
+                group_size_inter=GS, hadamard=True, generator=gen, pipeline=pipeline,
+                nonfinite_flag=torch.zeros(1, dtype=torch.int32), async_op=True,
+                streams=streams, error_feedback=None if ef is None else ef.bucket(b)).wait()
+        return outs
+
+    packed = shards()
+    per_stage = {stage: transport.calls.count(("all_to_all", stage)) for stage in ("intra", "inter")}
+    chunks = 2 * pipeline                          # 2 buckets
+    assert per_stage == {"intra": 2 * (2 if loco else chunks), "inter": chunks}
+    monkeypatch.setattr(collectives, "_one_message", lambda link: False)
+    two_messages = shards()
+    assert transport.calls.count(("all_to_all", "inter")) == 2 * chunks
+    assert all(torch.equal(a, b) for a, b in zip(packed, two_messages))
+
+
+@pytest.mark.parametrize("links,gathers", [(None, 1), (["intra"] * 4, 2)])
+def test_weight_gather_messages_follow_the_links(fake_world, links, gathers: int) -> None:
+    """One all-gather of codes and scales across nodes (or where the links are unknown), two
+    inside a node; same reconstruction either way."""
+    fake, check, transport = fake_world
+    outs = []
+    for link_list in (links, None if links else ["intra"] * 4):
+        transport.calls.clear()
+        shard = torch.randn(2 * GS, generator=torch.Generator().manual_seed(2)).bfloat16()
+        ref = torch.zeros(4 * 2 * GS, dtype=torch.bfloat16)
+        out = torch.empty_like(ref)
+        collectives.quantized_all_gather(
+            shard, ref, out, _Group(4), bits=4, group_size=GS,
+            generator=torch.Generator().manual_seed(1),
+            link_of_peer=None if link_list is None else link_list.__getitem__,
+            nonfinite_flag=torch.zeros(1, dtype=torch.int32))
+        outs.append(out)
+        if link_list is links:
+            assert [c for c, _ in transport.calls] == ["all_gather"] * gathers
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_cpu_stages_need_no_hand_over(monkeypatch) -> None:

@@ -80,6 +80,21 @@ def test_cuda_with_te_spec() -> None:
     assert plan.fallbacks == ()
 
 
+@pytest.mark.parametrize("strategy", ["auto", "NIG"])
+def test_paro_engine_runs_without_gradient_accumulation_fusion(strategy: str) -> None:
+    """Issue 25 item 10: TE's (or Apex's) fused weight-gradient GEMM writes into megatron-core's
+    ``main_grad`` buffers and leaves ``param.grad`` empty; the PaRO engine's hooks read
+    ``param.grad``, so the fusion would drop every weight gradient. Off, and the line says why."""
+    for installed, te_spec in ((TE, True), (APEX, False)):
+        plan = _plan("cuda", installed, te_spec=te_spec, paro_strategy=strategy)
+        assert plan.gradient_accumulation_fusion is False
+        assert "gradient_accumulation_fusion (needs megatron-core's gradient buffers" in plan.summary()
+        assert plan.bias_dropout_fusion            # only that switch changes
+    for megatron_core_ddp in (None, "NNG"):
+        assert _plan("cuda", TE, te_spec=True,
+                     paro_strategy=megatron_core_ddp).gradient_accumulation_fusion
+
+
 def test_no_flags_turn_fusions_off_with_the_flag_as_reason() -> None:
     plan = _plan("cuda", APEX, local_attention=True,
                  extra=["--no-persist-layer-norm", "--no-gradient-accumulation-fusion",

@@ -26,7 +26,9 @@ masked_softmax_fusion          CUDA, megatron-core's ``DotProductAttention`` (lo
 bias_activation_fusion         CUDA and a bias or SwiGLU (megatron-core's jit-fused kernels)
 bias_dropout_fusion            CUDA (jit-fused)
 gradient_accumulation_fusion   CUDA, and TE's spec (TE's linear layers) or Apex's
-                               ``fused_weight_gradient_mlp_cuda`` for the local spec
+                               ``fused_weight_gradient_mlp_cuda`` for the local spec; and
+                               megatron-core's DDP (not the PaRO engine, which reads
+                               ``param.grad``)
 apply_rope_fusion              CUDA, rotary embeddings and Transformer Engine
 optimizer                      TE's FusedAdam, else Apex's, else torch's AdamW with
                                ``fused=True`` on CUDA (megatron-core would use torch's default
@@ -123,6 +125,15 @@ def _given(args: argparse.Namespace, name: str, default: bool = True) -> bool:
     return bool(getattr(args, name, default))
 
 
+def _trains_on_paro_engine(args: argparse.Namespace) -> bool:
+    """Whether ``--paro-strategy`` may train on the PaRO engine: its hooks take each weight
+    gradient from ``param.grad``, and a fused weight-gradient GEMM (TE's or Apex's) writes it
+    into megatron-core's ``main_grad`` buffers instead, which the engine does not have."""
+    from megatron.distributed.quant.integration import uses_sharded_engine
+
+    return uses_sharded_engine(getattr(args, "paro_strategy", None))
+
+
 def resolve_fusions(args: argparse.Namespace, *, uses_te_spec: bool, local_attention: bool,
                     have: Callable[[str], bool] = module_importable) -> FusionPlan:
     """The one decision of every fusion (see the module docstring's table).
@@ -164,9 +175,15 @@ def resolve_fusions(args: argparse.Namespace, *, uses_te_spec: bool, local_atten
     if cuda and not has_bias_or_glu and fallbacks and fallbacks[-1][0] == "bias_activation_fusion":
         fallbacks.pop()             # nothing to fuse
     bias_dropout = decide("bias_dropout_fusion", _given(args, "bias_dropout_fusion"), "CUDA", True)
-    wgrad = decide("gradient_accumulation_fusion", _given(args, "gradient_accumulation_fusion"),
-                   "Transformer Engine's spec or Apex's fused_weight_gradient_mlp_cuda",
-                   uses_te_spec or have(APEX_WGRAD))
+    if _trains_on_paro_engine(args):
+        wgrad = decide("gradient_accumulation_fusion", _given(args, "gradient_accumulation_fusion"),
+                       "megatron-core's gradient buffers (--paro-strategy "
+                       f"{args.paro_strategy} may train on the PaRO engine, which reads param.grad)",
+                       False)
+    else:
+        wgrad = decide("gradient_accumulation_fusion", _given(args, "gradient_accumulation_fusion"),
+                       "Transformer Engine's spec or Apex's fused_weight_gradient_mlp_cuda",
+                       uses_te_spec or have(APEX_WGRAD))
     rope = getattr(args, "position_embedding_type", "learned_absolute") == "rope"
     explicit_rope = bool(getattr(args, "apply_rope_fusion_explicit", False))
     if explicit_rope and not (cuda and have(TE)):

@@ -12,7 +12,8 @@ Gradient reduce-scatter (TLq / TLq-HS, qgZ), for a bucket of N elements over P =
 2. all-to-all (codes, then scales) inside the node: local peer l receives slots l*M .. l*M+M-1;
 3. dequantize, fp32-sum the D sources, requantize to ``bits_inter`` with ``group_size_inter``
    (the reference silently kept the intra group size here; we use the configured one);
-4. all-to-all across nodes: inter peer n receives the piece for node n;
+4. all-to-all across nodes: inter peer n receives the piece for node n (codes and scales
+   packed in one message: :func:`_exchange`);
 5. dequantize, fp32-sum the M sources [-> inverse Hadamard] into the output shard.
 
 The result is the exact SUM over ranks (the layout of ``dist.reduce_scatter_tensor``), not the
@@ -148,20 +149,70 @@ def _agree_finite(x: torch.Tensor, group, what: str) -> None:
         raise NonFiniteError(f"{what}: a rank's input holds NaN/Inf; no data was exchanged (skip this step)")
 
 
-def _exchange(q: QuantizedTensor, group) -> QuantizedTensor:
-    """Equal-split all-to-all of codes then scales (blocking: it runs on a stage of
-    :mod:`.streams`, or inline).
+def _wire_message(q: QuantizedTensor, rows: int, a: int, b: int) -> torch.Tensor:
+    """Codes and scales of elements ``[a, b)`` of each of ``rows`` equal rows of ``q`` as one
+    uint8 message ``[rows, codes bytes | scale bytes]`` (row r is peer r's piece of an
+    all-to-all, or the one row of an all-gather). The pipeline chunk's slice is part of the
+    same copy. ``a`` and ``b`` are multiples of ``q.group_size``."""
+    bits, gs = q.bits, q.group_size
+    code_bytes = (b - a) * bits // 8
+    scale_bytes = (b - a) // gs * q.scales.element_size()
+    msg = torch.empty(rows, code_bytes + scale_bytes, dtype=torch.uint8, device=q.codes.device)
+    msg[:, :code_bytes].copy_(q.codes.view(rows, -1)[:, a * bits // 8:b * bits // 8])
+    msg[:, code_bytes:].copy_(q.scales.view(rows, -1)[:, a // gs:b // gs].view(torch.uint8))
+    return msg
+
+
+def _from_wire(msg: torch.Tensor, rows: int, row_numel: int, bits: int, group_size: int,
+               scale_dtype: torch.dtype) -> QuantizedTensor:
+    """The :class:`QuantizedTensor` of ``rows`` received :func:`_wire_message` rows of
+    ``row_numel`` elements each (codes and scales copied out contiguous, as the kernels read
+    them)."""
+    msg = msg.view(rows, -1)
+    code_bytes = row_numel * bits // 8
+    codes = msg[:, :code_bytes].reshape(-1)
+    scales = torch.empty(rows * (row_numel // group_size), dtype=scale_dtype, device=msg.device)
+    scales.view(torch.uint8).view(rows, -1).copy_(msg[:, code_bytes:])
+    return QuantizedTensor(codes, scales, bits, group_size, rows * row_numel)
+
+
+def _exchange(q: QuantizedTensor, group, *, rows: int, a: int = 0, b: Optional[int] = None,
+              one_message: bool) -> QuantizedTensor:
+    """Equal-split all-to-all of elements ``[a, b)`` of each of ``q``'s ``rows`` rows (blocking:
+    it runs on a stage of :mod:`.streams`, or inline).
+
+    ``one_message`` (the hops that cross nodes, :func:`_one_message`): codes and scales travel
+    as one packed message, so the hop pays one all-to-all latency, not two (review item 8;
+    the latency dominates the inter-node hop at M >= 32). The price is a copy of the
+    compressed bytes on each side (about 1/4 of a 4-bit quantize's traffic), which inside a
+    node, where NVLink is fast, would cost more than the second message saves: there codes
+    and scales go as two all-to-alls.
 
     ``q`` may come from another stage (the middle hop's codes, made on ``intra`` and sent on
     ``inter``, whose last reference the caller drops once this job is enqueued): it is declared
     used on this stage so the allocator cannot hand its memory to the next intra job before
-    this all-to-all has read it."""
+    this stage has read it."""
     used_on_this_stage(q.codes, q.scales)
+    row = q.numel // rows
+    b = row if b is None else b
+    if one_message:
+        msg = _wire_message(q, rows, a, b)
+        recv = torch.empty_like(msg)
+        dist.all_to_all_single(recv, msg, group=group)
+        return _from_wire(recv, rows, b - a, q.bits, q.group_size, q.scales.dtype)
+    q = _row_slice(q, rows, a, b)
     codes = torch.empty_like(q.codes)
     scales = torch.empty_like(q.scales)
     dist.all_to_all_single(codes, q.codes, group=group)
     dist.all_to_all_single(scales, q.scales, group=group)
     return QuantizedTensor(codes, scales, q.bits, q.group_size, q.numel)
+
+
+def _one_message(link: str) -> bool:
+    """Whether a hop over ``link`` ('intra' / 'inter') sends codes and scales as one message
+    (:func:`_exchange`): across nodes, where a message's latency costs more than copying the
+    compressed bytes; not inside a node."""
+    return link != "intra"
 
 
 def _write_result(src_fp32: torch.Tensor, output: torch.Tensor) -> None:
@@ -332,6 +383,7 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
         bits1, gs1, group1, size1 = bits_intra, group_size_intra, groups.intra_group, d
     else:
         bits1, gs1, group1, size1 = bits_inter, group_size_inter, groups.inter_group, m
+    one_message1 = _one_message("intra" if d > 1 else "inter")
     order = swizzle_order(d, m)
     shard = n // p
     bounds = pipeline_bounds(shard, math.lcm(gs1, group_size_inter) if two_level else gs1,
@@ -387,7 +439,7 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
         def run() -> None:
             if y == 0:
                 quantize_first()
-            recv1 = _exchange(_row_slice(state["q1"], p, a, b), group1)
+            recv1 = _exchange(state["q1"], group1, rows=p, a=a, b=b, one_message=one_message1)
             if not two_level:
                 final(recv1, size1, a, b)
                 return
@@ -396,25 +448,29 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
             if len(bounds) > 1:
                 gen.set_state(state["gen"])
                 noise = NoiseIndex(part_len=b - a, part_stride=shard, base=a, total=m * shard)
-            state["q2", y] = dequantize_sum_requantize(
+            state["q2", y] = (dequantize_sum_requantize(
                 recv1, d, bits_inter, group_size_out=group_size_inter, stochastic=stochastic,
-                generator=gen, noise_index=noise)
+                generator=gen, noise_index=noise), 0, b - a)
         return run
 
     def first_hop_loco() -> None:
         """LoCo (two-level): whole intra hop, then the middle with E2 on the whole intra sum."""
         quantize_first()
-        s = dequantize_sum(_exchange(state["q1"], group1), d)  # transformed domain with Hadamard
+        recv1 = _exchange(state["q1"], group1, rows=p, one_message=one_message1)
+        s = dequantize_sum(recv1, d)  # transformed domain with Hadamard
         h2 = ef.compensate("e2", s, group_size=group_size_inter)
         q2 = quantize(h2, bits_inter, group_size_inter, stochastic=stochastic, generator=gen,
                       check_finite=False)
         ef.update("e2", h2, dequantize(q2))
         for y, (a, b) in enumerate(bounds):
-            state["q2", y] = _row_slice(q2, m, a, b)
+            state["q2", y] = (q2, a, b)      # sliced by the inter stage's message copy
 
     def second_hop(y: int, a: int, b: int) -> Callable[[], None]:
         def run() -> None:
-            final(_exchange(state.pop(("q2", y)), groups.inter_group), m, a, b)
+            q2, lo, hi = state.pop(("q2", y))
+            final(_exchange(q2, groups.inter_group, rows=m, a=lo, b=hi,
+                            one_message=_one_message("inter")),
+                  m, a, b)
         return run
 
     runner = _runner(async_op, streams, x.device)
@@ -510,29 +566,44 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
         for g in hops:
             _agree_finite(shard, g, "quantized_all_gather")
 
+    per_peer = len(hops) == 1 and hop_links is None
+    if per_peer:   # one group: the link of each peer
+        links = [link_of_peer(r) if link_of_peer is not None else "inter"
+                 for r in range(world) if r != me]
+    else:          # hops: the link of each hop
+        links = list(hop_links) if hop_links is not None else ["inter"] * len(hops)
+    one_message = any(_one_message(link) for link in links)
+
     if accounting is not None:  # sizes are known now: record in the caller's thread
-        if len(hops) == 1 and hop_links is None:
-            links = [(link_of_peer(r) if link_of_peer is not None else "inter")
-                     for r in range(world) if r != me]
+        if per_peer:
             n_intra = sum(1 for link in links if link == "intra")
         else:
-            links_h = list(hop_links) if hop_links is not None else ["inter"] * len(hops)
-            n_intra = math.prod(k for k, link in zip(sizes, links_h) if link == "intra") - 1
+            n_intra = math.prod(k for k, link in zip(sizes, links) if link == "intra") - 1
         n_inter = world - 1 - n_intra
         accounting.record_baseline(name, kind="weight", numel=s * world, elem_size=output.element_size(),
                                    dp_size=world, peers_intra=n_intra, peers_inter=n_inter)
-        if len(hops) == 1 and hop_links is None:
+        if per_peer:
             accounting.record_all_gather(name, kind="weight",
                                          shard_bytes=QuantizedTensor.wire_bytes(s, bits, group_size),
                                          shard_elements=s, peers_intra=n_intra, peers_inter=n_inter)
         else:
             held = s
-            for k, link in zip(sizes, links_h):  # hop h forwards what the earlier hops gathered
+            for k, link in zip(sizes, links):  # hop h forwards what the earlier hops gathered
                 accounting.record_all_gather(
                     name, kind="weight", shard_bytes=QuantizedTensor.wire_bytes(held, bits, group_size),
                     shard_elements=held, peers_intra=(k - 1) * (link == "intra"),
                     peers_inter=(k - 1) * (link != "intra"))
                 held *= k
+
+    def _gather_one_message(q: QuantizedTensor) -> QuantizedTensor:
+        """Codes and scales forwarded hop by hop as one packed message (:func:`_exchange`)."""
+        msg = _wire_message(q, 1, 0, s)
+        for g, k in zip(hops, sizes):
+            if k > 1:
+                gathered = torch.empty(msg.numel() * k, dtype=msg.dtype, device=msg.device)
+                all_gather_flat(gathered, msg.view(-1), g)
+                msg = gathered
+        return _from_wire(msg, world, s, bits, group_size, q.scales.dtype)
 
     def run() -> None:
         if mode == "diff":
@@ -544,16 +615,19 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
             q = quantize(shard.reshape(-1), bits, group_size, stochastic=stochastic,
                          generator=generator, check_finite=False,
                          nonfinite_counter=nonfinite_flag)
-        codes, scales = q.codes, q.scales
-        for g, k in zip(hops, sizes):
-            if k == 1:
-                continue
-            c2 = torch.empty(codes.numel() * k, dtype=codes.dtype, device=codes.device)
-            s2 = torch.empty(scales.numel() * k, dtype=scales.dtype, device=scales.device)
-            all_gather_flat(c2, codes, g)
-            all_gather_flat(s2, scales, g)
-            codes, scales = c2, s2
-        full = QuantizedTensor(codes, scales, bits, group_size, s * world)
+        if one_message:
+            full = _gather_one_message(q)
+        else:
+            codes, scales = q.codes, q.scales
+            for g, k in zip(hops, sizes):
+                if k == 1:
+                    continue
+                c2 = torch.empty(codes.numel() * k, dtype=codes.dtype, device=codes.device)
+                s2 = torch.empty(scales.numel() * k, dtype=scales.dtype, device=scales.device)
+                all_gather_flat(c2, codes, g)
+                all_gather_flat(s2, scales, g)
+                codes, scales = c2, s2
+            full = QuantizedTensor(codes, scales, bits, group_size, s * world)
         if mode == "diff":
             if output.is_contiguous():
                 dequantize_add(full, full_reference.reshape(-1), out=output.view(-1))

@@ -11,7 +11,8 @@ pipeline stage fills whole nodes.
 ``torch.distributed.new_group`` is collective over the *whole world*: every process must call it
 for every group, in the same order, even for groups it does not belong to. Megatron has many DP
 groups (one per TP/PP/CP coordinate), so :func:`build_two_level_groups_for_all` creates the
-sub-groups of every DP group on every rank and returns the one that contains the caller.
+sub-groups of every DP group on every rank and returns the one that contains the caller. On
+NCCL each kind of sub-group (intra, inter, weights) is one ``split_group`` of the world.
 """
 
 from __future__ import annotations
@@ -131,46 +132,75 @@ def _new_group(ranks: List[int], backend: Optional[str]) -> Any:
     return dist.new_group(ranks=ranks, backend=backend)
 
 
-def _build(dp_ranks: Sequence[int], intra_size: int, dp_group: Optional[Any],
-           backend: Optional[str]) -> Optional[TwoLevelGroups]:
-    """Create (collectively, on every rank) the groups of one DP group; return mine or None.
+def _splits_communicators(backend: Optional[str]) -> bool:
+    """Whether :func:`_partition_groups` can create a partition's communicators with one
+    ``dist.split_group`` (one ``ncclCommSplit``): NCCL whose default group is bound to a device
+    (the trainer's ``init_process_group(device_id=...)``), the only case torch supports."""
+    world = dist.group.WORLD
+    if getattr(dist, "split_group", None) is None or world is None:
+        return False
+    if getattr(world, "bound_device_id", None) is None:
+        return False
+    return str(backend or dist.get_backend()) == "nccl"
 
-    ``dp_group`` None means "create it" (every rank then calls new_group for it; WORLD is reused
-    when the DP group is the whole world). Whether a sub-group is created depends only on D and M,
-    never on the caller, so all ranks issue the same sequence of new_group calls.
-    """
-    ranks = _validate(dp_ranks, intra_size)
-    p = len(ranks)
-    d = intra_size
-    m = p // d
-    me = dist.get_rank()
-    if dp_group is None:
-        if ranks == list(range(dist.get_world_size())):
-            dp_group = dist.group.WORLD
-        else:
-            dp_group = _new_group(ranks, backend)
-    # Intra groups (one per node), then inter groups (one per local index), then the weights
-    # group, in a fixed order. Each is its own communicator, also where its ranks are the DP
-    # group's (M = 1 or D = 1): one communicator per stream (see TwoLevelGroups).
-    intra_groups: List[Optional[Any]] = []
-    if d > 1:
-        for node in range(m):
-            intra_groups.append(_new_group(ranks[node * d:(node + 1) * d], backend))
-    inter_groups: List[Optional[Any]] = []
-    if m > 1:
-        for local in range(d):
-            inter_groups.append(_new_group(ranks[local::d], backend))
-    weights_group = _new_group(ranks, backend) if p > 1 else None
-    if me not in ranks:
+
+def _partition_groups(partition: List[List[int]], backend: Optional[str]) -> Optional[Any]:
+    """Create the communicators of ``partition`` (disjoint lists of global ranks; every rank of
+    the world calls this with the same lists) and return the caller's, or None.
+
+    On NCCL one ``split_group`` creates them all: a job with G DP groups otherwise runs
+    G * (M + D + 1) world-collective ``new_group`` calls one after another at startup (review
+    item 8). Elsewhere (gloo, an unbound default group) one ``new_group`` per list, in order."""
+    if not partition:
         return None
-    dp_rank = ranks.index(me)
+    if _splits_communicators(backend):
+        return dist.split_group(split_ranks=partition)
+    me = dist.get_rank()
+    mine = None
+    for ranks in partition:
+        group = _new_group(ranks, backend)
+        if me in ranks:
+            mine = group
+    return mine
+
+
+def _build(all_dp_ranks: Sequence[Sequence[int]], intra_size: int,
+           dp_groups: Sequence[Optional[Any]], backend: Optional[str]) -> Optional[TwoLevelGroups]:
+    """Create (collectively, on every rank) the sub-groups of every DP group; return mine or None.
+
+    A ``dp_groups`` entry None means "create it" (every rank then calls new_group for it; WORLD is
+    reused when the DP group is the whole world). The intra groups of all DP groups (one per
+    node), then their inter groups (one per local index), then their weights groups are created
+    as three partitions of the world, whatever the caller: all ranks make the same calls.
+    """
+    all_ranks = [_validate(r, intra_size) for r in all_dp_ranks]
+    d = intra_size
+    me = dist.get_rank()
+    dp_group, mine = None, None
+    for ranks, given in zip(all_ranks, dp_groups):
+        if given is None:
+            if ranks == list(range(dist.get_world_size())):
+                given = dist.group.WORLD
+            else:
+                given = _new_group(ranks, backend)
+        if me in ranks:
+            dp_group, mine = given, ranks
+    # Each is its own communicator, also where its ranks are the DP group's (M = 1 or D = 1):
+    # one communicator per stream (see TwoLevelGroups).
+    intra_group = _partition_groups(
+        [r[n * d:(n + 1) * d] for r in all_ranks if d > 1 for n in range(len(r) // d)], backend)
+    inter_group = _partition_groups(
+        [r[local::d] for r in all_ranks if len(r) > d for local in range(d)], backend)
+    weights_group = _partition_groups([r for r in all_ranks if len(r) > 1], backend)
+    if mine is None:
+        return None
+    p = len(mine)
+    dp_rank = mine.index(me)
     node, local = divmod(dp_rank, d)
     return TwoLevelGroups(
-        dp_group=dp_group,
-        intra_group=intra_groups[node] if d > 1 else None,
-        inter_group=inter_groups[local] if m > 1 else None,
-        dp_size=p, dp_rank=dp_rank, intra_size=d, inter_size=m, node=node, local=local,
-        dp_ranks=ranks, weights_group=weights_group,
+        dp_group=dp_group, intra_group=intra_group, inter_group=inter_group,
+        dp_size=p, dp_rank=dp_rank, intra_size=d, inter_size=p // d, node=node, local=local,
+        dp_ranks=mine, weights_group=weights_group,
     )
 
 
@@ -187,7 +217,7 @@ def build_two_level_groups(dp_ranks: Sequence[int], intra_size: int, *, dp_group
     existing DP communicator (e.g. megatron-core's); otherwise one is created (or WORLD reused).
     Use :func:`build_two_level_groups_for_all` when the world holds several DP groups.
     """
-    return _build(dp_ranks, intra_size, dp_group, backend)
+    return _build([dp_ranks], intra_size, [dp_group], backend)
 
 
 def build_two_level_groups_for_all(all_dp_ranks: Sequence[Sequence[int]], intra_size: int, *,
@@ -207,19 +237,14 @@ def build_two_level_groups_for_all(all_dp_ranks: Sequence[Sequence[int]], intra_
         if overlap:
             raise ValueError(f"ranks {sorted(overlap)} appear in more than one DP group")
         seen.update(ranks)
-    mine: Optional[TwoLevelGroups] = None
     me = dist.get_rank()
-    for i, ranks in enumerate(all_dp_ranks):
-        existing = None
-        if dp_groups is not None:
-            existing = dp_groups[i]
-            if existing is None:
-                if me in ranks:
-                    raise ValueError(f"dp_groups[{i}] is None but rank {me} belongs to it")
-                existing = _NOT_A_MEMBER
-        got = _build(ranks, intra_size, existing, backend)
-        if got is not None:
-            mine = got
+    existing: List[Optional[Any]] = [None] * len(all_dp_ranks)
+    if dp_groups is not None:
+        for i, (ranks, group) in enumerate(zip(all_dp_ranks, dp_groups)):
+            if group is None and me in ranks:
+                raise ValueError(f"dp_groups[{i}] is None but rank {me} belongs to it")
+            existing[i] = _NOT_A_MEMBER if group is None else group
+    mine = _build(all_dp_ranks, intra_size, existing, backend)
     if mine is None:
         raise ValueError(f"rank {me} is in none of the DP groups {[list(r) for r in all_dp_ranks]}")
     return mine

@@ -46,7 +46,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -57,6 +57,7 @@ for _p in (str(ROOT), str(ROOT / "bench")):
 
 from megatron.distributed.quant.config import QuantizationConfig  # noqa: E402
 from megatron.distributed.quant.runtime import QuantizationRuntime  # noqa: E402
+from megatron.distributed.quant.streams import STAGES, CommStreams  # noqa: E402
 from quant_error_study import INDEX, KEY, VirtualCluster, weight_gather_step  # noqa: E402
 
 CONFIG = QuantizationConfig(quantized_gradients=True, hadamard_transform=True, loco=True,
@@ -77,25 +78,46 @@ class Ranks:
     """One layout's virtual ranks on one device: runtimes, per-rank buffers and streams."""
 
     def __init__(self, m: int, d: int, device: torch.device, numel: int,
-                 runtimes: Optional[List[QuantizationRuntime]] = None) -> None:
+                 runtimes: Optional[List[QuantizationRuntime]] = None, *,
+                 streamed: Optional[bool] = None,
+                 rank_context: Optional[Callable[[], ContextManager[Any]]] = None) -> None:
         self.cl = VirtualCluster(m, d, CONFIG)
         if runtimes is not None:
             self.cl.runtimes = runtimes
         self.device = device
         self.numel = self.cl.pad(torch.zeros(numel)).numel()
         self.cuda = device.type == "cuda"
-        self.compute = [torch.cuda.Stream(device) if self.cuda else None for _ in range(self.cl.p)]
+        """A real GPU: device synchronisation and the sync-debug mode."""
+        self.streamed = self.cuda if streamed is None else streamed
+        """Each rank on a compute stream of its own with CUDA communication stages: on a GPU,
+        or with CPU tensors under tests/fake_cuda.py's ``torch.cuda`` (the suite's variant: the
+        stream and lifetime logic without a GPU)."""
+        self.rank_context = rank_context
+        """Entered around each rank's calls in its thread (the suite's allocation check)."""
+        self.compute = [torch.cuda.Stream(device) if self.streamed else None
+                        for _ in range(self.cl.p)]
+        if self.streamed:   # every rank's stages, created in a fixed order (a fake names them)
+            for rt in self.cl.runtimes:
+                rt.timing.overlapped = CommStreams("cuda", device)
+                for name in STAGES:
+                    rt.timing.overlapped.stage(name)
         self.params = [torch.zeros(self.numel, dtype=torch.bfloat16, device=device)
                        for _ in range(self.cl.p)]
         self.check_syncs = False
         """Run the ranks' calls under ``set_sync_debug_mode("error")`` (CUDA): off for the first
         step, which builds what is built once per process (Triton compiles, index tables)."""
 
-    def _on_rank_stream(self, rank: int):
-        return torch.cuda.stream(self.compute[rank]) if self.cuda else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _on_rank_stream(self, rank: int) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if self.rank_context is not None:
+                stack.enter_context(self.rank_context())
+            if self.streamed:
+                stack.enter_context(torch.cuda.stream(self.compute[rank]))
+            yield
 
-    def _streams(self, rt: QuantizationRuntime):
-        return rt.streams(self.device, overlap=True) if self.cuda else None
+    def _streams(self, rt: QuantizationRuntime) -> Optional[CommStreams]:
+        return rt.streams(self.device, overlap=True) if self.streamed else None
 
     def grad_step(self, grads: Sequence[torch.Tensor], it: int) -> Tuple[List[torch.Tensor], bool]:
         """Every rank's reduce-scatter shard (SUM of the pre-scaled buckets) and the agreed
@@ -190,7 +212,9 @@ def resume_step(steps: int) -> int:
 
 
 def run_layout(m: int, d: int, devices: Sequence[str], numel: int, steps: int,
-               seed: int) -> Dict[str, Any]:
+               seed: int, **ranks_kwargs: Any) -> Dict[str, Any]:
+    """Every step of the layout on each device; ``ranks_kwargs`` go to :class:`Ranks` (the
+    suite's fake-CUDA variant: ``streamed``, ``rank_context``)."""
     p = m * d
     nan_step = 1 if steps > 2 else -1
     grads, masters = inputs(p, numel, steps, nan_step, seed)
@@ -198,7 +222,7 @@ def run_layout(m: int, d: int, devices: Sequence[str], numel: int, steps: int,
     record: Dict[str, Dict[str, Any]] = {}
     for dev in devices:
         t0 = time.perf_counter()
-        ranks = Ranks(m, d, torch.device(dev), numel)
+        ranks = Ranks(m, d, torch.device(dev), numel, **ranks_kwargs)
         shards, skips, params, saved = [], [], [], None
         for s in range(steps):
             ranks.check_syncs = s > 0
@@ -214,7 +238,7 @@ def run_layout(m: int, d: int, devices: Sequence[str], numel: int, steps: int,
         rec = {"shards": shards, "skips": skips, "params": params, "state": ranks.state(),
                "seconds": time.perf_counter() - t0}
         if saved is not None:  # fresh runtimes from the saved state, then the last step
-            resumed = Ranks(m, d, torch.device(dev), numel)
+            resumed = Ranks(m, d, torch.device(dev), numel, **ranks_kwargs)
             resumed.check_syncs = True
             resumed.load(saved)
             resumed.params = [b.to(dev) for b in saved_params]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import weakref
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -131,9 +132,17 @@ class StreamAllocationCheck(TorchDispatchMode):
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for ret, t in zip(returns, outs):
             if isinstance(t, torch.Tensor) and ret.alias_info is None and t.numel() > 0:
-                self.allocated_on[t.untyped_storage().data_ptr()] = (
-                    self.fake.current.name, next(self._allocations))
+                storage = t.untyped_storage()
+                ptr, number = storage.data_ptr(), next(self._allocations)
+                self.allocated_on[ptr] = (self.fake.current.name, number)
+                # forget the tag when the block is freed: a later allocation at the same address
+                # made outside the check (another thread, torch.load) is the caller's, not this
+                weakref.finalize(storage, self._forget, ptr, number)
         return out
+
+    def _forget(self, ptr: int, number: int) -> None:
+        if self.allocated_on.get(ptr, (None, None))[1] == number:
+            self.allocated_on.pop(ptr, None)
 
     def note_read(self, tensor: torch.Tensor) -> None:
         ptr = tensor.untyped_storage().data_ptr()

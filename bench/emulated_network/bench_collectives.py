@@ -7,7 +7,10 @@ optimizer moves per iteration for N parameters:
              shard, then ``all_gather_into_tensor`` of the bf16 parameter shards (N bf16);
 * sdp4bit  : ``two_level_reduce_scatter`` (TLq-HS: 8-bit intra / 4-bit inter, group 128/128,
              Hadamard) and ``quantized_all_gather`` (qWD: 4-bit weight differences, group 2048)
-             from ``megatron.distributed.quant.collectives``.
+             from ``megatron.distributed.quant.collectives``;
+* sdp4bit-two-messages : the same with codes and scales sent as two messages on every hop (the
+             collectives before they packed them into one across nodes), to measure what the
+             second message's latency costs.
 
 Both variants run in the same invocation on the same process groups. Each rank prints nothing but
 the launcher-facing JSON line of global rank 0 (``BENCH_RESULT {...}``) and, when ``--out`` is
@@ -33,7 +36,7 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-VARIANTS = ("baseline", "sdp4bit")
+VARIANTS = ("baseline", "sdp4bit", "sdp4bit-two-messages")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -79,6 +82,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     args = parse_args(argv)
     import torch
     import torch.distributed as dist
+    from megatron.distributed.quant import collectives
     from megatron.distributed.quant.collectives import quantized_all_gather, two_level_reduce_scatter
     from megatron.distributed.quant.topology import build_two_level_groups
 
@@ -124,9 +128,12 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     dist.reduce_scatter_tensor(exact, grad)
 
     results: Dict[str, Dict] = {}
+    one_message = collectives._one_message
     for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
         if variant not in VARIANTS:
             raise SystemExit(f"unknown variant {variant!r}; choose from {VARIANTS}")
+        collectives._one_message = (lambda link: False) if variant == "sdp4bit-two-messages" \
+            else one_message
         for _ in range(args.warmup):
             step(variant)
         dist.barrier()

@@ -118,7 +118,7 @@ RS_VARIANTS = ("baseline-a2a", "baseline-ring", "baseline-bf16")  # run through 
 # per-variant environment of the ranks: sdp4bit-torch = SDP4Bit with the pure-PyTorch reference
 # quantizer (the state before the C++ CPU kernels), for before/after comparisons in one invocation
 VARIANT_ENV: Dict[str, Dict[str, str]] = {"sdp4bit-torch": {"QUANT_KERNELS": "torch"}}
-COLLECTIVE_VARIANTS = ("baseline", "sdp4bit")
+COLLECTIVE_VARIANTS = ("baseline", "sdp4bit", "sdp4bit-two-messages")
 # per-iteration communication times the trainer may log with --jsonl-log (total vs exposed =
 # waited on by the main thread); shown when present
 COMM_KEYS = ("comm_grad_intra_ms", "comm_grad_inter_ms", "comm_grad_exposed_ms", "comm_weight_ms",

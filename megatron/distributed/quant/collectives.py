@@ -184,9 +184,10 @@ def _exchange(q: QuantizedTensor, group, *, rows: int, a: int = 0, b: Optional[i
     ``one_message`` (the hops that cross nodes, :func:`_one_message`): codes and scales travel
     as one packed message, so the hop pays one all-to-all latency, not two (review item 8;
     the latency dominates the inter-node hop at M >= 32). The price is a copy of the
-    compressed bytes on each side (about 1/4 of a 4-bit quantize's traffic), which inside a
-    node, where NVLink is fast, would cost more than the second message saves: there codes
-    and scales go as two all-to-alls.
+    compressed bytes on each side (about 1/4 of the memory traffic of quantizing fp32 to 4 bits,
+    a few % of sending those bytes over a 200 Gb/s link), which inside a node, where NVLink
+    moves them almost as fast as the copy, would cost more than the second message saves: there
+    codes and scales go as two all-to-alls.
 
     ``q`` may come from another stage (the middle hop's codes, made on ``intra`` and sent on
     ``inter``, whose last reference the caller drops once this job is enqueued): it is declared

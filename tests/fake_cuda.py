@@ -34,6 +34,9 @@ class FakeCuda:
         self._tls = threading.local()
         self.recorded: List[Tuple[int, str]] = []
         """``(storage data_ptr, stream name)`` of every ``Tensor.record_stream`` call."""
+        self.on_record: List[Any] = []
+        """Callbacks ``(tensor, stream name)`` run at every ``record_stream`` (the allocation
+        check ties the hand-over to the allocation it was made for)."""
 
     @property
     def current(self) -> "FakeCuda.Stream":
@@ -94,6 +97,8 @@ class FakeCuda:
 
         def record_stream(tensor: torch.Tensor, s: "FakeCuda.Stream") -> None:
             self.recorded.append((tensor.untyped_storage().data_ptr(), s.name))
+            for callback in self.on_record:
+                callback(tensor, s.name)
 
         monkeypatch.setattr(torch.cuda, "Stream",
                             lambda device=None, priority=0: self.Stream(
@@ -120,8 +125,12 @@ class StreamAllocationCheck(TorchDispatchMode):
         self.allocated_on: Dict[int, Tuple[str, int]] = {}
         """storage data_ptr -> (stage current at its allocation, allocation number)"""
         self.reads: List[Tuple[int, str, str, int]] = []
-        self._allocations = itertools.count()
         """(data_ptr, allocating stage, reading stage, allocation number) of every use"""
+        self.protected: Set[Tuple[int, str]] = set()
+        """(allocation number, stream) of every ``record_stream`` hand-over: per allocation, so
+        the hand-over of an earlier block at the same address protects nothing later."""
+        self._allocations = itertools.count()
+        fake.on_record.append(self._note_hand_over)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         for t in tree_leaves((args, kwargs or {})):   # every op's operands are reads too (the
@@ -149,8 +158,11 @@ class StreamAllocationCheck(TorchDispatchMode):
         stage, number = self.allocated_on.get(ptr, ("default", -1))
         self.reads.append((ptr, stage, self.fake.current.name, number))
 
+    def _note_hand_over(self, tensor: torch.Tensor, stream: str) -> None:
+        ptr = tensor.untyped_storage().data_ptr()
+        self.protected.add((self.allocated_on.get(ptr, ("default", -1))[1], stream))
+
     def hazards(self) -> List[Tuple[str, str]]:
         """``(allocating stage, reading stage)`` of every unprotected cross-stage read."""
-        protected: Set[Tuple[int, str]] = set(self.fake.recorded)
-        return [(alloc, reader) for ptr, alloc, reader, _ in self.reads
-                if alloc not in ("default", reader) and (ptr, reader) not in protected]
+        return [(alloc, reader) for _, alloc, reader, number in self.reads
+                if alloc not in ("default", reader) and (number, reader) not in self.protected]

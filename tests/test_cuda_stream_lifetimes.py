@@ -57,9 +57,11 @@ class LoopbackDist:
 
     def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, group: Any = None,
                           async_op: bool = False) -> None:
+        """Piece j arrives from peer j as this rank's piece k-1-j: the pieces change places,
+        so a packing that cut the message into other pieces than the peers' shows."""
         self.check.note_read(inp)
         self.calls.append(("all_to_all", self.check.fake.current.name))
-        out.copy_(inp)
+        out.view(group.size, -1).copy_(inp.view(group.size, -1).flip(0))
 
     def all_gather_single(self, out: torch.Tensor, inp: torch.Tensor, group: Any = None,
                           async_op: bool = False) -> None:
@@ -159,7 +161,8 @@ def test_inter_node_hops_send_codes_and_scales_as_one_message(fake_world, monkey
     """Review item 8: a hop that crosses nodes pays one all-to-all latency, not two (codes and
     scales packed in one message); the intra-node hop keeps two (a copy costs more than a
     message on NVLink). Packing changes no number: the shards equal those of the two-message
-    exchange bit for bit."""
+    exchange bit for bit (here with pieces that change places; against the exact
+    reduce-scatter on real gloo ranks in tests/test_collectives.py)."""
     fake, check, transport = fake_world
     streams = _cuda_streams()
 

@@ -10,6 +10,7 @@ CUDA settings of a machine without Apex/TE build a model and run a training step
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -89,7 +90,9 @@ def test_paro_engine_runs_without_gradient_accumulation_fusion(strategy: str) ->
         plan = _plan("cuda", installed, te_spec=te_spec, paro_strategy=strategy)
         assert plan.gradient_accumulation_fusion is False
         assert "gradient_accumulation_fusion (needs megatron-core's gradient buffers" in plan.summary()
-        assert plan.bias_dropout_fusion            # only that switch changes
+        ddp = _plan("cuda", installed, te_spec=te_spec)
+        assert ddp.gradient_accumulation_fusion      # only that switch changes
+        assert dataclasses.replace(plan, gradient_accumulation_fusion=True, fallbacks=()) == ddp
     for megatron_core_ddp in (None, "NNG"):
         assert _plan("cuda", TE, te_spec=True,
                      paro_strategy=megatron_core_ddp).gradient_accumulation_fusion

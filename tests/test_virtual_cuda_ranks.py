@@ -59,6 +59,8 @@ def test_fake_cuda_stages_equal_the_cpu_run_with_every_cross_stage_tensor_handed
     on one stage is read by another without ``record_stream``."""
     m, d, steps = 2, 2, 4
     check = _fake_cuda(monkeypatch, m * d)
+    # one check entered in every rank's thread: torch keeps the dispatch-mode stack per thread,
+    # and the check's records are plain containers shared by the ranks
     streamed = V.run_layout(m, d, ["cpu"], 8192, steps, seed=5, streamed=True,
                             rank_context=lambda: check)["cpu"]
     monkeypatch.undo()

@@ -385,6 +385,7 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
     else:
         bits1, gs1, group1, size1 = bits_inter, group_size_inter, groups.inter_group, m
     one_message1 = _one_message("intra" if d > 1 else "inter")
+    one_message2 = _one_message("inter")
     order = swizzle_order(d, m)
     shard = n // p
     bounds = pipeline_bounds(shard, math.lcm(gs1, group_size_inter) if two_level else gs1,
@@ -469,8 +470,7 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
     def second_hop(y: int, a: int, b: int) -> Callable[[], None]:
         def run() -> None:
             q2, lo, hi = state.pop(("q2", y))
-            final(_exchange(q2, groups.inter_group, rows=m, a=lo, b=hi,
-                            one_message=_one_message("inter")),
+            final(_exchange(q2, groups.inter_group, rows=m, a=lo, b=hi, one_message=one_message2),
                   m, a, b)
         return run
 

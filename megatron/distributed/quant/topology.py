@@ -141,7 +141,8 @@ def _splits_communicators(backend: Optional[str]) -> bool:
         return False
     if getattr(world, "bound_device_id", None) is None:
         return False
-    return str(backend or dist.get_backend()) == "nccl"
+    # a split inherits the parent's backends: the default group must be NCCL itself
+    return str(dist.get_backend()) == "nccl" and backend in (None, "nccl")
 
 
 def _partition_groups(partition: List[List[int]], backend: Optional[str]) -> Optional[Any]:

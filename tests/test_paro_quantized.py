@@ -55,6 +55,15 @@ RUNS = {
     "no_hadamard_loco": ["--quantized-gradients", "--quantized-weights", "--loco"],
     "start3": ["--quantized-gradients", "--gradients-quantization-start-iteration", "3"],
     "monitor2": SDP4BIT + ["--loco", "--quantization-error-interval", "2"],
+    # --overlap-grad-reduce: the per-bucket gradient reduce-scatters on the communication stages
+    # (g = I: intra scope; NGG, g = G: the two-level one), bit-identical to the inline path
+    "exact_overlap": ["--overlap-grad-reduce"],
+    "sdp4bit_loco_overlap": SDP4BIT + ["--loco", "--overlap-grad-reduce"],
+    "ngg_exact": ["--paro-strategy", "NGG"],
+    "ngg_exact_overlap": ["--paro-strategy", "NGG", "--overlap-grad-reduce"],
+    "ngg_sdp4bit_loco": ["--paro-strategy", "NGG"] + SDP4BIT + ["--loco"],
+    "ngg_sdp4bit_loco_overlap": ["--paro-strategy", "NGG"] + SDP4BIT + ["--loco",
+                                                                        "--overlap-grad-reduce"],
 }
 
 
@@ -102,7 +111,10 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
             loss, ok, _, _ = _step(args, model, opt, sched, rank, step)
             assert ok, (label, step)
             losses.append(loss)
-        res: Dict[str, Any] = {"losses": losses, "engine": type(model[0]).__name__}
+        stages = getattr(model[0], "_grad_stages", None)
+        res: Dict[str, Any] = {"losses": losses, "engine": type(model[0]).__name__,
+                               "grad_stages": None if stages is None else stages.kind,
+                               "params": model[0].param_level_storage().detach().clone()}
         rt = getattr(model[0], "quant_runtime", None)
         if rt is not None:
             report = integration.communication_report(model, totals=True)
@@ -190,3 +202,17 @@ def test_error_monitor_on_the_engine(results):
         assert errors["quant_error_grad_cos"] > 0.9, errors
         assert 0.0 < errors["quant_error_weight_rel"] < 0.5, errors
         assert r["sdp4bit_loco"]["errors"] == {}
+
+
+@pytest.mark.parametrize("inline,overlapped", [
+    ("exact", "exact_overlap"), ("sdp4bit_loco", "sdp4bit_loco_overlap"),
+    ("ngg_exact", "ngg_exact_overlap"), ("ngg_sdp4bit_loco", "ngg_sdp4bit_loco_overlap")])
+def test_overlapped_gradient_reduces_are_bit_identical(results, inline: str, overlapped: str):
+    """Issue 25 item 9: with --overlap-grad-reduce the engine's gradient reduce-scatters run on
+    the communication stages (worker threads here) over their own communicators while backward
+    goes on; losses and parameters equal the inline path's bit for bit."""
+    for r in results:
+        assert r[inline]["grad_stages"] is None and r[overlapped]["grad_stages"] == "thread"
+        assert r[overlapped]["losses"] == r[inline]["losses"]
+        assert torch.equal(r[overlapped]["params"], r[inline]["params"])
+    assert results[0]["ngg_sdp4bit_loco"]["losses"] != results[0]["ngg_exact"]["losses"]

@@ -402,9 +402,10 @@ def test_auto_and_rejections(monkeypatch):
         _validated(monkeypatch, "--paro-strategy", "IIG", "--fp16")
     with pytest.raises(ArgumentError, match="needs --tensor-model-parallel-size 1"):
         _validated(monkeypatch, "--paro-strategy", "NIG", "--tensor-model-parallel-size", "2")
-    with pytest.raises(ArgumentError, match="does not overlap"):
+    with pytest.raises(ArgumentError, match="drop --overlap-param-gather"):
         _validated(monkeypatch, "--paro-strategy", "GGG", "--use-distributed-optimizer",
-                   "--overlap-grad-reduce")
+                   "--overlap-grad-reduce", "--overlap-param-gather")
+    assert _validated(monkeypatch, "--paro-strategy", "GGG", "--overlap-grad-reduce").overlap_grad_reduce
     assert _validated(monkeypatch, "--paro-strategy", "NIG", "--quantized-gradients",
                       "--quantized-weights").quant_config.enabled
     with pytest.raises(ArgumentError, match="is an all-reduce, which has no quantized collective"):

@@ -55,7 +55,7 @@ def check_paro_args(args: argparse.Namespace) -> None:
     Normalises ``args.paro_strategy`` (a canonical name, or ``'auto'``, resolved at startup once
     the model size is known) and ``args.paro_group_size``. NNN / NNG run on megatron-core (with
     the matching ``--use-distributed-optimizer``); the other 12 on the PaRO engine, which needs
-    pure data parallelism, bf16 or fp32, no overlap, ``--ckpt-format torch``, and quantization
+    pure data parallelism, bf16 or fp32, no ``--overlap-param-gather``, ``--ckpt-format torch``, and quantization
     only where the engine supports it (``paro_engine.quantization_support_error``).
     """
     if args.paro_strategy is not None:
@@ -71,9 +71,10 @@ def check_paro_args(args: argparse.Namespace) -> None:
                  f"{what} needs --tensor-model-parallel-size 1 and "
                  f"--pipeline-model-parallel-size 1 (pure data parallelism)")
         _require(not args.fp16, f"{what} supports --bf16 and fp32, not --fp16 (no loss scaling)")
-        _require(not (args.overlap_grad_reduce or args.overlap_param_gather),
-                 f"{what} does not overlap communication: drop --overlap-grad-reduce / "
-                 f"--overlap-param-gather")
+        _require(not args.overlap_param_gather,
+                 f"{what} gathers parameters in its forward hooks, not overlapped: drop "
+                 f"--overlap-param-gather (--overlap-grad-reduce overlaps its gradient "
+                 f"reduce-scatters)")
         quant = args.quant_config
         if args.paro_strategy == AUTO:
             _require(not quant.enabled,

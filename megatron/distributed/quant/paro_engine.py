@@ -53,15 +53,22 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .paro_comm import CommCounter, _size, hierarchical_all_reduce
+from .collectives import reduce_scatter_flat
+from .paro_comm import CommCounter, _count, _size, hierarchical_all_reduce
 from .paro_layout import Bucket, output_tensors, plan_buckets
 from .paro_strategy import Level, PaRoStrategy
 from .paro_transitions import LevelCollectives
 from .runtime import QuantizationRuntime
+from .streams import CommStreams, used_on_this_stage
 
 __all__ = ["ParoDataParallel", "quantization_support_error"]
 
 logger = logging.getLogger(__name__)
+
+GRAD_REDUCES_IN_FLIGHT = 2
+"""Overlapped gradient reduce-scatters (``grad_groups``) started and not yet waited for: the hook
+that starts another first finishes the oldest, so at most this many temporary full bucket
+gradients (g = I / G) are alive beside the one being accumulated."""
 
 def quantization_support_error(strategy: str, quant_config: Any) -> Optional[str]:
     """Why the engine cannot run ``strategy`` with these quantization flags, or None.
@@ -79,8 +86,10 @@ def quantization_support_error(strategy: str, quant_config: Any) -> Optional[str
       quantizes the per-micro-step gathers in the cost model, which the engine does not do, so it
       is refused when parameters are partitioned.
 
-    The overlap flags are megatron-core DDP options (refused for engine strategies at startup):
-    the engine's collectives run inline, per bucket, in its hooks.
+    ``--overlap-grad-reduce`` runs the per-bucket gradient reduce-scatters on the communication
+    stages (:class:`ParoDataParallel`, ``grad_groups``); ``--overlap-param-gather`` is a
+    megatron-core DDP option (refused for engine strategies at startup): the parameter gathers
+    run inline in the owner modules' hooks.
     """
     q = quant_config
     if q is None or not q.enabled:
@@ -110,11 +119,20 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
     mimics what megatron-core's schedule and our trainer read from a DDP chunk: ``module``,
     ``config``, ``no_sync``, ``zero_grad_buffer`` and ``finalize_model_grads`` (to be set as
     ``config.finalize_model_grads_func``).
+
+    ``grad_groups`` (``--overlap-grad-reduce``): a second set of the same groups, communicators of
+    their own. The gradient reduce-scatter of each bucket (g = I / G) then runs on the
+    communication stages (:mod:`.streams`: worker threads on CPU, CUDA streams on a GPU) while
+    the backward pass goes on, and is waited for at the end of the micro-step's backward (at most
+    :data:`GRAD_REDUCES_IN_FLIGHT` buckets at once, so their temporary full gradients stay
+    bounded). The stages drive only ``grad_groups``; the parameter gathers of the hooks drive
+    ``groups`` from the main thread: one communicator per stream. The numbers are those of the
+    inline path, bit for bit.
     """
 
     def __init__(self, config: Any, module: torch.nn.Module, strategy: PaRoStrategy, groups: Any,
                  grad_dtype: Optional[torch.dtype] = None, quant_config: Any = None,
-                 bucket_numel: Optional[int] = None) -> None:
+                 bucket_numel: Optional[int] = None, grad_groups: Any = None) -> None:
         super().__init__()
         self.config = config
         self.module = module
@@ -151,8 +169,17 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
             from .collectives import required_padding_multiple_from_config
 
             unit = math.lcm(unit, required_padding_multiple_from_config(self.quant, self.n, self.m))
+        if grad_groups is not None and (grad_groups.dp_size, grad_groups.intra_size) != (
+                groups.dp_size, groups.intra_size):
+            raise ValueError("grad_groups must have the layout of groups")
+        self.grad_groups = grad_groups
+        """Communicators of the overlapped gradient reduce-scatters (None: inline, on ``groups``)."""
+        self._grad_stages: Optional[CommStreams] = None
+        self._pending: List[Tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        """(handle, reduced shard, accumulator slice, input kept alive) per reduce in flight."""
         self.quant_runtime: Optional[QuantizationRuntime] = (
-            QuantizationRuntime(self.quant, groups) if self.quant is not None else None)
+            QuantizationRuntime(self.quant, groups if grad_groups is None else grad_groups)
+            if self.quant is not None else None)
         """The model's quantized communication (the same object megatron-core's bucket groups
         use): generators, LoCo, accounting, start iteration, NaN/Inf agreement; the trainer's
         hooks (integration.set_iteration, checkpoints, reports) find it under this name."""
@@ -539,7 +566,8 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
     @torch.no_grad()
     def _finish_bucket(self, b: Bucket) -> None:
         """All of ``b``'s gradients of this micro-step are in: reduce-scatter them (g = I / G)
-        into the shard accumulator, free the temporary and release the parameters (p = I / G)."""
+        into the shard accumulator, free the temporary and release the parameters (p = I / G).
+        With ``grad_groups`` the reduce-scatter is only started here (:meth:`_start_grad_reduce`)."""
         if b.reduced:
             return
         b.reduced = True
@@ -550,14 +578,74 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
             b.tmp_grad = None
             k = self.level_ranks(self.strategy.grads)
             acc = b.shard(self.grad_shard, k)
-            if self.strategy.grads == Level.I:
-                shard = torch.empty_like(acc)
-                self._rs(shard, full, "intra", b)
+            if self.grad_groups is not None:
+                self._start_grad_reduce(b, full, acc)
             else:
-                shard = self._global_rs(full, b)
-            del full
-            acc.add_(shard)
+                if self.strategy.grads == Level.I:
+                    shard = torch.empty_like(acc)
+                    self._rs(shard, full, "intra", b)
+                else:
+                    shard = self._global_rs(full, b)
+                del full
+                acc.add_(shard)
         self._release_bucket(b)
+
+    def _start_grad_reduce(self, b: Bucket, full: torch.Tensor, acc: torch.Tensor) -> None:
+        """Start bucket ``b``'s gradient reduce-scatter on the stages (``grad_groups``); the sum
+        lands in ``acc`` when :meth:`_finish_grad_reduces` waits for it. Counted here, in the
+        hook's thread, as the inline path counts it."""
+        if self._grad_stages is None:
+            self._grad_stages = CommStreams.for_device(full.device)
+        shard = torch.empty_like(acc)
+        scope = "intra" if self.strategy.grads == Level.I else "global"
+        if self._quantize_gradients_now():
+            rt = self.quant_runtime
+            x = full.reshape(-1)
+            if scope == "global":   # local-major -> DP-rank order, as _quantized_rs
+                x = x.view(self.m, self.g, -1).transpose(0, 1).contiguous().view(-1)
+            before = rt.accounting.link_bytes("grad")
+            handle = rt.reduce_scatter(x, shard, key=self._bucket_key(b), index=b.index,
+                                       scope=scope, streams=self._grad_stages)
+            self._count_quantized("grad", scope, "quantized_reduce_scatter", x.numel(),
+                                  rt.scope_groups(scope).dp_size, before)
+            keep = x
+        else:
+            gg = self.grad_groups
+            hops = [("intra", gg.intra_group, self.m)]
+            if scope == "global":
+                hops.append(("inter", gg.inter_group, self.g))
+            numel = full.numel()
+            for link, _, k in hops:   # what _rs counts, hop by hop
+                _count(self.counter, link, "reduce_scatter", numel, full, k)
+                numel //= k
+
+            def reduce() -> None:   # intra RS [, inter RS]: _rs / _global_rs on grad_groups
+                used_on_this_stage(full)
+                x = full
+                for i, (_, group, k) in enumerate(hops):
+                    y = shard if i == len(hops) - 1 else torch.empty(
+                        x.numel() // k, dtype=x.dtype, device=x.device)
+                    if k == 1:
+                        y.copy_(x)
+                    else:
+                        reduce_scatter_flat(y, x, group)
+                    x = y
+            handle = self._grad_stages.submit("intra", reduce)
+            keep = full
+        self._pending.append((handle, shard, acc, keep))
+        while len(self._pending) > GRAD_REDUCES_IN_FLIGHT:
+            self._finish_oldest_grad_reduce()
+
+    def _finish_oldest_grad_reduce(self) -> None:
+        handle, shard, acc, _ = self._pending.pop(0)
+        if handle is not None:
+            handle.wait()
+        acc.add_(shard)
+
+    def _finish_grad_reduces(self) -> None:
+        """Wait for every gradient reduce-scatter in flight and add it to its accumulator."""
+        while self._pending:
+            self._finish_oldest_grad_reduce()
 
     @torch.no_grad()
     def _end_backward(self) -> None:
@@ -565,8 +653,13 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         and released, in bucket order, so every rank issues the same collectives."""
         for b in self.buckets:
             self._finish_bucket(b)
+        self._finish_grad_reduces()
         self.release_params()
         self._in_backward = False
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        """megatron-core's ``grad_sync_func`` (set with ``--overlap-grad-reduce``): nothing to
+        start, the hooks start each bucket's reduce-scatter as soon as its gradients are in."""
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """megatron-core's schedule wraps all but the last micro-batch in this; the engine's

@@ -35,7 +35,9 @@ def wrap_with_engine(config: Any, ddp_config: Any, model_chunks: List[torch.nn.M
 
     The engine takes what megatron-core's DDP would: the gradient-accumulation dtype
     (``ddp_config.grad_reduce_in_fp32`` after ``--grad-accum-dtype``, else the parameter dtype) and
-    the bucket-size cap (``ddp_config.bucket_size``; None: one bucket per layer)."""
+    the bucket-size cap (``ddp_config.bucket_size``; None: one bucket per layer), and
+    ``--overlap-grad-reduce`` (``ddp_config.overlap_grad_reduce``: the gradient reduce-scatters on
+    the communication stages, over a second set of groups)."""
     from megatron.core import parallel_state as ps
 
     from .grad_accum import apply_grad_accum_dtype
@@ -48,11 +50,14 @@ def wrap_with_engine(config: Any, ddp_config: Any, model_chunks: List[torch.nn.M
                          "(no virtual pipeline parallelism)")
     params_dtype = getattr(config, "params_dtype", None) or torch.float32
     grad_dtype = apply_grad_accum_dtype(ddp_config, quant_config, params_dtype)
-    groups = build_paro_groups(group_size, dp_ranks=torch.distributed.get_process_group_ranks(
-        ps.get_data_parallel_group()))
+    dp_ranks = torch.distributed.get_process_group_ranks(ps.get_data_parallel_group())
+    groups = build_paro_groups(group_size, dp_ranks=dp_ranks)
+    # --overlap-grad-reduce: the stages' own communicators (one communicator per stream)
+    grad_groups = (build_paro_groups(group_size, dp_ranks=dp_ranks)
+                   if ddp_config.overlap_grad_reduce else None)
     return [ParoDataParallel(config, model_chunks[0], PaRoStrategy.from_string(strategy), groups,
                              grad_dtype=grad_dtype, quant_config=quant_config,
-                             bucket_numel=ddp_config.bucket_size)]
+                             bucket_numel=ddp_config.bucket_size, grad_groups=grad_groups)]
 
 
 def build_engine_optimizer(optimizer_config: Any, model_chunks: List[torch.nn.Module]) -> Any:

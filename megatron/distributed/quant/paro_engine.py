@@ -633,6 +633,7 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
             handle = self._grad_stages.submit("intra", reduce)
             keep = full
         self._pending.append((handle, shard, acc, keep))
+        self._track_peak()   # the reduced shard and the kept input count while in flight
         while len(self._pending) > GRAD_REDUCES_IN_FLIGHT:
             self._finish_oldest_grad_reduce()
 
@@ -716,7 +717,8 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         if self.param_buffer is None:  # p = I / G: the gathered buckets
             params += sum(b.full.untyped_storage().nbytes() for b in self.buckets)
         grads = 0
-        for t in [self.grad_buffer, self.grad_shard] + [b.tmp_grad for b in self.buckets]:
+        in_flight = [t for _, shard, _, kept in self._pending for t in (shard, kept)]
+        for t in [self.grad_buffer, self.grad_shard] + [b.tmp_grad for b in self.buckets] + in_flight:
             if t is not None:
                 grads += t.untyped_storage().nbytes()
         return {"params": params, "grads": grads}

@@ -112,8 +112,8 @@ class FakeCuda:
 class StreamAllocationCheck(TorchDispatchMode):
     """Tags each freshly allocated tensor with the fake stream current at its allocation.
 
-    An op output without alias information in the op's schema is a new allocation (not a view, an
-    in-place result or an ``out=`` argument), exactly the blocks the caching allocator hands out
+    An op output without alias information in the op's schema and not on an operand's storage is
+    a new allocation (not a view, an in-place result or an ``out=`` argument), exactly the blocks the caching allocator hands out
     per stream. :meth:`note_read` (called for every operand of an op, and by a fake collective)
     records a use of a tensor on the current stream; :meth:`hazards` lists reads of a block allocated on another *stage*
     stream that was never ``record_stream``-ed to the reader. Blocks allocated on the default
@@ -133,14 +133,19 @@ class StreamAllocationCheck(TorchDispatchMode):
         fake.on_record.append(self._note_hand_over)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        operands = set()
         for t in tree_leaves((args, kwargs or {})):   # every op's operands are reads too (the
             if isinstance(t, torch.Tensor) and t.numel() > 0:   # copy into a packed message)
                 self.note_read(t)
+                operands.add(t.untyped_storage().data_ptr())
         out = func(*args, **(kwargs or {}))
         returns = func._schema.returns
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for ret, t in zip(returns, outs):
-            if isinstance(t, torch.Tensor) and ret.alias_info is None and t.numel() > 0:
+            # an output on an operand's storage is no allocation, annotated or not (c10d's
+            # collectives return their output tensor without an alias annotation)
+            if isinstance(t, torch.Tensor) and ret.alias_info is None and t.numel() > 0 and \
+                    t.untyped_storage().data_ptr() not in operands:
                 storage = t.untyped_storage()
                 ptr, number = storage.data_ptr(), next(self._allocations)
                 self.allocated_on[ptr] = (self.fake.current.name, number)

@@ -23,6 +23,7 @@ GPT:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from functools import partial
 from typing import Any, Dict, List
@@ -65,6 +66,10 @@ RUNS = {
     "ngg_sdp4bit_loco_overlap": ["--paro-strategy", "NGG"] + SDP4BIT + ["--loco",
                                                                         "--overlap-grad-reduce"],
 }
+FAKE_CUDA_RUNS = {"ngg_exact_overlap_fake_cuda": "ngg_exact_overlap",
+                  "ngg_sdp4bit_loco_overlap_fake_cuda": "ngg_sdp4bit_loco_overlap"}
+"""The same runs with the stages on CUDA streams: the fake ``torch.cuda`` of fake_cuda.py over
+CPU tensors, under its allocation check (no GPU here)."""
 
 
 def _build(args):
@@ -90,6 +95,35 @@ def _step(args, model, opt, sched, rank: int, step: int):
                         torch.device("cpu"))
 
 
+@contextlib.contextmanager
+def _fake_cuda_stages(on: bool):
+    """With ``on``: every stage the engine creates is a (fake) CUDA stream, and the allocation
+    check watches which stage allocates and reads what; yields the check (None when off)."""
+    if not on:
+        yield None
+        return
+    from fake_cuda import FakeCuda, StreamAllocationCheck
+    from megatron.distributed.quant import streams as streams_mod
+
+    mp = pytest.MonkeyPatch()
+    fake = FakeCuda()
+    fake.install(mp, names=iter(lambda: "stage", None))
+    original_stage = streams_mod._CudaStage.__init__
+
+    def named_stage(self, name, device):   # the fake stream carries its stage's name
+        original_stage(self, name, device)
+        self.stream.name = name
+    mp.setattr(streams_mod._CudaStage, "__init__", named_stage)
+    mp.setattr(streams_mod.CommStreams, "for_device",
+               classmethod(lambda cls, device: cls("cuda", torch.device("cuda", 0))))
+    check = StreamAllocationCheck(fake)
+    try:
+        with check:
+            yield check
+    finally:
+        mp.undo()
+
+
 def _worker(rank: int, world: int) -> Dict[str, Any]:
     import torch.distributed as dist
 
@@ -100,21 +134,23 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     first = True
     out: Dict[str, Any] = {}
-    for label, extra in RUNS.items():
+    for label, extra in [*RUNS.items(), *((k, RUNS[v]) for k, v in FAKE_CUDA_RUNS.items())]:
         args = parse_args(TINY + extra)
         if first:
             initialize_megatron(args)
             first = False
-        model, opt, sched = _build(args)
-        losses: List[float] = []
-        for step in range(STEPS):
-            loss, ok, _, _ = _step(args, model, opt, sched, rank, step)
-            assert ok, (label, step)
-            losses.append(loss)
+        with _fake_cuda_stages(label in FAKE_CUDA_RUNS) as check:
+            model, opt, sched = _build(args)
+            losses: List[float] = []
+            for step in range(STEPS):
+                loss, ok, _, _ = _step(args, model, opt, sched, rank, step)
+                assert ok, (label, step)
+                losses.append(loss)
         stages = getattr(model[0], "_grad_stages", None)
         res: Dict[str, Any] = {"losses": losses, "engine": type(model[0]).__name__,
                                "grad_stages": None if stages is None else stages.kind,
-                               "params": model[0].param_level_storage().detach().clone()}
+                               "params": model[0].param_level_storage().detach().clone(),
+                               "hazards": None if check is None else check.hazards()}
         rt = getattr(model[0], "quant_runtime", None)
         if rt is not None:
             report = integration.communication_report(model, totals=True)
@@ -216,3 +252,15 @@ def test_overlapped_gradient_reduces_are_bit_identical(results, inline: str, ove
         assert r[overlapped]["losses"] == r[inline]["losses"]
         assert torch.equal(r[overlapped]["params"], r[inline]["params"])
     assert results[0]["ngg_sdp4bit_loco"]["losses"] != results[0]["ngg_exact"]["losses"]
+
+
+@pytest.mark.parametrize("fake,real", sorted(FAKE_CUDA_RUNS.items()))
+def test_overlapped_gradient_reduces_on_cuda_stages(results, fake: str, real: str):
+    """The engine's overlapped path with CUDA stages (fake torch.cuda, CPU tensors): the same
+    numbers as the worker-thread stages, and no tensor allocated on one stage is read by another
+    without ``record_stream``."""
+    for r in results:
+        assert r[fake]["grad_stages"] == "cuda" and r[real]["grad_stages"] == "thread"
+        assert r[fake]["losses"] == r[real]["losses"]
+        assert torch.equal(r[fake]["params"], r[real]["params"])
+        assert r[fake]["hazards"] == []

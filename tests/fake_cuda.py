@@ -112,12 +112,13 @@ class FakeCuda:
 class StreamAllocationCheck(TorchDispatchMode):
     """Tags each freshly allocated tensor with the fake stream current at its allocation.
 
-    An op output without alias information in the op's schema and not on an operand's storage is
-    a new allocation (not a view, an in-place result or an ``out=`` argument), exactly the blocks the caching allocator hands out
-    per stream. :meth:`note_read` (called for every operand of an op, and by a fake collective)
-    records a use of a tensor on the current stream; :meth:`hazards` lists reads of a block allocated on another *stage*
-    stream that was never ``record_stream``-ed to the reader. Blocks allocated on the default
-    stream are the caller's buffers, which the caller keeps until it waits (not a hazard)."""
+    An op output without alias information in the op's schema and not on an operand's storage
+    is a new allocation (not a view, an in-place result or an ``out=`` argument), exactly the
+    blocks the caching allocator hands out per stream. :meth:`note_read` (called for every
+    operand of an op, and by a fake collective) records a use of a tensor on the current stream;
+    :meth:`hazards` lists reads of a block allocated on another *stage* stream that was never
+    ``record_stream``-ed to the reader. Blocks allocated on the default stream are the caller's
+    buffers, which the caller keeps until it waits (not a hazard)."""
 
     def __init__(self, fake: FakeCuda) -> None:
         super().__init__()

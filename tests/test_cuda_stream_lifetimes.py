@@ -182,7 +182,8 @@ def test_inter_node_hops_send_codes_and_scales_as_one_message(fake_world, monkey
         return outs
 
     packed = shards()
-    per_stage = {stage: transport.calls.count(("all_to_all", stage)) for stage in ("intra", "inter")}
+    per_stage = {stage: transport.calls.count(("all_to_all", stage))
+                 for stage in ("intra", "inter")}
     chunks = 2 * pipeline                          # 2 buckets
     assert per_stage == {"intra": 2 * (2 if loco else chunks), "inter": chunks}
     monkeypatch.setattr(collectives, "_one_message", lambda link: False)

@@ -89,7 +89,8 @@ def test_paro_engine_runs_without_gradient_accumulation_fusion(strategy: str) ->
     for installed, te_spec in ((TE, True), (APEX, False)):
         plan = _plan("cuda", installed, te_spec=te_spec, paro_strategy=strategy)
         assert plan.gradient_accumulation_fusion is False
-        assert "gradient_accumulation_fusion (needs megatron-core's gradient buffers" in plan.summary()
+        assert ("gradient_accumulation_fusion (needs megatron-core's gradient buffers"
+                in plan.summary())
         ddp = _plan("cuda", installed, te_spec=te_spec)
         assert ddp.gradient_accumulation_fusion      # only that switch changes
         assert dataclasses.replace(plan, gradient_accumulation_fusion=True, fallbacks=()) == ddp

@@ -405,7 +405,8 @@ def test_auto_and_rejections(monkeypatch):
     with pytest.raises(ArgumentError, match="drop --overlap-param-gather"):
         _validated(monkeypatch, "--paro-strategy", "GGG", "--use-distributed-optimizer",
                    "--overlap-grad-reduce", "--overlap-param-gather")
-    assert _validated(monkeypatch, "--paro-strategy", "GGG", "--overlap-grad-reduce").overlap_grad_reduce
+    assert _validated(monkeypatch, "--paro-strategy", "GGG",
+                      "--overlap-grad-reduce").overlap_grad_reduce
     assert _validated(monkeypatch, "--paro-strategy", "NIG", "--quantized-gradients",
                       "--quantized-weights").quant_config.enabled
     with pytest.raises(ArgumentError, match="is an all-reduce, which has no quantized collective"):

@@ -178,8 +178,8 @@ def resolve_fusions(args: argparse.Namespace, *, uses_te_spec: bool, local_atten
     if _trains_on_paro_engine(args):
         wgrad = decide("gradient_accumulation_fusion", _given(args, "gradient_accumulation_fusion"),
                        "megatron-core's gradient buffers (--paro-strategy "
-                       f"{args.paro_strategy} may train on the PaRO engine, which reads param.grad)",
-                       False)
+                       f"{args.paro_strategy} may train on the PaRO engine, which reads "
+                       "param.grad)", False)
     else:
         wgrad = decide("gradient_accumulation_fusion", _given(args, "gradient_accumulation_fusion"),
                        "Transformer Engine's spec or Apex's fused_weight_gradient_mlp_cuda",

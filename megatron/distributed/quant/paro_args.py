@@ -55,8 +55,8 @@ def check_paro_args(args: argparse.Namespace) -> None:
     Normalises ``args.paro_strategy`` (a canonical name, or ``'auto'``, resolved at startup once
     the model size is known) and ``args.paro_group_size``. NNN / NNG run on megatron-core (with
     the matching ``--use-distributed-optimizer``); the other 12 on the PaRO engine, which needs
-    pure data parallelism, bf16 or fp32, no ``--overlap-param-gather``, ``--ckpt-format torch``, and quantization
-    only where the engine supports it (``paro_engine.quantization_support_error``).
+    pure data parallelism, bf16 or fp32, no ``--overlap-param-gather``, ``--ckpt-format torch``,
+    and quantization only where the engine supports it (``paro_engine.quantization_support_error``).
     """
     if args.paro_strategy is not None:
         parsed = check_trainable(args.paro_strategy, args.use_distributed_optimizer)

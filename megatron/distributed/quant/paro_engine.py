@@ -173,7 +173,8 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
                 groups.dp_size, groups.intra_size):
             raise ValueError("grad_groups must have the layout of groups")
         self.grad_groups = grad_groups
-        """Communicators of the overlapped gradient reduce-scatters (None: inline, on ``groups``)."""
+        """Communicators of the overlapped gradient reduce-scatters (None: inline, on
+        ``groups``)."""
         self._grad_stages: Optional[CommStreams] = None
         self._pending: List[Tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         """(handle, reduced shard, accumulator slice, input kept alive) per reduce in flight."""
@@ -567,7 +568,8 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
     def _finish_bucket(self, b: Bucket) -> None:
         """All of ``b``'s gradients of this micro-step are in: reduce-scatter them (g = I / G)
         into the shard accumulator, free the temporary and release the parameters (p = I / G).
-        With ``grad_groups`` the reduce-scatter is only started here (:meth:`_start_grad_reduce`)."""
+        With ``grad_groups`` the reduce-scatter is only started here
+        (:meth:`_start_grad_reduce`)."""
         if b.reduced:
             return
         b.reduced = True
@@ -718,7 +720,8 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
             params += sum(b.full.untyped_storage().nbytes() for b in self.buckets)
         grads = 0
         in_flight = [t for _, shard, _, kept in self._pending for t in (shard, kept)]
-        for t in [self.grad_buffer, self.grad_shard] + [b.tmp_grad for b in self.buckets] + in_flight:
+        temporaries = [b.tmp_grad for b in self.buckets] + in_flight
+        for t in [self.grad_buffer, self.grad_shard] + temporaries:
             if t is not None:
                 grads += t.untyped_storage().nbytes()
         return {"params": params, "grads": grads}

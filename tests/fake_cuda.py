@@ -32,8 +32,6 @@ class FakeCuda:
         self.log: List[Tuple[Any, ...]] = []
         self.default = self.Stream(self, "default")
         self._tls = threading.local()
-        self.recorded: List[Tuple[int, str]] = []
-        """``(storage data_ptr, stream name)`` of every ``Tensor.record_stream`` call."""
         self.on_record: List[Any] = []
         """Callbacks ``(tensor, stream name)`` run at every ``record_stream`` (the allocation
         check ties the hand-over to the allocation it was made for)."""
@@ -96,7 +94,6 @@ class FakeCuda:
                 self.current = prev
 
         def record_stream(tensor: torch.Tensor, s: "FakeCuda.Stream") -> None:
-            self.recorded.append((tensor.untyped_storage().data_ptr(), s.name))
             for callback in self.on_record:
                 callback(tensor, s.name)
 

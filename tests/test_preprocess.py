@@ -252,6 +252,17 @@ def _write_lines(path, lines):
         f.write(b"".join(line + b"\n" for line in lines))
 
 
+def _refused_by_every_worker_count(env, capsys, path, prefix) -> list:
+    """Preprocess ``path`` with 1 and 2 workers (one record per chunk): each run must exit 1 and
+    leave no partial output; returns each run's stderr."""
+    errors = []
+    for workers in ("1", "2"):
+        assert _run(env, path, prefix, "--workers", workers, "--chunk-size", "1") == 1
+        errors.append(capsys.readouterr().err)
+        assert not os.path.exists(f"{prefix}_text_document.bin")  # partial output removed
+    return errors
+
+
 def test_bad_utf8_reports_file_and_line(env, capsys):
     good = [t for t in NONEMPTY[:4]]
     lines = [json.dumps({"text": t}).encode() for t in good]
@@ -259,12 +270,9 @@ def test_bad_utf8_reports_file_and_line(env, capsys):
     path = env["dir"] / "latin1.jsonl"
     _write_lines(path, lines)
     prefix = env["dir"] / "latin1"
-    for workers in ("1", "2"):
-        assert _run(env, path, prefix, "--workers", workers, "--chunk-size", "1") == 1
-        err = capsys.readouterr().err
+    for err in _refused_by_every_worker_count(env, capsys, path, prefix):
         assert (f"error: {path}: line 3: not valid UTF-8 (byte 0xe9 at byte 14 of the line: "
                 f"invalid continuation byte); fix it, or pass --skip-bad-records") in err, err
-        assert not os.path.exists(f"{prefix}_text_document.bin")  # partial output removed
 
 
 def test_skip_bad_records_writes_the_good_ones(env, capsys):
@@ -533,13 +541,10 @@ def test_null_or_non_string_text_is_a_bad_record(env, capsys):
     path = env["dir"] / "null_text.jsonl"
     path.write_text('{"text": "a b c"}\n{"text": null}\n{"text": "d e"}\n{"text": 7}\n')
     prefix = env["dir"] / "null_text"
-    for workers in ("1", "2"):
-        assert _run(env, path, prefix, "--workers", workers, "--chunk-size", "1") == 1
-        err = capsys.readouterr().err
+    for err in _refused_by_every_worker_count(env, capsys, path, prefix):
         assert (f"error: {path}: line 2: value of 'text' is null, not a string; fix it, or pass "
                 f"--skip-bad-records") in err, err
         assert "empty document" not in err
-        assert not os.path.exists(f"{prefix}_text_document.bin")
     summary = pp.preprocess(pp.get_args(
         ["--input", str(path), "--output-prefix", str(prefix), "--tokenizer-type", "GPT2BPETokenizer",
          "--vocab-file", env["vocab"], "--merge-file", env["merges"], "--skip-bad-records"]))

@@ -601,16 +601,7 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         shard = torch.empty_like(acc)
         scope = "intra" if self.strategy.grads == Level.I else "global"
         if self._quantize_gradients_now():
-            rt = self.quant_runtime
-            x = full.reshape(-1)
-            if scope == "global":   # local-major -> DP-rank order, as _quantized_rs
-                x = x.view(self.m, self.g, -1).transpose(0, 1).contiguous().view(-1)
-            before = rt.accounting.link_bytes("grad")
-            handle = rt.reduce_scatter(x, shard, key=self._bucket_key(b), index=b.index,
-                                       scope=scope, streams=self._grad_stages)
-            self._count_quantized("grad", scope, "quantized_reduce_scatter", x.numel(),
-                                  rt.scope_groups(scope).dp_size, before)
-            keep = x
+            handle, keep = self._quantized_rs(shard, full, scope, b, streams=self._grad_stages)
         else:
             gg = self.grad_groups
             hops = [("intra", gg.intra_group, self.m)]

@@ -77,9 +77,12 @@ class LevelCollectives:
             self.counter.bytes[link] += float(after[link] - before[link])
         self.counter.calls.append((scope, op, numel, ranks))
 
-    def _quantized_rs(self, out: torch.Tensor, inp: torch.Tensor, scope: str, b: Bucket) -> None:
+    def _quantized_rs(self, out: torch.Tensor, inp: torch.Tensor, scope: str, b: Bucket,
+                      streams: Any = None) -> Tuple[Any, torch.Tensor]:
         """Quantized SUM reduce-scatter of bucket ``b`` at ``scope`` (TLq / TLq-HS, LoCo; the
         runtime's :meth:`~.runtime.QuantizationRuntime.reduce_scatter`), bytes from its accounting.
+        Returns (the runtime's handle: None unless ``streams`` overlap it, the input it reads,
+        which must stay alive until the handle is waited for).
 
         For 'global' the local-major buffer is first permuted into DP-rank order (chunk of rank
         k*m + l = our chunk (l, k)): one local copy, the layout the runtime expects.
@@ -92,10 +95,13 @@ class LevelCollectives:
         x = inp.reshape(-1)
         if scope == "global":
             x = x.view(self.m, self.g, -1).transpose(0, 1).contiguous().view(-1)
+        x = x.contiguous()
         before = rt.accounting.link_bytes("grad")
-        rt.reduce_scatter(x.contiguous(), out, key=self._bucket_key(b), index=b.index, scope=scope)
+        handle = rt.reduce_scatter(x, out, key=self._bucket_key(b), index=b.index, scope=scope,
+                                   streams=streams)
         self._count_quantized("grad", scope, "quantized_reduce_scatter", x.numel(),
                               rt.scope_groups(scope).dp_size, before)
+        return handle, x
 
     def _global_rs(self, full: torch.Tensor, b: Bucket) -> torch.Tensor:
         """PaRO-CC reduce-scatter of bucket ``b``'s full buffer to this rank's G shard (intra RS,

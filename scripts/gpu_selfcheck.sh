@@ -16,7 +16,8 @@
 #                  GPU (TRITON_INTERPRET unset), so the Triton kernels run compiled, bit-exact vs
 #                  the torch reference
 #   4 bench        bench/bench_quant.py on CUDA: GB/s per kernel and % of the measured
-#                  device-to-device copy bandwidth
+#                  device-to-device copy bandwidth (GPU time per call, kernels called as the
+#                  trainer calls them; the host's enqueue time per call in its own column)
 #   5 smoke        1-GPU pretrain_gpt.py, bf16, SDP4Bit flags, mock data, tiny GPT
 #   6 nccl-vs-gloo with >= 4 GPUs: the same 4-rank SDP4Bit run (2 nodes x 2 GPUs:
 #                  --data-parallel-intra-node-size 2, so both hops run), overlap flags and

@@ -60,7 +60,7 @@ def free_port() -> int:
     return free_port_number()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def run_pretrain() -> Callable[..., subprocess.CompletedProcess]:
     """``run_pretrain(args, nproc=2, timeout=180, show_warnings=False)``: torchrun
     pretrain_gpt.py, capture output (Python warnings off unless ``show_warnings``)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import socket
 import sys
 import time
@@ -93,13 +94,35 @@ def model_parallel_world_of_one(seed: Optional[int] = None) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _entry(rank: int, world: int, port: int, fn, out_dir: str, args: tuple) -> None:
+PRELOADED_MODULES = ("torch", "torch.distributed", "megatron.core")
+"""Imported once, by the fork server the ranks are forked from, instead of by every rank (about
+5 s of CPU per rank: megatron-core's import compiles its fusions' wrappers). Only third-party
+modules: ours are imported by each rank after its environment is restored (some read the
+environment at import, e.g. TRITON_INTERPRET)."""
+
+
+def _rank_context():
+    """The multiprocessing context of the ranks: a fork server with :data:`PRELOADED_MODULES`
+    (torch's "spawn" re-imports them per rank). Its children inherit the server's environment
+    and ``sys.path``, not the test's: :func:`_entry` restores the test's before it unpickles the
+    job (whose function may live in a module only the test's ``sys.path`` finds)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOADED_MODULES))
+    return ctx
+
+
+def _entry(rank: int, world: int, port: int, job: bytes, out_dir: str, environ: dict,
+           sys_path: list) -> None:
+    os.environ.clear()              # the test's environment and import path, not the server's
+    os.environ.update(environ)
+    sys.path[:] = sys_path
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)  # gloo *_tensor deprecation notes
     init_process_group(rank, world, port)
     healthy = False
     try:
         try:
+            fn, args = pickle.loads(job)
             res = fn(rank, world, *args)
             healthy = True
         except Exception:  # report instead of hanging the peers' assertions
@@ -118,8 +141,11 @@ def run_distributed(world: int, fn, out_dir, *args) -> list:
     (:data:`JOIN_TIMEOUT_S`).
     """
     out_dir = str(out_dir)
-    ctx = mp.start_processes(_entry, args=(world, free_port(), fn, out_dir, args), nprocs=world,
-                             join=False, start_method="spawn")
+    _rank_context()
+    job = pickle.dumps((fn, args))
+    ctx = mp.start_processes(_entry, args=(world, free_port(), job, out_dir, dict(os.environ),
+                                           list(sys.path)),
+                             nprocs=world, join=False, start_method="forkserver")
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     try:
         while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
+
+import pytest
 
 BASE = ["--global-batch-size", "8", "--train-iters", "8", "--lr", "3e-3", "--bf16",
         "--use-distributed-optimizer", "--log-interval", "1", "--eval-interval", "4",
@@ -28,16 +31,32 @@ def _ok(res) -> None:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
-def test_torch_dist_resume_is_bit_exact_with_sdp4bit_loco(tmp_path: Path, run_pretrain) -> None:
+@pytest.fixture(scope="module")
+def sdp4bit_loco_2_ranks(tmp_path_factory, run_pretrain) -> Tuple[List[Tuple[int, float]], Path]:
+    """One uninterrupted 2-rank SDP4Bit+LoCo run (2 nodes x 1), torch_dist checkpoints at 4 and
+    8: (its losses, its checkpoint directory). Three tests start from it; a test that changes
+    the checkpoint works on its own copy."""
+    work = tmp_path_factory.mktemp("sdp4bit_loco_2_ranks")
+    log, ckpt = work / "full.jsonl", work / "ckpt"
+    _ok(run_pretrain(BASE + SDP4BIT_LOCO + ["--data-parallel-intra-node-size", "1",
+                                            "--ckpt-format", "torch_dist", "--jsonl-log",
+                                            str(log), "--save", str(ckpt), "--save-interval",
+                                            "4"]))
+    return _losses(log), ckpt
+
+
+def test_torch_dist_resume_is_bit_exact_with_sdp4bit_loco(tmp_path: Path, run_pretrain,
+                                                          sdp4bit_loco_2_ranks) -> None:
     """Same layout: every piece of state (LoCo errors, generators, Adam, RNG) comes back. The
     weight gathers start right after each step, so the save at 4 may meet them in flight (it
-    waits for them first)."""
+    waits for them first). The reference is the same run without the overlaps (which never
+    change the numbers)."""
     args = BASE + SDP4BIT_LOCO + ["--data-parallel-intra-node-size", "1",
                                   "--overlap-grad-reduce", "--overlap-param-gather",
                                   "--overlap-param-gather-with-optimizer-step",
                                   "--ckpt-format", "torch_dist"]
-    full, resumed, ckpt = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
-    _ok(run_pretrain(args + ["--jsonl-log", str(full)]))
+    full, _ = sdp4bit_loco_2_ranks
+    resumed, ckpt = tmp_path / "resumed.jsonl", tmp_path / "ckpt"
     _ok(run_pretrain(args + ["--jsonl-log", str(resumed), "--save", str(ckpt),
                              "--save-interval", "4", "--exit-interval", "4"]))
     assert (ckpt / "iter_0000004" / "metadata.json").is_file()  # megatron-core's format
@@ -46,28 +65,37 @@ def test_torch_dist_resume_is_bit_exact_with_sdp4bit_loco(tmp_path: Path, run_pr
     res = run_pretrain(args + ["--jsonl-log", str(resumed), "--load", str(ckpt)])
     _ok(res)
     assert "loaded checkpoint from" in res.stdout and "resharded" not in res.stdout
-    assert _losses(full) == _losses(resumed)
+    assert full == _losses(resumed)
 
 
-def _reshard(tmp_path: Path, run_pretrain, n_from: int, n_to: int) -> None:
+def _layout(n: int) -> List[str]:
+    return ["--data-parallel-intra-node-size", str(2 if n == 4 else 1)]
+
+
+def _reshard(tmp_path: Path, run_pretrain, n_from: int, n_to: int,
+             trained: Optional[Tuple[List[Tuple[int, float]], Path]] = None) -> None:
     """Train SDP4Bit+LoCo on n_from ranks (as n_from/2 x 2 or 2 x 1 nodes), save at 4, resume
-    on n_to ranks: the loss continues from where it was, not from a fresh model."""
-    def layout(n: int) -> List[str]:
-        return ["--data-parallel-intra-node-size", str(2 if n == 4 else 1)]
-
-    full, resumed, ckpt = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
-    _ok(run_pretrain(BASE + SDP4BIT_LOCO + layout(n_from) + [
-        "--ckpt-format", "torch_dist", "--jsonl-log", str(full), "--save", str(ckpt),
-        "--save-interval", "4"], nproc=n_from))
+    on n_to ranks: the loss continues from where it was, not from a fresh model. ``trained``:
+    that run's (losses, checkpoint) if it exists already (it is copied, not changed)."""
+    resumed, ckpt = tmp_path / "resumed.jsonl", tmp_path / "ckpt"
+    if trained is None:
+        full = tmp_path / "full.jsonl"
+        _ok(run_pretrain(BASE + SDP4BIT_LOCO + _layout(n_from) + [
+            "--ckpt-format", "torch_dist", "--jsonl-log", str(full), "--save", str(ckpt),
+            "--save-interval", "4"], nproc=n_from))
+        full_losses = _losses(full)
+    else:
+        full_losses, source = trained
+        shutil.copytree(source, ckpt)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("4")  # resume from the middle
-    res = run_pretrain(BASE + SDP4BIT_LOCO + layout(n_to) + [
+    res = run_pretrain(BASE + SDP4BIT_LOCO + _layout(n_to) + [
         "--jsonl-log", str(resumed), "--load", str(ckpt)], nproc=n_to)
     _ok(res)
     print(res.stdout)
     assert (f"DP={n_from}; this run has TP=1, PP=1, DP={n_to}: model and optimizer states "
             "resharded") in res.stdout
     assert "quantization state re-derived for the new layout" in res.stdout
-    a, b = dict(_losses(full)), dict(_losses(resumed))
+    a, b = dict(full_losses), dict(_losses(resumed))
     assert sorted(b) == [5, 6, 7, 8]
     # Another DP size sums the gradients in another order and quantizes other partitions, so
     # the continuation is close, not identical; a fresh model would start near ln(128) = 4.85.
@@ -80,8 +108,9 @@ def test_torch_dist_sdp4bit_loco_4_ranks_resumed_on_2(tmp_path: Path, run_pretra
     _reshard(tmp_path, run_pretrain, 4, 2)
 
 
-def test_torch_dist_sdp4bit_loco_2_ranks_resumed_on_4(tmp_path: Path, run_pretrain) -> None:
-    _reshard(tmp_path, run_pretrain, 2, 4)
+def test_torch_dist_sdp4bit_loco_2_ranks_resumed_on_4(tmp_path: Path, run_pretrain,
+                                                      sdp4bit_loco_2_ranks) -> None:
+    _reshard(tmp_path, run_pretrain, 2, 4, trained=sdp4bit_loco_2_ranks)
 
 
 def test_torch_dist_quantization_switched_on_and_off_at_resume(tmp_path: Path,
@@ -149,14 +178,13 @@ def test_missing_checkpoint_is_said_once_and_can_be_an_error(tmp_path: Path,
     assert (real / "latest_checkpointed_iteration.txt").read_text() == "2"
 
 
-def test_rank_killed_while_checkpoint_is_written_then_resume(tmp_path: Path,
-                                                             run_pretrain) -> None:
+def test_rank_killed_while_checkpoint_is_written_then_resume(tmp_path: Path, run_pretrain,
+                                                             sdp4bit_loco_2_ranks) -> None:
     """kill -9 of rank 1 after it wrote its file of iteration 4, before the checkpoint was
     complete: iteration 4 must not be loadable, the resume starts from 2 and reproduces the
-    uninterrupted losses bit for bit."""
+    uninterrupted losses bit for bit (those of the same run saving torch_dist checkpoints)."""
     args = BASE + SDP4BIT_LOCO + ["--data-parallel-intra-node-size", "1"]
-    full, resumed, ckpt = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
-    _ok(run_pretrain(args + ["--jsonl-log", str(full)]))
+    resumed, ckpt = tmp_path / "resumed.jsonl", tmp_path / "ckpt"
     os.environ["MEGATRON_FAULT_INJECTION"] = "kill:checkpoint-written:4:1"
     try:
         res = run_pretrain(args + ["--jsonl-log", str(resumed), "--save", str(ckpt),
@@ -170,7 +198,7 @@ def test_rank_killed_while_checkpoint_is_written_then_resume(tmp_path: Path,
                                "--load", str(ckpt)])
     _ok(res)
     assert "loaded checkpoint from" in res.stdout and "at iteration 2" in res.stdout
-    a = _losses(full)
+    a = sdp4bit_loco_2_ranks[0]
     b = [r for r in _losses(resumed) if r[0] <= 2] + [r for r in _losses(resumed)[-6:]]
     assert a == b
     assert not [p for p in ckpt.iterdir() if p.name.startswith(".")]  # temp dir cleaned up

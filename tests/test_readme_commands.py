@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL_QUICKSTART = {"TRAIN_ITERS": "4", "LOG_INTERVAL": "2", "CORPUS_BYTES": "400000", "VOCAB_SIZE": "1000"}
@@ -164,10 +165,16 @@ def pip_install_dry(command: str, work: Path) -> None:
     assert res.returncode == 0 and "Would install" in res.stdout, res.stdout + res.stderr
 
 
-def gpu_selfcheck_dry(command: str, work: Path) -> None:
-    """No GPU here: its --dry-run (tests/test_gpu_selfcheck.py checks the steps)."""
-    out = _run(f"{command} --dry-run", work, _env(), timeout=600)
-    assert "dry run" in out
+def gpu_selfcheck_without_gpu(command: str, work: Path) -> None:
+    """The command as written, on a machine without a GPU: it says so at its first step and
+    stops (tests/test_gpu_selfcheck.py runs its --dry-run, which checks every step's command)."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the command would run every step")
+    res = subprocess.run(command.split(), cwd=REPO, env=_env(SELFCHECK_DIR=str(work / "run")),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "env: FAIL (torch sees no CUDA device" in res.stdout, res.stdout[-3000:]
+    assert "stopping: every later step needs a GPU" in res.stdout
 
 
 RUNNERS: Dict[str, Callable[[str, Path], None]] = {
@@ -191,7 +198,7 @@ RUNNERS: Dict[str, Callable[[str, Path], None]] = {
     "--output loss.png": plot_logs,
     "pip install -e .": pip_install_dry,
     "pip install -e .[gpu]": pip_install_dry,
-    "bash scripts/gpu_selfcheck.sh": gpu_selfcheck_dry,
+    "bash scripts/gpu_selfcheck.sh": gpu_selfcheck_without_gpu,
 }
 
 

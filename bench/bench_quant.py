@@ -21,9 +21,10 @@ call reads anything back.  On CUDA, ``--timing device`` (the default) is the ker
 ``triton.testing.do_bench``'s median of CUDA-event timings, with L2 flushed before each call and
 the host running ahead of the GPU; the ``host us`` column is the host's enqueue time per call
 (back-to-back calls, no synchronisation), which bounds a call from below when it exceeds the GPU
-time.  ``--timing per-call-sync`` is what the tables before 2026-11-28 measured: the wall time of
-one call followed by ``torch.cuda.synchronize()``, with the seed drawn from a CUDA generator and
-the non-finite count read back (two host round trips per call, which the trainer never pays).
+time.  ``--timing per-call-sync`` is what the kernel tables of 2026-11-27 in docs/performance.md
+measured: the wall time of one call followed by ``torch.cuda.synchronize()``, with the seed
+drawn from a CUDA generator and the non-finite count read back (two host round trips per call,
+which the trainer never pays).
 ``--compare-kernels FILE`` also benchmarks another version of ``triton_kernels.py`` (for example
 a previous commit's, from ``git show``) in the same process, against the same copy bandwidth.
 """
@@ -234,8 +235,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--timing", choices=TIMINGS, default="device",
                     help="CUDA only: 'device' = GPU time per call, as the trainer calls the "
                          "kernels (default); 'per-call-sync' = wall time of one call + "
-                         "synchronize with two read-backs per call (the tables before "
-                         "2026-11-28)")
+                         "synchronize with two read-backs per call (the kernel tables of "
+                         "2026-11-27)")
     ap.add_argument("--compare-kernels", default="", metavar="FILE[,FILE]",
                     help="other versions of triton_kernels.py to benchmark beside the current "
                          "one (CUDA), e.g. from `git show REV:megatron/distributed/quant/"

@@ -290,6 +290,11 @@ def step_outcome(ok: bool, reason: str, loss: float) -> Tuple[bool, bool]:
 
 
 def _loss_scale(optimizer: Any) -> float:
+    """The loss scale. Without a grad scaler (bf16, fp32, the PaRO engine) it is 1.0, and it is
+    not read from the device: megatron-core keeps that constant in a CUDA tensor, and reading it
+    back is a host synchronisation (two per step before, one of them after the update)."""
+    if not _has_loss_scaler(optimizer):
+        return 1.0
     try:
         return float(optimizer.get_loss_scale())
     except Exception:
@@ -309,6 +314,11 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
                      model=model, num_microbatches=get_num_microbatches(),
                      seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                      decoder_seq_length=args.seq_length, forward_only=False)
+    # The loss is read back here, where the host waits for the backward anyway (the gradient
+    # norm below waits for it too). Read after the update, it would also make the host wait for
+    # the optimizer instead of queuing the next iteration behind it: on a GPU, nothing in this
+    # file reads the device after the update is queued (tests/test_step_syncs.py).
+    loss = _reduce_losses(losses, device)
     scale_before = _loss_scale(optimizer)
     ok, grad_norm, reason = optimizer_step(optimizer)
     if ok:
@@ -319,7 +329,6 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     else:
         ratio = (_loss_scale(optimizer) / scale_before) if reason == "overflow" else None
         integration.on_step_skipped(model, ratio)
-    loss = _reduce_losses(losses, device)
     return loss, ok, grad_norm, reason
 
 

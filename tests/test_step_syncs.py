@@ -1,0 +1,131 @@
+"""Where the training step reads the device back: never after the optimizer's update is queued.
+
+Why: on a GPU every ``.item()`` / ``float(tensor)`` / ``bool(tensor)`` makes the host wait until
+the stream has run everything queued before it. Read after the update, the step's loss (or the
+constant loss scale of a bf16 run, which megatron-core keeps in a CUDA tensor) made the host
+wait for the optimizer, instead of loading the next batch and queuing the next forward while the
+GPU still updates. There is no GPU here, so the reads are recorded on CPU ranks by their caller:
+a read whose immediate caller is in the trainer (``megatron/training``) or in the quantized
+layer (``megatron/distributed/quant``) is one a GPU run would make on a device tensor.
+megatron-core's own reads (its gradient norm) and the CPU mode's device mapping are not ours and
+are not counted.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import partial
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from dist_harness import run_distributed
+
+SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+OURS = (os.sep + os.path.join("megatron", "training") + os.sep,
+        os.sep + os.path.join("megatron", "distributed", "quant") + os.sep)
+NOT_A_DEVICE_READ = (os.path.join("megatron", "training", "cpu_mode.py"),)
+"""The CPU mode maps CUDA factory calls to the CPU; what it converts there is the caller's."""
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--train-iters", "10", "--lr", "3e-3", "--mock-data",
+        "--vocab-size", "128", "--make-vocab-size-divisible-by", "8", "--device", "cpu",
+        "--bf16", "--use-distributed-optimizer", "--clip-grad", "1.0"]
+SDP4BIT = ["--quantized-weights", "--quantized-gradients", "--hadamard-transform", "--loco",
+           "--data-parallel-intra-node-size", "1", "--overlap-grad-reduce",
+           "--overlap-param-gather"]
+
+
+class StepRecorder:
+    """Records, in order, the trainer's and the quantized layer's device reads and the moment
+    the optimizer's update is queued."""
+
+    def __init__(self) -> None:
+        self.events: List[str] = []
+        self.active = False
+        self._originals: Dict[str, Any] = {}
+
+    def _wrap(self, name: str) -> None:
+        original = getattr(torch.Tensor, name)
+        self._originals[name] = original
+        recorder = self
+
+        def recorded(tensor, *args, **kwargs):
+            if recorder.active:
+                caller = sys._getframe(1)
+                path = caller.f_code.co_filename
+                if any(d in path for d in OURS) and not path.endswith(NOT_A_DEVICE_READ):
+                    short = path[path.index(os.sep + "megatron" + os.sep) + 1:]
+                    recorder.events.append(f"read {short}:{caller.f_lineno} ({name})")
+            return original(tensor, *args, **kwargs)
+
+        setattr(torch.Tensor, name, recorded)
+
+    def __enter__(self) -> "StepRecorder":
+        for name in SYNC_METHODS:
+            self._wrap(name)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._originals.items():
+            setattr(torch.Tensor, name, original)
+
+    def mark_updates(self, optimizer) -> None:
+        step = optimizer.step_with_ready_grads
+
+        def marked(*args, **kwargs):
+            if self.active:
+                self.events.append("update")
+            return step(*args, **kwargs)
+
+        optimizer.step_with_ready_grads = marked
+
+
+def _step_events(rank: int, world: int, extra: List[str]) -> Dict[str, Any]:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    from megatron.training import training as T
+    from megatron.training.arguments import parse_args
+    from megatron.training.initialize import initialize_megatron, set_random_seed
+    from tools.paro_strategy_table import synthetic_batches
+
+    args = parse_args(TINY + extra)
+    initialize_megatron(args)
+    set_random_seed(1234, "cpu")
+    config = T.build_transformer_config(args)
+    args.padded_vocab_size = 128
+    model = T.get_model(args, config, 128)
+    opt, sched = T.get_optimizer_and_scheduler(args, model)
+    T.configure_schedule(args, config, model, opt)
+    micro = args.global_batch_size // (args.micro_batch_size * world)
+    batches = synthetic_batches(rank, 0, 3, micro=micro, mbs=2, seq=32, vocab=128)
+    steps = []
+    with StepRecorder() as recorder:
+        recorder.mark_updates(opt)
+        for _ in range(3):
+            recorder.events = []
+            recorder.active = True
+            loss, ok, _, _ = T.train_step(args, partial(T.forward_step, args), batches, model,
+                                          opt, sched, torch.device("cpu"))
+            recorder.active = False
+            assert ok
+            steps.append({"events": list(recorder.events), "loss": loss})
+    return {"steps": steps}
+
+
+@pytest.mark.parametrize("flags", [[], SDP4BIT], ids=["baseline", "sdp4bit-loco-overlap"])
+def test_no_device_read_after_the_update_is_queued(tmp_path, flags) -> None:
+    results = run_distributed(2, partial(_step_events, extra=flags), tmp_path)
+    for rank, result in enumerate(results):
+        for i, step in enumerate(result["steps"]):
+            events = step["events"]
+            assert events.count("update") == 1, (rank, i, events)
+            after = events[events.index("update") + 1:]
+            assert after == [], f"rank {rank}, step {i}: read after the update: {after}"
+            # the step's loss: one read, by the trainer (the quantized layer adds its once-per-
+            # step agreement on non-finite gradients, tests/test_host_sync_budget.py)
+            trainer_reads = [e for e in events if "megatron/training/" in e]
+            assert len(trainer_reads) == 1, (rank, i, events)
+            assert torch.isfinite(torch.tensor(step["loss"]))
+    assert results[0]["steps"][-1]["loss"] == results[1]["steps"][-1]["loss"]

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
-SCHEMA = 1                       # bump when the cached record's fields change
+SCHEMA = 2                       # bump when the cached record's fields change
 HBM_BYTES_PER_S = 3.35e12        # H100 SXM HBM3
 BUCKET_ELEMENTS = 1.3e9          # a 1.3B-parameter model's gradient / weight bucket
 GPUS_PER_NODE = 8                # D: sources summed by the middle hop (for the byte model)
@@ -467,6 +467,16 @@ class Cache:
             raise
 
 
+def data_movement_counts(ttgir: str, ptx: str) -> Dict[str, int]:
+    """What moves data between threads, statically: Triton's layout conversions (TTGIR
+    ``ttg.convert_layout``, through shared memory or shuffles), CTA barriers and warp shuffles in
+    the PTX. In these memory-bound kernels each is arithmetic-free overhead beside the HBM
+    traffic (the Hadamard butterfly's cost, docs/performance.md)."""
+    return {"layout_conversions": ttgir.count("ttg.convert_layout"),
+            "barriers": len(re.findall(r"\b(?:bar|barrier)\.sync\b", ptx)),
+            "shuffles": len(re.findall(r"\bshfl\.sync\b", ptx))}
+
+
 def compile_spec(spec: Spec, triton_cache_dir: str) -> Tuple[Dict[str, Any], bytes]:
     """``triton.compile`` one specialisation; returns (record, cubin).
 
@@ -491,6 +501,7 @@ def compile_spec(spec: Spec, triton_cache_dir: str) -> Tuple[Dict[str, Any], byt
     if not cubin.startswith(b"\x7fELF") or spec.kernel.encode() not in cubin:
         raise RuntimeError(f"{spec.kernel}: triton.compile returned no cubin with the entry function")
     rec = {"schema": SCHEMA, **parse_ptxas_log(buf.getvalue(), spec.kernel),
+           **data_movement_counts(ck.asm.get("ttgir", ""), ck.asm.get("ptx", "")),
            "smem_dynamic": int(ck.metadata.shared), "num_warps": int(ck.metadata.num_warps),
            "cubin_bytes": len(cubin), "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
            "compile_s": round(seconds, 3), "arch": ck.metadata.target.arch}
@@ -652,16 +663,17 @@ def _fmt_bytes(row: Dict[str, Any]) -> str:
 def format_text(rows: Sequence[Dict[str, Any]]) -> str:
     """Aligned plain-text table, one line per (specialisation, target)."""
     head = ["kernel", "specialisation", "used by", "target", "regs", "spill st/ld B", "smem B",
-            "B/elem R+W", "1.3B @3.35TB/s ms"]
+            "cvt/bar/shfl", "B/elem R+W", "1.3B @3.35TB/s ms"]
     body = []
     for r in rows:
         if r["error"]:
             body.append([r["kernel"], r["specialisation"], r["used_by"], r["target"],
-                         "FAILED", "-", "-", _fmt_bytes(r), "-"])
+                         "FAILED", "-", "-", "-", _fmt_bytes(r), "-"])
             continue
         body.append([r["kernel"], r["specialisation"], r["used_by"], r["target"], str(r["regs"]),
                      f"{r['spill_stores']}/{r['spill_loads']}",
-                     str(r["smem_dynamic"] + r["smem_static"]), _fmt_bytes(r),
+                     str(r["smem_dynamic"] + r["smem_static"]),
+                     f"{r['layout_conversions']}/{r['barriers']}/{r['shuffles']}", _fmt_bytes(r),
                      f"{r['roofline_ms']:.2f}" if "roofline_ms" in r else "n/a"])
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()

@@ -168,6 +168,11 @@ def cases(impl, n: int, bits: int, gs: int, dev: str, data_gen: torch.Generator,
     x = torch.randn(n, device=dev, generator=data_gen)
     qb = n * bits // 8 + 4 * (n // gs)                       # packed bytes of n elements
     gen = conv.seed_generator
+    if impl is R and dev == "cuda":
+        # the torch reference draws all n noise values from the generator: on a host generator
+        # its rows would time the CPU's RNG and a copy, not the device (the trainer never runs
+        # the reference on CUDA; these rows are a comparison only)
+        gen = data_gen
     qkw = conv.quantizing_kwargs(impl.quantize)
     pkw = conv.quantizing_kwargs(impl.quantize_partitions)
     dkw = conv.quantizing_kwargs(impl.quantize_difference)
@@ -262,7 +267,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             print(f"# C++ CPU kernels unavailable: {C.build_error()!r}")
     if dev == "cuda":
-        from megatron.distributed.quant.kernels import triton_kernels as T
+        try:
+            from megatron.distributed.quant.kernels import triton_kernels as T
+        except Exception as exc:  # the product refuses CUDA without Triton too
+            ap.error(f"--device cuda: the Triton kernels cannot be imported: {exc!r}")
         backends["triton"] = T
         for path in filter(None, args.compare_kernels.split(",")):
             label, module = load_kernels(path)

@@ -96,26 +96,27 @@ def model_parallel_world_of_one(seed: Optional[int] = None) -> Iterator[None]:
 
 PRELOADED_MODULES = ("torch", "torch.distributed", "megatron.core")
 """Imported once, by the fork server the ranks are forked from, instead of by every rank (about
-5 s of CPU per rank: megatron-core's import compiles its fusions' wrappers). Only third-party
-modules: ours are imported by each rank after its environment is restored (some read the
-environment at import, e.g. TRITON_INTERPRET)."""
+5 s of CPU per rank: megatron-core's import compiles its fusions' wrappers). Their import-time
+reads of the environment (and those of what they import: torch._inductor, triton.language) see
+the environment of the first :func:`run_distributed` call, which tests/conftest.py has already
+set up (TRITON_INTERPRET, thread counts); our modules are imported by each rank after its
+environment is restored. The import initialises no CUDA context (a forked rank could not use
+one): tests/test_dist_harness.py checks that."""
 
 
 def _rank_context():
     """The multiprocessing context of the ranks: a fork server with :data:`PRELOADED_MODULES`
-    (torch's "spawn" re-imports them per rank). Its children inherit the server's environment
-    and ``sys.path``, not the test's: :func:`_entry` restores the test's before it unpickles the
-    job (whose function may live in a module only the test's ``sys.path`` finds)."""
+    (torch's "spawn" re-imports them per rank). multiprocessing hands each rank the caller's
+    ``sys.path``, but its environment is the server's: :func:`_entry` restores the caller's
+    before it unpickles the job, whose modules may read it at import."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOADED_MODULES))
     return ctx
 
 
-def _entry(rank: int, world: int, port: int, job: bytes, out_dir: str, environ: dict,
-           sys_path: list) -> None:
-    os.environ.clear()              # the test's environment and import path, not the server's
+def _entry(rank: int, world: int, port: int, job: bytes, out_dir: str, environ: dict) -> None:
+    os.environ.clear()              # the test's environment, not the fork server's
     os.environ.update(environ)
-    sys.path[:] = sys_path
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)  # gloo *_tensor deprecation notes
     init_process_group(rank, world, port)
@@ -143,8 +144,7 @@ def run_distributed(world: int, fn, out_dir, *args) -> list:
     out_dir = str(out_dir)
     _rank_context()
     job = pickle.dumps((fn, args))
-    ctx = mp.start_processes(_entry, args=(world, free_port(), job, out_dir, dict(os.environ),
-                                           list(sys.path)),
+    ctx = mp.start_processes(_entry, args=(world, free_port(), job, out_dir, dict(os.environ)),
                              nprocs=world, join=False, start_method="forkserver")
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     try:

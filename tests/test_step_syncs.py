@@ -1,4 +1,5 @@
-"""Where the training step reads the device back: never after the optimizer's update is queued.
+"""Where the training step reads the device back: the loss once, after megatron-core's gradient
+norm has waited for the device, and nothing after the optimizer's update is queued.
 
 Why: on a GPU every ``.item()`` / ``float(tensor)`` / ``bool(tensor)`` makes the host wait until
 the stream has run everything queued before it. Read after the update, the step's loss (or the
@@ -72,15 +73,17 @@ class StepRecorder:
         for name, original in self._originals.items():
             setattr(torch.Tensor, name, original)
 
-    def mark_updates(self, optimizer) -> None:
-        step = optimizer.step_with_ready_grads
+    def mark(self, optimizer, method: str, label: str) -> None:
+        """Record ``label`` when ``optimizer.<method>`` returns."""
+        call = getattr(optimizer, method)
 
         def marked(*args, **kwargs):
+            result = call(*args, **kwargs)
             if self.active:
-                self.events.append("update")
-            return step(*args, **kwargs)
+                self.events.append(label)
+            return result
 
-        optimizer.step_with_ready_grads = marked
+        setattr(optimizer, method, marked)
 
 
 def _step_events(rank: int, world: int, extra: List[str]) -> Dict[str, Any]:
@@ -102,7 +105,8 @@ def _step_events(rank: int, world: int, extra: List[str]) -> Dict[str, Any]:
     batches = synthetic_batches(rank, 0, 3, micro=micro, mbs=2, seq=32, vocab=128)
     steps = []
     with StepRecorder() as recorder:
-        recorder.mark_updates(opt)
+        recorder.mark(opt, "get_grad_norm", "norm")        # megatron-core's read: a drained stream
+        recorder.mark(opt, "step_with_ready_grads", "update")
         for _ in range(3):
             recorder.events = []
             recorder.active = True
@@ -120,12 +124,14 @@ def test_no_device_read_after_the_update_is_queued(tmp_path, flags) -> None:
     for rank, result in enumerate(results):
         for i, step in enumerate(result["steps"]):
             events = step["events"]
-            assert events.count("update") == 1, (rank, i, events)
-            after = events[events.index("update") + 1:]
+            assert events.count("update") == 1 and events.count("norm") == 1, (rank, i, events)
+            after = events[events.index("update"):][1:]
             assert after == [], f"rank {rank}, step {i}: read after the update: {after}"
-            # the step's loss: one read, by the trainer (the quantized layer adds its once-per-
-            # step agreement on non-finite gradients, tests/test_host_sync_budget.py)
-            trainer_reads = [e for e in events if "megatron/training/" in e]
+            # the step's loss: one read, by the trainer, after the gradient norm has waited for
+            # the device (the quantized layer adds its once-per-step agreement on non-finite
+            # gradients before it, tests/test_host_sync_budget.py)
+            trainer_reads = [j for j, e in enumerate(events) if "megatron/training/" in e]
             assert len(trainer_reads) == 1, (rank, i, events)
+            assert events.index("norm") < trainer_reads[0] < events.index("update"), events
             assert torch.isfinite(torch.tensor(step["loss"]))
     assert results[0]["steps"][-1]["loss"] == results[1]["steps"][-1]["loss"]

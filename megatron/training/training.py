@@ -22,7 +22,7 @@ import math
 import os
 import time
 from functools import partial
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -220,8 +220,10 @@ def forward_step(args: argparse.Namespace, data_iterator: Iterator, model: torch
     return output, partial(loss_func, loss_mask)
 
 
-def _reduce_losses(losses_reduced: List[Dict[str, torch.Tensor]], device: torch.device) -> float:
-    """Average LM loss over microbatches and DP ranks, broadcast from the last PP stage."""
+def _sum_losses(losses_reduced: List[Dict[str, torch.Tensor]],
+                device: torch.device) -> torch.Tensor:
+    """[sum of LM losses, token count] over microbatches and DP ranks, broadcast from the last PP
+    stage; on the device, not read back (see :func:`_mean_loss`)."""
     from megatron.core import parallel_state as ps
 
     total = torch.zeros(2, dtype=torch.float64, device=device)
@@ -232,14 +234,29 @@ def _reduce_losses(losses_reduced: List[Dict[str, torch.Tensor]], device: torch.
     if ps.get_pipeline_model_parallel_world_size() > 1:
         src = ps.get_pipeline_model_parallel_last_rank()
         torch.distributed.broadcast(total, src=src, group=ps.get_pipeline_model_parallel_group())
+    return total
+
+
+def _mean_loss(total: torch.Tensor) -> float:
+    """The mean LM loss of a :func:`_sum_losses` total (reads the device)."""
     return float(total[0] / torch.clamp(total[1], min=1.0))
 
 
-def optimizer_step(optimizer: Any) -> Tuple[bool, Optional[float], str]:
+def _reduce_losses(losses_reduced: List[Dict[str, torch.Tensor]], device: torch.device) -> float:
+    """Average LM loss over microbatches and DP ranks, broadcast from the last PP stage."""
+    return _mean_loss(_sum_losses(losses_reduced, device))
+
+
+def optimizer_step(optimizer: Any, before_update: Optional[Callable[[], None]] = None
+                   ) -> Tuple[bool, Optional[float], str]:
     """Step unless the gradients overflowed (fp16) or their global norm is not finite.
 
     Returns (update_successful, grad_norm, reason) with reason in {'', 'overflow', 'nan'}.
     Mirrors megatron-core's MixedPrecisionOptimizer/ChainedOptimizer.step, plus the NaN check.
+
+    ``before_update`` runs once, when the verdict is known and before the update is queued (or
+    at return when there is none): the host has just waited for the device there (the gradient
+    norm, or the non-finite agreement), so a read of the device in it waits for nothing more.
 
     The reason is the same on every path for the same event (every rank agrees on it: the
     verdicts below are all-reduced): 'overflow' only under fp16 loss scaling (the grad scaler
@@ -250,12 +267,15 @@ def optimizer_step(optimizer: Any) -> Tuple[bool, Optional[float], str]:
     """
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
+    before_update = before_update or (lambda: None)
     if optimizer.prepare_grads():
+        before_update()
         if _has_loss_scaler(optimizer):
             return False, None, "overflow"
         return False, float("nan"), "nan"
     grad_norm = optimizer.get_grad_norm()
     grad_norm = float(grad_norm) if grad_norm is not None else None
+    before_update()
     if grad_norm is not None and not math.isfinite(grad_norm):
         return False, grad_norm, "nan"
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -314,13 +334,17 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
                      model=model, num_microbatches=get_num_microbatches(),
                      seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                      decoder_seq_length=args.seq_length, forward_only=False)
-    # The loss is read back here, where the host waits for the backward anyway (the gradient
-    # norm below waits for it too). Read after the update, it would also make the host wait for
-    # the optimizer instead of queuing the next iteration behind it: on a GPU, nothing in this
-    # file reads the device after the update is queued (tests/test_step_syncs.py).
-    loss = _reduce_losses(losses, device)
+    # The loss reduction is queued now and read where the optimizer step has just waited for the
+    # device (its gradient norm). Read after the update, it would make the host wait for the
+    # optimizer instead of queuing the next iteration behind it; read here, before the step's
+    # gradient work is queued. On a GPU nothing in this file reads the device after the update
+    # is queued (tests/test_step_syncs.py).
+    total = _sum_losses(losses, device)
+    read: List[float] = []
     scale_before = _loss_scale(optimizer)
-    ok, grad_norm, reason = optimizer_step(optimizer)
+    ok, grad_norm, reason = optimizer_step(optimizer,
+                                           before_update=lambda: read.append(_mean_loss(total)))
+    loss = read[0]
     if ok:
         scheduler.step(increment=args.global_batch_size)
         scale_after = _loss_scale(optimizer)

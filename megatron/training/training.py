@@ -334,11 +334,11 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
                      model=model, num_microbatches=get_num_microbatches(),
                      seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                      decoder_seq_length=args.seq_length, forward_only=False)
-    # The loss reduction is queued now and read where the optimizer step has just waited for the
-    # device (its gradient norm). Read after the update, it would make the host wait for the
-    # optimizer instead of queuing the next iteration behind it; read here, before the step's
-    # gradient work is queued. On a GPU nothing in this file reads the device after the update
-    # is queued (tests/test_step_syncs.py).
+    # The loss reduction is queued now and read inside optimizer_step, right after the gradient
+    # norm has waited for the device. Read after the update, it would make the host wait for the
+    # optimizer instead of queuing the next iteration behind it; read right here, it would stop
+    # the host before it queues the gradient-norm work. On a GPU nothing in this file reads the
+    # device after the update is queued (tests/test_step_syncs.py).
     total = _sum_losses(losses, device)
     read: List[float] = []
     scale_before = _loss_scale(optimizer)

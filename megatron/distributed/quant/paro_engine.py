@@ -53,8 +53,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .collectives import reduce_scatter_flat
-from .paro_comm import CommCounter, _count, _size, hierarchical_all_reduce
+from .paro_comm import CommCounter, _size, hierarchical_all_reduce
 from .paro_layout import Bucket, output_tensors, plan_buckets
 from .paro_strategy import Level, PaRoStrategy
 from .paro_transitions import LevelCollectives
@@ -603,26 +602,11 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         if self._quantize_gradients_now():
             handle, keep = self._quantized_rs(shard, full, scope, b, streams=self._grad_stages)
         else:
-            gg = self.grad_groups
-            hops = [("intra", gg.intra_group, self.m)]
-            if scope == "global":
-                hops.append(("inter", gg.inter_group, self.g))
-            numel = full.numel()
-            for link, _, k in hops:   # what _rs counts, hop by hop
-                _count(self.counter, link, "reduce_scatter", numel, full, k)
-                numel //= k
+            self._count_exact_reduce(full, scope)   # here, in the hook's thread, as _rs counts
 
-            def reduce() -> None:   # intra RS [, inter RS]: _rs / _global_rs on grad_groups
+            def reduce() -> None:
                 used_on_this_stage(full)
-                x = full
-                for i, (_, group, k) in enumerate(hops):
-                    y = shard if i == len(hops) - 1 else torch.empty(
-                        x.numel() // k, dtype=x.dtype, device=x.device)
-                    if k == 1:
-                        y.copy_(x)
-                    else:
-                        reduce_scatter_flat(y, x, group)
-                    x = y
+                self._exact_reduce(shard, full, scope, self.grad_groups)
             handle = self._grad_stages.submit("intra", reduce)
             keep = full
         self._pending.append((handle, shard, acc, keep))

@@ -26,9 +26,11 @@ __all__ = ["LevelCollectives"]
 class LevelCollectives:
     """Level-transition collectives (mixin; see the module docstring)."""
 
-    def _scope(self, scope: str) -> Tuple[Any, int]:
-        """(process group, its size) of the 'intra' or 'inter' scope."""
-        return (self.intra_group, self.m) if scope == "intra" else (self.inter_group, self.g)
+    def _scope(self, scope: str, groups: Any = None) -> Tuple[Any, int]:
+        """(process group, its size) of the 'intra' or 'inter' scope; of ``groups`` (a set of the
+        same layout, e.g. the engine's ``grad_groups``) instead of the engine's own if given."""
+        owner = self if groups is None else groups
+        return (owner.intra_group, self.m) if scope == "intra" else (owner.inter_group, self.g)
 
     def _ag(self, out: torch.Tensor, inp: torch.Tensor, scope: str) -> None:
         """All-gather at 'intra' / 'inter' scope ('inter' works on the 1/m slice), counted."""
@@ -52,6 +54,30 @@ class LevelCollectives:
             return
         _reduce_scatter(out, inp.contiguous(), group, dist.ReduceOp.SUM)
         _count(self.counter, scope, "reduce_scatter", inp.numel(), inp, k)
+
+    def _exact_reduce(self, out: torch.Tensor, full: torch.Tensor, scope: str,
+                      groups: Any = None) -> None:
+        """Exact SUM reduce-scatter of a full bucket buffer to this rank's shard at 'intra' (intra
+        RS) or 'global' (intra RS, then inter RS of the 1/m slice), on ``groups`` (see
+        :meth:`_scope`). Not counted (:meth:`_count_exact_reduce`): the overlapped engine counts
+        in the hook's thread and sends on a communication stage."""
+        hops = ("intra",) if scope == "intra" else ("intra", "inter")
+        x = full
+        for i, hop in enumerate(hops):
+            group, k = self._scope(hop, groups)
+            y = out if i == len(hops) - 1 else torch.empty(x.numel() // k, dtype=x.dtype,
+                                                           device=x.device)
+            if k == 1:
+                y.copy_(x)
+            else:
+                _reduce_scatter(y, x.contiguous(), group, dist.ReduceOp.SUM)
+            x = y
+
+    def _count_exact_reduce(self, full: torch.Tensor, scope: str) -> None:
+        """What :meth:`_rs` counts for the hops of :meth:`_exact_reduce`."""
+        _count(self.counter, "intra", "reduce_scatter", full.numel(), full, self.m)
+        if scope != "intra":
+            _count(self.counter, "inter", "reduce_scatter", full.numel() // self.m, full, self.g)
 
     def _ar(self, t: torch.Tensor, scope: str) -> None:
         group, k = self._scope(scope)
@@ -110,10 +136,9 @@ class LevelCollectives:
             g_shard = torch.empty(full.numel() // self.n, dtype=full.dtype, device=full.device)
             self._quantized_rs(g_shard, full, "global", b)
             return g_shard
-        i_slice = torch.empty(full.numel() // self.m, dtype=full.dtype, device=full.device)
-        self._rs(i_slice, full, "intra", b)
         g_shard = torch.empty(full.numel() // self.n, dtype=full.dtype, device=full.device)
-        self._rs(g_shard, i_slice, "inter", b)
+        self._exact_reduce(g_shard, full, "global")
+        self._count_exact_reduce(full, "global")
         return g_shard
 
     def _global_ag(self, full: torch.Tensor, g_shard: torch.Tensor) -> None:

@@ -115,7 +115,10 @@ class StreamAllocationCheck(TorchDispatchMode):
     operand of an op, and by a fake collective) records a use of a tensor on the current stream;
     :meth:`hazards` lists reads of a block allocated on another *stage* stream that was never
     ``record_stream``-ed to the reader. Blocks allocated on the default stream are the caller's
-    buffers, which the caller keeps until it waits (not a hazard)."""
+    buffers, which the caller keeps until it waits (not a hazard) -- unless a stage job drops the
+    last reference itself: a block freed by the host while a stage that read it is enqueuing (its
+    kernels still pending) goes back to its allocating stream's pool at once, so that is a hazard
+    too, wherever the block was allocated (LoCo's error buffers after a resume)."""
 
     def __init__(self, fake: FakeCuda) -> None:
         super().__init__()
@@ -128,6 +131,10 @@ class StreamAllocationCheck(TorchDispatchMode):
         """(allocation number, stream) of every ``record_stream`` hand-over: per allocation, so
         the hand-over of an earlier block at the same address protects nothing later."""
         self._allocations = itertools.count()
+        self.read_on: Dict[int, Set[str]] = {}
+        """allocation number -> streams that read it"""
+        self.freed_while_read: List[Tuple[str, str]] = []
+        """(allocating stream, reading stage) of blocks freed by that stage without hand-over"""
         fake.on_record.append(self._note_hand_over)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
@@ -153,19 +160,28 @@ class StreamAllocationCheck(TorchDispatchMode):
         return out
 
     def _forget(self, ptr: int, number: int) -> None:
-        if self.allocated_on.get(ptr, (None, None))[1] == number:
+        alloc = self.allocated_on.get(ptr, (None, None))
+        if alloc[1] == number:
             self.allocated_on.pop(ptr, None)
+        freeing = self.fake.current.name
+        if alloc[1] == number and freeing not in ("default", alloc[0]) and \
+                freeing in self.read_on.get(number, ()) and (number, freeing) not in self.protected:
+            self.freed_while_read.append((alloc[0], freeing))
+        self.read_on.pop(number, None)
 
     def note_read(self, tensor: torch.Tensor) -> None:
         ptr = tensor.untyped_storage().data_ptr()
         stage, number = self.allocated_on.get(ptr, ("default", -1))
         self.reads.append((ptr, stage, self.fake.current.name, number))
+        self.read_on.setdefault(number, set()).add(self.fake.current.name)
 
     def _note_hand_over(self, tensor: torch.Tensor, stream: str) -> None:
         ptr = tensor.untyped_storage().data_ptr()
         self.protected.add((self.allocated_on.get(ptr, ("default", -1))[1], stream))
 
     def hazards(self) -> List[Tuple[str, str]]:
-        """``(allocating stage, reading stage)`` of every unprotected cross-stage read."""
+        """``(allocating stage, reading stage)`` of every unprotected cross-stage read, and of
+        every block a reading stage freed without hand-over (see the class docstring)."""
         return [(alloc, reader) for _, alloc, reader, number in self.reads
-                if alloc not in ("default", reader) and (number, reader) not in self.protected]
+                if alloc not in ("default", reader) and (number, reader) not in self.protected
+                ] + list(self.freed_while_read)

@@ -18,7 +18,7 @@ the dispatcher.
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import pytest
 import torch
@@ -98,11 +98,12 @@ def _cuda_streams() -> CommStreams:
 
 
 def _reduce_scatter(streams: CommStreams, *, pipeline: int, loco: bool, hadamard: bool,
-                    buckets: int = 2) -> None:
+                    buckets: int = 2, ef_owner: Optional[LoCoErrorFeedback] = None) -> None:
     groups = _groups_2x2()
     gen = torch.Generator().manual_seed(0)
     flag = torch.zeros(1, dtype=torch.int32)
-    ef_owner = LoCoErrorFeedback() if loco else None
+    if ef_owner is None and loco:
+        ef_owner = LoCoErrorFeedback()
     handles = []
     for b in range(buckets):
         x = torch.randn(4 * 2 * GS * 2, generator=gen)
@@ -153,6 +154,41 @@ def test_the_check_catches_an_unprotected_cross_stage_read(fake_world, monkeypat
         _reduce_scatter(_cuda_streams(), pipeline=2, loco=False,
                         hadamard=False)
     assert check.hazards() and set(check.hazards()) == {("intra", "inter")}
+
+
+@pytest.mark.parametrize("error_bits", [8, 16])
+@pytest.mark.parametrize("made_by", ["resume", "inline step"])
+def test_loco_errors_made_on_the_compute_stream_are_kept_for_the_stage(
+        fake_world, monkeypatch, made_by: str, error_bits: int) -> None:
+    """LoCo's stored errors are normally made and replaced on the ``intra`` stage. After a resume
+    (``load_state_dict`` copies them on the compute stream) or an iteration that ran its
+    collectives inline (``--quantization-error-interval``), they belong to the compute stream's
+    pool; the next overlapped step's intra job reads them and then replaces them, and without a
+    hand-over the compute stream could reuse the block while the stage's dequantize is still
+    pending: wrong errors, wrong gradients. With ``used_on_this_stage`` disabled (the code
+    before the fix) the check flags exactly those blocks."""
+    fake, check, _ = fake_world
+    streams = _cuda_streams()
+
+    def step_after(made_by: str) -> List[Tuple[str, str]]:
+        check.freed_while_read.clear()
+        check.reads.clear()
+        ef = LoCoErrorFeedback(error_bits=error_bits)
+        with check:
+            if made_by == "resume":
+                warm = LoCoErrorFeedback(error_bits=error_bits)
+                _reduce_scatter(CommStreams("inline"), pipeline=1, loco=True, hadamard=True,
+                                ef_owner=warm)
+                ef.load_state_dict(warm.state_dict())
+            else:
+                _reduce_scatter(CommStreams("inline"), pipeline=1, loco=True, hadamard=True,
+                                ef_owner=ef)
+            _reduce_scatter(streams, pipeline=2, loco=True, hadamard=True, ef_owner=ef)
+        return check.hazards()
+
+    assert step_after(made_by) == []
+    monkeypatch.setattr("megatron.distributed.quant.loco.used_on_this_stage", lambda *t: None)
+    assert set(step_after(made_by)) == {("default", "intra")}
 
 
 @pytest.mark.parametrize("pipeline,loco", [(1, False), (2, False), (2, True)])

@@ -125,7 +125,22 @@ def get_rng_state() -> Dict[str, Any]:
     return state
 
 
-def set_rng_state(state: Dict[str, Any]) -> None:
+def _tracker_states_fit(saved: Dict[str, torch.Tensor],
+                        current: Dict[str, torch.Tensor]) -> bool:
+    """Whether the saved tensor-parallel RNG states are states of this run's generator kind.
+
+    On a GPU the tracker holds CUDA generator states (16 bytes); in CPU mode, CPU generator
+    states (5056 bytes). megatron-core's ``set_states`` checks nothing, and a state of the other
+    kind fails at the first dropout after the resume ("RNG state is wrong size")."""
+    return all(name not in current or saved[name].numel() == current[name].numel()
+               for name in saved)
+
+
+def set_rng_state(state: Dict[str, Any], log: Any = print) -> None:
+    """Restore the generators of a checkpoint. The tensor-parallel tracker's states (dropout)
+    are restored only when they come from the same kind of generator: a checkpoint written on
+    CPU and resumed on a GPU (or the reverse) keeps the tracker states seeded from ``--seed``,
+    with a line saying so, instead of failing at the first dropout."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     random.setstate(state["random"])
@@ -133,7 +148,13 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
+    tracker = get_cuda_rng_tracker()
+    if _tracker_states_fit(state["tracker"], tracker.get_states()):
+        tracker.set_states(state["tracker"])
+    else:
+        log(" > the checkpoint's tensor-parallel RNG states (dropout) come from another kind of "
+            "generator (saved on CPU and resumed on a GPU, or the reverse): not restored; they "
+            "stay seeded from --seed, so dropout masks differ from an uninterrupted run")
 
 
 def _sub_optimizers(optimizer: Any) -> List[Any]:
@@ -510,7 +531,7 @@ def load_checkpoint(args: argparse.Namespace, model: List[torch.nn.Module], opti
             if hasattr(opt, "reload_model_params"):
                 opt.reload_model_params()
     if not finetune and not args.no_load_rng and "rng_state" in state:
-        set_rng_state(state["rng_state"])
+        set_rng_state(state["rng_state"], print_rank_0)
     attention_note = attention_resume_note(state.get("args"), args)  # same weights, other kernel
     if attention_note:
         print_rank_0(attention_note)

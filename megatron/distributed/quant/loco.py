@@ -33,6 +33,7 @@ from typing import Any, Dict, Hashable, Optional
 import torch
 
 from .kernels import QuantizedTensor, dequantize, quantize
+from .streams import used_on_this_stage
 
 __all__ = ["LoCoErrorFeedback", "LoCoBucketErrors"]
 
@@ -75,8 +76,13 @@ class LoCoBucketErrors:
         st = self._get(which, numel)
         if st is None:
             return torch.zeros(numel, dtype=torch.float32, device=device)
+        # On a CUDA stage the stored buffer may come from the compute stream's pool (a resume
+        # copies it there, an inline monitoring iteration makes it there); the caller replaces
+        # it right after this read, so the pool must wait for this stage's pending kernels.
         if st.q is not None:
+            used_on_this_stage(st.q.codes, st.q.scales)
             return dequantize(st.q)
+        used_on_this_stage(st.dense)
         return st.dense.to(torch.float32)
 
     def compensate(self, which: str, x: torch.Tensor, *, group_size: int) -> torch.Tensor:

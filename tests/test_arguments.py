@@ -111,6 +111,8 @@ def test_quantization_config_built_from_args() -> None:
     (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/nonexistent/vocab.json",
       "--merge-file", "/nonexistent/merges.txt"], "does not exist"),
     (["--save-interval", "5"], "needs --save"),
+    # accepted and ignored before: documents still attended to each other
+    (["--reset-attention-mask"], "--reset-attention-mask is not supported"),
 ])
 def test_bad_combinations_fail_clearly(extra: List[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as e:

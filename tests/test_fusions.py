@@ -74,11 +74,39 @@ def test_cuda_with_apex_on_the_local_spec() -> None:
 
 
 def test_cuda_with_te_spec() -> None:
-    plan = _plan("cuda", TE, te_spec=True, position_embedding_type="rope")
+    plan = _plan("cuda", TE | APEX, te_spec=True, position_embedding_type="rope")
     assert plan.persist_layer_norm is False and plan.masked_softmax_fusion is False
-    assert plan.gradient_accumulation_fusion and plan.apply_rope_fusion   # TE's own linears
+    assert plan.gradient_accumulation_fusion and plan.apply_rope_fusion
     assert (plan.optimizer, plan.multi_tensor) == ("transformer_engine", "transformer_engine")
     assert plan.fallbacks == ()
+
+
+def _output_layer_with(**config_kw) -> None:
+    """Build the GPT output layer as megatron-core's GPTModel does under every spec."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    with model_parallel_world_of_one():
+        cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                                use_cpu_initialization=True, **config_kw)
+        ColumnParallelLinear(64, 128, config=cfg, init_method=cfg.init_method, bias=False,
+                             skip_bias_add=False, gather_output=False)
+
+
+def test_te_without_apex_keeps_the_output_layer_buildable() -> None:
+    """TE's linear layers fuse the weight-gradient accumulation themselves, but the GPT output
+    layer is megatron-core's ColumnParallelLinear under every spec, and its constructor raises
+    without Apex's fused_weight_gradient_mlp_cuda: a pip install of TE alone could not build the
+    model on CUDA. Off, and the line says why."""
+    plan = _plan("cuda", TE, te_spec=True, position_embedding_type="rope")
+    assert plan.gradient_accumulation_fusion is False and plan.apply_rope_fusion
+    assert "gradient_accumulation_fusion (needs Apex's fused_weight_gradient_mlp_cuda" \
+        in plan.summary()
+    from megatron.core.tensor_parallel import layers
+    if not layers._grad_accum_fusion_available:      # what the plan avoids, on this machine
+        with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
+            _output_layer_with(gradient_accumulation_fusion=True)
+    _output_layer_with(gradient_accumulation_fusion=plan.gradient_accumulation_fusion)
 
 
 @pytest.mark.parametrize("strategy", ["auto", "NIG"])
@@ -86,7 +114,7 @@ def test_paro_engine_runs_without_gradient_accumulation_fusion(strategy: str) ->
     """Issue 25 item 10: TE's (or Apex's) fused weight-gradient GEMM writes into megatron-core's
     ``main_grad`` buffers and leaves ``param.grad`` empty; the PaRO engine's hooks read
     ``param.grad``, so the fusion would drop every weight gradient. Off, and the line says why."""
-    for installed, te_spec in ((TE, True), (APEX, False)):
+    for installed, te_spec in ((TE | APEX, True), (APEX, False)):
         plan = _plan("cuda", installed, te_spec=te_spec, paro_strategy=strategy)
         assert plan.gradient_accumulation_fusion is False
         assert ("gradient_accumulation_fusion (needs megatron-core's gradient buffers"
@@ -95,7 +123,7 @@ def test_paro_engine_runs_without_gradient_accumulation_fusion(strategy: str) ->
         assert ddp.gradient_accumulation_fusion      # only that switch changes
         assert dataclasses.replace(plan, gradient_accumulation_fusion=True, fallbacks=()) == ddp
     for megatron_core_ddp in (None, "NNG"):
-        assert _plan("cuda", TE, te_spec=True,
+        assert _plan("cuda", TE | APEX, te_spec=True,
                      paro_strategy=megatron_core_ddp).gradient_accumulation_fusion
 
 
@@ -177,6 +205,17 @@ def test_fused_adamw_and_foreach_ops_match_the_unfused_step(monkeypatch) -> None
     for p, t in zip(params, twins):
         torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
     assert fused_opt.param_groups[0]["fused"] is True
+
+    # after a load of a checkpoint written without fused (a CPU run): host fp64-or-fp32 steps
+    # move to the parameters' device (meta here: the fused kernel would get a host pointer)
+    on_device = [torch.nn.Parameter(torch.empty(8, device="meta"))]
+    loaded = torch.optim.AdamW(on_device, lr=1e-2)
+    loaded.state[on_device[0]]["step"] = torch.tensor(3.0, dtype=torch.float64)
+    assert "adam:step-to-device" in apply_optimizer_fusions(_plan("cuda", NOTHING), Leaf(loaded))
+    step = loaded.state[on_device[0]]["step"]
+    assert (step.device.type, step.dtype) == ("meta", torch.float32)
+    assert "adam:step-to-device" not in apply_optimizer_fusions(_plan("cuda", NOTHING),
+                                                                Leaf(loaded))
 
     # the _foreach replacements against an fp64 norm and megatron-core's own scale
     tensors = [torch.randn(1000), torch.randn(37, 5)]

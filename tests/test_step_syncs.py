@@ -33,7 +33,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--train-iters", "10", "--lr", "3e-3", "--mock-data",
         "--vocab-size", "128", "--make-vocab-size-divisible-by", "8", "--device", "cpu",
-        "--bf16", "--use-distributed-optimizer", "--clip-grad", "1.0"]
+        "--use-distributed-optimizer", "--clip-grad", "1.0"]
+FP16 = ["--fp16", "--initial-loss-scale", "128"]
 SDP4BIT = ["--quantized-weights", "--quantized-gradients", "--hadamard-transform", "--loco",
            "--data-parallel-intra-node-size", "1", "--overlap-grad-reduce",
            "--overlap-param-gather"]
@@ -118,8 +119,14 @@ def _step_events(rank: int, world: int, extra: List[str]) -> Dict[str, Any]:
     return {"steps": steps}
 
 
-@pytest.mark.parametrize("flags", [[], SDP4BIT], ids=["baseline", "sdp4bit-loco-overlap"])
+@pytest.mark.parametrize("flags", [["--bf16"], ["--bf16"] + SDP4BIT, FP16 + SDP4BIT],
+                         ids=["baseline", "sdp4bit-loco-overlap", "fp16-sdp4bit-loco-overlap"])
 def test_no_device_read_after_the_update_is_queued(tmp_path, flags) -> None:
+    """fp16 adds the loss scale (megatron-core keeps it in a device tensor): read once per step,
+    beside the loss, after prepare_grads has updated it; the next step takes it from there (it
+    was read before the optimizer step, waiting for the backward, and again after the update).
+    Only the first step reads it up front."""
+    fp16 = "--fp16" in flags
     results = run_distributed(2, partial(_step_events, extra=flags), tmp_path)
     for rank, result in enumerate(results):
         for i, step in enumerate(result["steps"]):
@@ -127,11 +134,72 @@ def test_no_device_read_after_the_update_is_queued(tmp_path, flags) -> None:
             assert events.count("update") == 1 and events.count("norm") == 1, (rank, i, events)
             after = events[events.index("update"):][1:]
             assert after == [], f"rank {rank}, step {i}: read after the update: {after}"
-            # the step's loss: one read, by the trainer, after the gradient norm has waited for
-            # the device (the quantized layer adds its once-per-step agreement on non-finite
-            # gradients before it, tests/test_host_sync_budget.py)
+            # the step's loss (and fp16's scale): read by the trainer after the gradient norm
+            # has waited for the device (the quantized layer adds its once-per-step agreement on
+            # non-finite gradients before it, tests/test_host_sync_budget.py)
             trainer_reads = [j for j, e in enumerate(events) if "megatron/training/" in e]
-            assert len(trainer_reads) == 1, (rank, i, events)
-            assert events.index("norm") < trainer_reads[0] < events.index("update"), events
+            if fp16 and i == 0:
+                assert trainer_reads[0] < events.index("norm"), events   # the initial scale
+                trainer_reads = trainer_reads[1:]
+            assert len(trainer_reads) == (2 if fp16 else 1), (rank, i, events)
+            assert all(events.index("norm") < j < events.index("update")
+                       for j in trainer_reads), events
             assert torch.isfinite(torch.tensor(step["loss"]))
     assert results[0]["steps"][-1]["loss"] == results[1]["steps"][-1]["loss"]
+
+
+def test_fp16_scale_changes_still_reach_the_quantized_layer(monkeypatch) -> None:
+    """The scale each step compares against is the one the previous step left (read inside
+    before_update): a grown scale rescales LoCo's errors, an overflow passes its ratio on."""
+    from megatron.training import training as T
+
+    class Fp16Optimizer:
+        grad_scaler = object()
+
+        def __init__(self) -> None:
+            self.scale = torch.tensor(128.0)
+
+        def get_loss_scale(self) -> torch.Tensor:
+            return self.scale
+
+        def zero_grad(self) -> None:
+            pass
+
+    class Chunk:
+        def zero_grad_buffer(self) -> None:
+            pass
+
+    class Scheduler:
+        def step(self, increment: int) -> None:
+            pass
+
+    # per step: the scale prepare_grads leaves, and the verdict
+    steps = iter([(256.0, True, ""), (128.0, False, "overflow"), (128.0, True, "")])
+
+    def fake_optimizer_step(optimizer, before_update=None):
+        scale, ok, reason = next(steps)
+        optimizer.scale = torch.tensor(scale)
+        before_update()
+        return ok, 1.0, reason
+
+    calls: List[Any] = []
+    monkeypatch.setattr(T, "optimizer_step", fake_optimizer_step)
+    monkeypatch.setattr(T, "_sum_losses",
+                        lambda losses, device: torch.tensor([6.0, 3.0], dtype=torch.float64))
+    monkeypatch.setattr("megatron.core.pipeline_parallel.get_forward_backward_func",
+                        lambda: (lambda **kw: []))
+    monkeypatch.setattr("megatron.core.num_microbatches_calculator.get_num_microbatches",
+                        lambda: 1)
+    monkeypatch.setattr(T.integration, "on_loss_scale_changed",
+                        lambda model, factor: calls.append(("rescale", factor)))
+    monkeypatch.setattr(T.integration, "on_step_skipped",
+                        lambda model, ratio: calls.append(("skipped", ratio)))
+
+    class Args:
+        seq_length = micro_batch_size = global_batch_size = 1
+
+    opt = Fp16Optimizer()
+    for _ in range(3):
+        loss, *_ = T.train_step(Args, None, None, [Chunk()], opt, Scheduler(), "cpu")
+        assert loss == 2.0
+    assert calls == [("rescale", 2.0), ("skipped", 0.5)]

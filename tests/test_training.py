@@ -12,6 +12,8 @@ import math
 import re
 from pathlib import Path
 
+import pytest
+
 LOG_RE = re.compile(
     r" iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \| elapsed time per iteration "
     r"\(ms\): [\d.]+ \| learning rate: [\d.E+-]+ \| global batch size:\s+8 \| lm loss: "
@@ -140,3 +142,21 @@ def test_run_ending_with_gathers_in_flight_exits_cleanly(tmp_path: Path, run_pre
     assert summary["type"] == "summary" and summary["iterations"] == 5
     logged = sum(r.get("weight_total_bytes", 0) for r in records if r["type"] == "train")
     assert logged + final[0]["weight_total_bytes"] == summary["weight_total_bytes"]
+
+
+def test_log_interval_rates_count_the_iterations_run() -> None:
+    """The first log line after a resume from iteration 1003 with --log-interval 10 covers 7
+    iterations: ms/iteration and tokens/s are per iteration run (the loop divided the
+    interval's time by --log-interval, over-reporting throughput by 10/7)."""
+    from megatron.training.training import LogInterval
+
+    interval = LogInterval()
+    for i in range(7):
+        interval.add(loss=2.0 + i, seconds=0.5, skipped=(i == 3), is_nan=False)
+    assert interval.iterations == 7
+    assert interval.ms_per_iteration() == pytest.approx(500.0)
+    assert interval.tokens_per_s(1000) == pytest.approx(2000.0)
+    assert interval.mean_loss() == pytest.approx(5.0) and interval.skipped == 1
+    interval.add(loss=float("nan"), seconds=0.5, skipped=True, is_nan=True)
+    assert interval.mean_loss() == pytest.approx(5.0) and (interval.skipped, interval.nan) == (2, 1)
+    assert LogInterval().ms_per_iteration() == 0.0 and math.isnan(LogInterval().mean_loss())

@@ -262,7 +262,9 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
                    help="NullTokenizer / mock-data vocabulary size (incl. the EOD token); "
                         "default 1024.")
     g.add_argument("--reset-position-ids", action="store_true")
-    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="Not supported (stops the launch): attention is causal over the whole "
+                        "sequence, documents are not masked from each other.")
     g.add_argument("--eod-mask-loss", action="store_true")
 
 
@@ -586,6 +588,10 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _require(bool(args.data_path) or args.mock_data,
              "give --data-path PREFIX (preprocessed .bin/.idx) or --mock-data")
     _require(not (args.data_path and args.mock_data), "--data-path and --mock-data are exclusive")
+    _require(not args.reset_attention_mask,
+             "--reset-attention-mask is not supported: attention is causal over the whole "
+             "sequence (no per-document mask reaches the attention kernels), so the flag would "
+             "change nothing; drop it (--reset-position-ids and --eod-mask-loss work)")
     if args.tokenizer_type is None:
         args.tokenizer_type = "GPT2BPETokenizer" if args.vocab_file else "NullTokenizer"
     if args.tokenizer_type == "GPT2BPETokenizer":

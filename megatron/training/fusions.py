@@ -25,8 +25,10 @@ masked_softmax_fusion          CUDA, megatron-core's ``DotProductAttention`` (lo
                                ``scaled_upper_triang_masked_softmax_cuda`` extensions
 bias_activation_fusion         CUDA and a bias or SwiGLU (megatron-core's jit-fused kernels)
 bias_dropout_fusion            CUDA (jit-fused)
-gradient_accumulation_fusion   CUDA, and TE's spec (TE's linear layers) or Apex's
-                               ``fused_weight_gradient_mlp_cuda`` for the local spec; and
+gradient_accumulation_fusion   CUDA, Apex's ``fused_weight_gradient_mlp_cuda`` under every
+                               spec (TE's linear layers fuse it themselves, but the GPT output
+                               layer is megatron-core's own ``ColumnParallelLinear``, whose
+                               constructor refuses the switch without that extension); and
                                megatron-core's DDP (not the PaRO engine, which reads
                                ``param.grad``)
 apply_rope_fusion              CUDA, rotary embeddings and Transformer Engine
@@ -182,8 +184,8 @@ def resolve_fusions(args: argparse.Namespace, *, uses_te_spec: bool, local_atten
                        "param.grad)", False)
     else:
         wgrad = decide("gradient_accumulation_fusion", _given(args, "gradient_accumulation_fusion"),
-                       "Transformer Engine's spec or Apex's fused_weight_gradient_mlp_cuda",
-                       uses_te_spec or have(APEX_WGRAD))
+                       "Apex's fused_weight_gradient_mlp_cuda (megatron-core's output layer "
+                       "uses it under every spec)", have(APEX_WGRAD))
     rope = getattr(args, "position_embedding_type", "learned_absolute") == "rope"
     explicit_rope = bool(getattr(args, "apply_rope_fusion_explicit", False))
     if explicit_rope and not (cuda and have(TE)):
@@ -219,6 +221,21 @@ def fusion_plan(args: argparse.Namespace,
                            local_attention=choice.impl == "local", have=have)
 
 
+def _steps_to_param_devices(adam: torch.optim.Optimizer, group: Dict[str, Any]) -> bool:
+    """Put each parameter's ``step`` on the parameter's device as fp32, as torch's fused Adam
+    makes it. A checkpoint written without ``fused`` (a CPU run, an older version) loads its
+    steps as host scalars, and so does megatron-core's distributed optimizer without Apex/TE;
+    torch's fused kernel does not check, and would be handed a host pointer."""
+    moved = False
+    for p in group["params"]:
+        state = adam.state.get(p)
+        step = state.get("step") if state else None
+        if torch.is_tensor(step) and (step.device != p.device or step.dtype != torch.float32):
+            state["step"] = step.detach().to(device=p.device, dtype=torch.float32)
+            moved = True
+    return moved
+
+
 def apply_optimizer_fusions(plan: FusionPlan, optimizer: Any) -> List[str]:
     """Make the built optimizer use what ``plan`` chose; returns what it changed (for tests and
     the log). Called after the optimizer is built and again after a checkpoint load (a loaded
@@ -227,7 +244,8 @@ def apply_optimizer_fusions(plan: FusionPlan, optimizer: Any) -> List[str]:
     * ``torch-fused``: megatron-core built torch's AdamW/Adam with torch's default (the for-each
       kernels); its ``fused=True`` kernel does the whole update in one launch per dtype/device
       group. Set per param group before the first step (the state's ``step`` tensors are then
-      made on the device, as fused needs).
+      made on the device, as fused needs); after a load, host ``step`` tensors move to their
+      parameter's device.
     * ``torch-foreach``: megatron-core's grad-norm / scale fallbacks become ``_foreach`` ops
       (:func:`~megatron.distributed.quant.mcore_compat.install_foreach_multi_tensor_ops`)."""
     from megatron.distributed.quant import mcore_compat
@@ -241,6 +259,8 @@ def apply_optimizer_fusions(plan: FusionPlan, optimizer: Any) -> List[str]:
                     if not group.get("fused"):
                         group["fused"], group["foreach"] = True, False
                         changed.append("adam:fused")
+                    if _steps_to_param_devices(inner, group):
+                        changed.append("adam:step-to-device")
     if plan.multi_tensor == "torch-foreach":
         mcore_compat.install_foreach_multi_tensor_ops()
         changed.append("multi-tensor:foreach")

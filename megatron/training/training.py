@@ -18,9 +18,11 @@ grad norm is not finite, counting it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import time
+import weakref
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -321,6 +323,13 @@ def _loss_scale(optimizer: Any) -> float:
         return 1.0
 
 
+_LOSS_SCALE_AFTER_LAST_STEP: "weakref.WeakKeyDictionary[Any, float]" = weakref.WeakKeyDictionary()
+"""fp16: per optimizer, the loss scale its last step left (megatron-core keeps it in a device
+tensor). Read inside ``before_update``, where the host has already waited for the device, it is
+the next step's "scale before" without a read that would wait for the backward (before) or the
+update (after)."""
+
+
 def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler, device):
     """One optimizer step over num_microbatches micro-batches."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -341,17 +350,27 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     # device after the update is queued (tests/test_step_syncs.py).
     total = _sum_losses(losses, device)
     read: List[float] = []
-    scale_before = _loss_scale(optimizer)
-    ok, grad_norm, reason = optimizer_step(optimizer,
-                                           before_update=lambda: read.append(_mean_loss(total)))
+    scaled = _has_loss_scaler(optimizer)
+    # fp16: the scale this step's gradients were scaled by is the one the previous step left
+    # (read then, inside before_update); only the first step reads it here.
+    scale_before = _LOSS_SCALE_AFTER_LAST_STEP.get(optimizer) if scaled else 1.0
+    if scale_before is None:
+        scale_before = _loss_scale(optimizer)
+
+    def before_update() -> None:
+        read.append(_mean_loss(total))
+        if scaled:  # prepare_grads has updated the scale by now
+            _LOSS_SCALE_AFTER_LAST_STEP[optimizer] = _loss_scale(optimizer)
+
+    ok, grad_norm, reason = optimizer_step(optimizer, before_update=before_update)
     loss = read[0]
+    scale_after = _LOSS_SCALE_AFTER_LAST_STEP.get(optimizer, 1.0) if scaled else 1.0
     if ok:
         scheduler.step(increment=args.global_batch_size)
-        scale_after = _loss_scale(optimizer)
         if scale_after != scale_before:  # fp16 dynamic scale grew: keep LoCo errors in scaled units
             integration.on_loss_scale_changed(model, scale_after / scale_before)
     else:
-        ratio = (_loss_scale(optimizer) / scale_before) if reason == "overflow" else None
+        ratio = (scale_after / scale_before) if reason == "overflow" else None
         integration.on_step_skipped(model, ratio)
     return loss, ok, grad_norm, reason
 
@@ -379,6 +398,46 @@ def evaluate(args, forward_step_func, data_iterator, model, device) -> Optional[
 
 
 # ----------------------------------------------------------------------------- loop
+@dataclasses.dataclass
+class LogInterval:
+    """What the iterations since the last log line add up to (Megatron-LM's line averages over
+    them).
+
+    The rates divide by the iterations actually run, not by ``--log-interval``: the first
+    interval after a resume from an iteration that is not a multiple of it (a save on a signal,
+    ``--exit-interval``, ``--save-interval`` off the log grid) is shorter, and dividing its time
+    by the flag over-reported tokens/s and TFLOP/s."""
+
+    iterations: int = 0
+    time_s: float = 0.0
+    loss_sum: float = 0.0
+    finite_losses: int = 0
+    skipped: int = 0
+    nan: int = 0
+
+    def add(self, loss: float, seconds: float, skipped: bool, is_nan: bool) -> None:
+        """One iteration. The logged loss is the mean of the interval's finite forward losses: a
+        step skipped for NaN/Inf gradients (a 'nan' iteration) still ran a finite forward when
+        only its gradients were poisoned, and that loss is real; a loss the forward itself made
+        non-finite is left out, and an interval with none left prints NAN."""
+        self.iterations += 1
+        self.time_s += seconds
+        self.skipped += int(skipped)
+        self.nan += int(is_nan)
+        if math.isfinite(loss):
+            self.loss_sum += loss
+            self.finite_losses += 1
+
+    def ms_per_iteration(self) -> float:
+        return 1000.0 * self.time_s / self.iterations if self.iterations else 0.0
+
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.finite_losses if self.finite_losses else float("nan")
+
+    def tokens_per_s(self, tokens_per_iteration: int) -> float:
+        return tokens_per_iteration * self.iterations / self.time_s if self.time_s > 0 else 0.0
+
+
 def _fmt_log_line(iteration: int, args, consumed: int, ms_per_iter: float, lr: float,
                   loss: float, loss_scale: float, grad_norm: Optional[float], skipped: int,
                   nans: int, tokens_per_s: float, comm: Dict[str, float]) -> str:
@@ -496,7 +555,7 @@ def _pretrain(args: argparse.Namespace, forward_step_func, cleanup: Any) -> Dict
         print_rank_0(report)
 
     tokens_per_iter = args.global_batch_size * args.seq_length
-    interval = {"loss": 0.0, "n": 0, "time": 0.0, "skipped": 0, "nan": 0}
+    interval = LogInterval()
     run_iters, run_time = 0, 0.0
     last_saved = iteration if args.load else None
     last_loss: Optional[float] = None
@@ -542,21 +601,11 @@ def _pretrain(args: argparse.Namespace, forward_step_func, cleanup: Any) -> Dict
         run_time += dt
         consumed_train += args.global_batch_size
         skipped, is_nan = step_outcome(ok, reason, loss)
-        if skipped:
-            skipped_total += 1
-            interval["skipped"] += 1
-        if is_nan:
-            nan_total += 1
-            interval["nan"] += 1
-        # The logged loss is the mean of the interval's finite forward losses. A step skipped for
-        # NaN/Inf gradients (a 'nan' iteration) still ran a finite forward when only its
-        # gradients were poisoned: that loss is real and is reported; a loss the forward itself
-        # made non-finite is left out, and an interval with none left prints NAN.
+        skipped_total += int(skipped)
+        nan_total += int(is_nan)
+        interval.add(loss, dt, skipped, is_nan)
         if math.isfinite(loss):
-            interval["loss"] += loss
-            interval["n"] += 1
             last_loss = loss
-        interval["time"] += dt
         lr = float(optimizer.param_groups[0]["lr"])
 
         if iteration % args.tensorboard_log_interval == 0:
@@ -570,14 +619,13 @@ def _pretrain(args: argparse.Namespace, forward_step_func, cleanup: Any) -> Dict
             metrics.scalars(tb, iteration)
 
         if iteration % args.log_interval == 0:
-            n_it = args.log_interval
-            ms = 1000.0 * interval["time"] / n_it
-            avg_loss = interval["loss"] / interval["n"] if interval["n"] else float("nan")
-            tps = tokens_per_iter * n_it / interval["time"] if interval["time"] > 0 else 0.0
+            ms = interval.ms_per_iteration()
+            avg_loss = interval.mean_loss()
+            tps = interval.tokens_per_s(tokens_per_iter)
             comm = integration.communication_report(model, reset=True)
             line = _fmt_log_line(iteration, args, consumed_train, ms, lr, avg_loss,
-                                 _loss_scale(optimizer), grad_norm, interval["skipped"],
-                                 interval["nan"], tps, comm)
+                                 _loss_scale(optimizer), grad_norm, interval.skipped,
+                                 interval.nan, tps, comm)
             print_rank_0(line)
             if not memory_reported:   # Megatron-LM's report, once, after the first interval
                 memory_reported = True
@@ -585,13 +633,14 @@ def _pretrain(args: argparse.Namespace, forward_step_func, cleanup: Any) -> Dict
             metrics.record({"type": "train", "iteration": iteration,
                             "consumed_samples": consumed_train, "lm_loss": avg_loss, "lr": lr,
                             "grad_norm": grad_norm, "loss_scale": _loss_scale(optimizer),
-                            "skipped_iterations": interval["skipped"],
-                            "nan_iterations": interval["nan"], "ms_per_iteration": ms,
+                            "skipped_iterations": interval.skipped,
+                            "nan_iterations": interval.nan, "ms_per_iteration": ms,
+                            "iterations_in_interval": interval.iterations,
                             "tokens_per_s": tps,
                             "tflops_per_gpu": tflops_per_gpu(args, ms / 1000.0), **comm})
             if comm:
                 metrics.scalars({f"comm/{k}": v for k, v in comm.items()}, iteration)
-            interval = {"loss": 0.0, "n": 0, "time": 0.0, "skipped": 0, "nan": 0}
+            interval = LogInterval()
 
         if args.eval_interval and iteration % args.eval_interval == 0 and valid_iter is not None:
             last_val = _run_eval(args, forward_step_func, valid_iter, model, device, metrics,
@@ -622,10 +671,10 @@ def _pretrain(args: argparse.Namespace, forward_step_func, cleanup: Any) -> Dict
     # runs at the next forward (end-of-run evaluation) or at the checkpoint's forced sync, and
     # with --overlap-param-gather-with-optimizer-step right after the last step.
     tail = integration.communication_report(model, reset=True)
-    since_log = min(run_iters, iteration % args.log_interval)
+    since_log = interval.iterations
     if since_log or any(v for k, v in tail.items() if k.endswith(("_bytes", "_calls"))):
-        final = {"iterations": since_log, "skipped_iterations": interval["skipped"],
-                 "nan_iterations": interval["nan"], **tail}
+        final = {"iterations": since_log, "skipped_iterations": interval.skipped,
+                 "nan_iterations": interval.nan, **tail}
         print_rank_0(f" final interval (after the last log line, to iteration {iteration}) | "
                      + " | ".join(f"{k}: {v:g}" for k, v in final.items()) + " |")
         metrics.record({"type": "final_interval", "iteration": iteration, **final})

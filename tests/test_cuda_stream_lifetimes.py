@@ -156,6 +156,36 @@ def test_the_check_catches_an_unprotected_cross_stage_read(fake_world, monkeypat
     assert check.hazards() and set(check.hazards()) == {("intra", "inter")}
 
 
+@pytest.mark.parametrize("pipeline,loco", [(1, False), (3, False), (2, True)])
+def test_first_hop_codes_are_freed_once_sent(fake_world, monkeypatch, pipeline: int,
+                                              loco: bool) -> None:
+    """The bucket's first-hop codes (the whole bucket at 8 bits) are needed until the last chunk
+    has queued its exchange; the jobs' closures held them until ``finish_grad_sync`` waited, one
+    byte per parameter held across the whole backward on CUDA."""
+    import gc
+    import weakref
+
+    codes = []
+    real = collectives.quantize_partitions
+
+    def spy(*args, **kwargs):
+        q = real(*args, **kwargs)
+        codes.append(weakref.ref(q.codes))
+        return q
+
+    monkeypatch.setattr(collectives, "quantize_partitions", spy)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4 * 2 * GS * 2 * pipeline, generator=gen)
+    handle = collectives.two_level_reduce_scatter(
+        x, torch.empty(x.numel() // 4), _groups_2x2(), bits_intra=8, group_size_intra=GS,
+        bits_inter=4, group_size_inter=GS, hadamard=True, generator=gen, async_op=True,
+        nonfinite_flag=torch.zeros(1, dtype=torch.int32), pipeline=pipeline,
+        streams=_cuda_streams(), error_feedback=LoCoErrorFeedback().bucket(0) if loco else None)
+    gc.collect()
+    assert len(codes) == 1 and codes[0]() is None      # queued, sent, and released
+    handle.wait()
+
+
 @pytest.mark.parametrize("error_bits", [8, 16])
 @pytest.mark.parametrize("made_by", ["resume", "inline step"])
 def test_loco_errors_made_on_the_compute_stream_are_kept_for_the_stage(
@@ -261,13 +291,16 @@ def test_cpu_stages_need_no_hand_over(monkeypatch) -> None:
     assert calls == []
 
 
+@pytest.mark.parametrize("kind", ["cuda", "thread"])
 @pytest.mark.parametrize("failing_stage", ["intra", "inter"])
-def test_a_failed_cuda_job_reaches_its_dependents_with_the_original_error(
-        fake_world, failing_stage: str) -> None:
+def test_a_failed_job_stops_its_dependents_and_its_stages_with_the_original_error(
+        fake_world, failing_stage: str, kind: str) -> None:
     """Item 3: the dependent job is not run (it would enter a collective the failed rank never
-    joins, and its own error would hide the cause); the original error reaches every waiter."""
+    joins, and its own error would hide the cause); the original error reaches every waiter.
+    Nor does a later job of a stage that failed (the next bucket's all-to-all would pair with
+    the peers' exchange of the failed bucket: wrong data, or a hang)."""
     fake, _, _ = fake_world
-    streams = _cuda_streams()
+    streams = _cuda_streams() if kind == "cuda" else CommStreams("thread")
     ran = []
 
     def boom() -> None:
@@ -276,13 +309,14 @@ def test_a_failed_cuda_job_reaches_its_dependents_with_the_original_error(
     first = streams.submit(failing_stage, boom)
     second = streams.submit("weights", lambda: ran.append("second"), after=[first])
     third = streams.submit("inter", lambda: ran.append("third"), after=[second])
-    assert ran == []
-    for job in (first, second, third):
+    later = streams.submit(failing_stage, lambda: ran.append("next bucket"))
+    for job in (first, second, third, later):
         with pytest.raises(ValueError, match="kernel launch failed"):
             job.wait()
-    ok = streams.submit(failing_stage, lambda: ran.append("later"))
-    ok.wait()
-    assert ran == ["later"]
+    assert ran == []
+    fresh = CommStreams("thread")      # stages of another model (another test) are unaffected
+    fresh.submit(failing_stage, lambda: ran.append("other model")).wait()
+    assert ran == ["other model"]
 
 
 def test_cuda_stages_have_high_priority(fake_world) -> None:

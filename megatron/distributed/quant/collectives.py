@@ -441,7 +441,9 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
         def run() -> None:
             if y == 0:
                 quantize_first()
-            recv1 = _exchange(state["q1"], group1, rows=p, a=a, b=b, one_message=one_message1)
+            q1 = state["q1"] if y < len(bounds) - 1 else state.pop("q1")
+            recv1 = _exchange(q1, group1, rows=p, a=a, b=b, one_message=one_message1)
+            del q1   # the bucket's first-hop codes: kept only while a chunk still sends them
             if not two_level:
                 final(recv1, size1, a, b)
                 return
@@ -458,7 +460,7 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
     def first_hop_loco() -> None:
         """LoCo (two-level): whole intra hop, then the middle with E2 on the whole intra sum."""
         quantize_first()
-        recv1 = _exchange(state["q1"], group1, rows=p, one_message=one_message1)
+        recv1 = _exchange(state.pop("q1"), group1, rows=p, one_message=one_message1)
         s = dequantize_sum(recv1, d)  # transformed domain with Hadamard
         h2 = ef.compensate("e2", s, group_size=group_size_inter)
         q2 = quantize(h2, bits_inter, group_size_inter, stochastic=stochastic, generator=gen,

@@ -134,16 +134,29 @@ class Job:
 
 
 class _Stage:
-    """One stage: runs jobs in submission order, timing each."""
+    """One stage: runs jobs in submission order, timing each.
+
+    An asynchronous stage (worker thread, CUDA stream) stops at its first failed job: every
+    later job finishes with that error without running. Its collectives pair with the peers'
+    by issue order, so one that ran after a rank-local failure (an out-of-memory in one bucket's
+    quantize) would exchange bucket b+1's codes with the peers' bucket b: wrong data when the
+    sizes match, a hang otherwise. The error reaches the caller at its next wait; nothing
+    recovers from it (the run stops)."""
+
+    stops_at_first_error = True
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.busy_s = 0.0
+        self.failed: Optional[BaseException] = None
 
     def submit(self, fn: Callable[[], None], after: Sequence[Job]) -> Job:
         raise NotImplementedError
 
     def _run(self, fn: Callable[[], None], after: Sequence[Job], job: Job) -> None:
+        if self.failed is not None and self.stops_at_first_error:
+            job._finish(self.failed)
+            return
         t0 = time.perf_counter()
         try:
             for dep in after:
@@ -151,6 +164,7 @@ class _Stage:
             t0 = time.perf_counter()   # waiting for another stage is not this stage's time
             fn()
         except BaseException as e:  # noqa: BLE001 -- delivered to the waiter
+            self.failed = e
             job._finish(e)
         else:
             job._finish()
@@ -162,6 +176,8 @@ class _Stage:
 
 
 class _InlineStage(_Stage):
+    stops_at_first_error = False   # each job runs in its caller, who gets its error at once
+
     def submit(self, fn: Callable[[], None], after: Sequence[Job] = ()) -> Job:
         job = Job()
         self._run(fn, after, job)
@@ -223,12 +239,13 @@ class _CudaStage(_Stage):
 
     def submit(self, fn: Callable[[], None], after: Sequence[Job] = ()) -> Job:
         job = Job()
-        failed = next((dep.error for dep in after if dep.error is not None), None)
+        failed = self.failed or next((dep.error for dep in after if dep.error is not None), None)
         if failed is not None:
-            # The host part of a CUDA job runs at submission, so a dependency has already
-            # finished: its error is the cause, running ``fn`` would only hide it behind a
-            # follow-up error (the inter hop's missing codes) and enter a collective the failed
-            # rank never joins.
+            # The host part of a CUDA job runs at submission, so a dependency (or an earlier
+            # job of this stage) has already finished: its error is the cause, running ``fn``
+            # would only hide it behind a follow-up error (the inter hop's missing codes) and
+            # enter a collective the failed rank never joins (see _Stage).
+            self.failed = failed
             job._finish(failed)
             return job
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))

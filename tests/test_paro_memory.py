@@ -301,6 +301,38 @@ def test_host_state_dict_is_the_old_save_bucket_by_bucket(strategy):
         assert torch.equal(got[key], before)
 
 
+@pytest.mark.parametrize("strategy", ["GGG", "IIG", "ING", "NIG", "NNN"])
+def test_load_writes_the_shard_without_gathering_the_model(strategy):
+    """Rank 3 of 8 (m = 4): ``load_host_state_dict`` leaves the shard (and the buffers) bit for
+    bit as the old load path did (``load_state_dict`` inside ``full_params(writeback=True)``),
+    without gathering anything: the old path held every bucket's full parameters at once."""
+    with fake_world(8, 3):
+        old, new = _engine(strategy, 4), _engine(strategy, 4)
+        for engine in (old, new):
+            _fake_all_gather(engine)
+        gen = torch.Generator().manual_seed(5)
+        sd = {k: torch.randn(v.shape, generator=gen).to(v.dtype) if torch.is_tensor(v) else v
+              for k, v in old.host_state_dict().items()}
+        with old.full_params(writeback=True):
+            old.module.load_state_dict(sd, strict=True)
+        gathers = []
+        inner = new._gather_bucket
+        new._gather_bucket = lambda b: (gathers.append(b.index), inner(b))
+        with FreshAllocations() as log:
+            new.load_host_state_dict(sd)
+        assert torch.equal(new.param_level_storage(), old.param_level_storage())
+        assert torch.equal(new.module.position_scale, sd["position_scale"])
+        if new.strategy.params != Level.N:
+            assert gathers == [] and not any(b.gathered for b in new.buckets)
+            assert not _device_allocations(log, 64), log.rows
+        # strict, as load_state_dict(strict=True)
+        with pytest.raises(RuntimeError, match="[Mm]issing key"):
+            new.load_host_state_dict({k: v for k, v in sd.items() if k != "layers.1.fc2.bias"})
+        key = "layers.0.fc1.weight"
+        with pytest.raises(RuntimeError, match=f"size mismatch for {key}"):
+            new.load_host_state_dict(dict(sd, **{key: sd[key][:-1]}))
+
+
 def test_old_save_path_cloned_every_parameter():
     """The measurement the test above relies on: the old path's big allocations were clones."""
     with fake_world(8, 3):
@@ -445,6 +477,16 @@ def test_auto_reserves_context_and_activations_by_default(device_memory):
     # The local attention kernel keeps the s x s scores: more reserved.
     more, _ = paro_integration.reserved_bytes_for_auto(_auto_args(attention_impl="local"), 8e9)
     assert more > reserved
+    # So does Transformer Engine's unfused backend (asked for, or TE's fallback for fp32);
+    # its flash / fused kernels do not.
+    def te(**kw: Any) -> float:
+        return paro_integration.reserved_bytes_for_auto(
+            _auto_args(attention_impl="transformer_engine", **kw), 8e9)[0]
+
+    assert te(attention_backend="unfused") == more
+    assert te(attention_backend="flash") == te(attention_backend="auto") == reserved
+    assert te(attention_backend="auto", bf16=False) > paro_integration.reserved_bytes_for_auto(
+        _auto_args(bf16=False), 8e9)[0]
 
 
 def test_auto_picks_leaner_strategies_as_the_reserve_grows(device_memory):

@@ -618,9 +618,7 @@ def _load_torch_format(target: LoadTarget, args: argparse.Namespace,
         problem = str(exc)
     _agreed(problem)
     for chunk, sd in zip(model, model_state["model"]):
-        # PaRO engine: load into the gathered buffer, then re-shard; megatron-core: in place.
-        with integration.full_model_params([chunk], writeback=True):
-            chunk.module.load_state_dict(sd, strict=True)
+        integration.load_model_state_dict(chunk, sd)   # PaRO engine: into its shard directly
     del model_state
     if load_optim and "optimizer" in state:
         _load_optimizer_state(optimizer, state["optimizer"])

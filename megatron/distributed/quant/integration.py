@@ -310,6 +310,16 @@ def model_state_dict_for_save(chunk: torch.nn.Module, keep: bool) -> Optional[Di
     return chunk.module.state_dict() if keep else None
 
 
+def load_model_state_dict(chunk: torch.nn.Module, sd: Dict[str, Any]) -> None:
+    """Load a checkpoint's full weights (``strict``) into ``chunk``. A PaRO engine chunk writes
+    each parameter's piece straight into this rank's shard (no gather of the model on the
+    device); a megatron-core chunk loads in place."""
+    if _engine_chunks([chunk]):
+        chunk.load_host_state_dict(sd)
+    else:
+        chunk.module.load_state_dict(sd, strict=True)
+
+
 def quantization_state_dict(model_chunks: List[torch.nn.Module]) -> Dict[str, Any]:
     """Every piece of quantization state (error buffers, RNG) for the checkpoint of this rank."""
     rts = _runtimes(model_chunks)

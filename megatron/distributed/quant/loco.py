@@ -141,15 +141,20 @@ class LoCoBucketErrors:
         return sum(st.nbytes() for st in self._buf.values() if st is not None)
 
     def state_dict(self) -> Dict[str, Any]:
+        """Host copies of the buffers (a clone on a GPU would hold a second copy of every
+        bucket's errors on the device just to hand it to ``torch.save``)."""
+        def host(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to("cpu", copy=True)
+
         out: Dict[str, Any] = {}
         for k, st in self._buf.items():
             if st is None:
                 out[k] = None
             elif st.q is not None:
-                out[k] = {"numel": st.numel, "group_size": st.group_size, "codes": st.q.codes.clone(),
-                          "scales": st.q.scales.clone(), "bits": st.q.bits}
+                out[k] = {"numel": st.numel, "group_size": st.group_size, "codes": host(st.q.codes),
+                          "scales": host(st.q.scales), "bits": st.q.bits}
             else:
-                out[k] = {"numel": st.numel, "group_size": st.group_size, "dense": st.dense.clone()}
+                out[k] = {"numel": st.numel, "group_size": st.group_size, "dense": host(st.dense)}
         return out
 
     def load_state_dict(self, sd: Dict[str, Any], device: Optional[torch.device] = None) -> None:

@@ -468,6 +468,60 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
                 self._release_bucket(b)
         return out if keep else None
 
+    @torch.no_grad()
+    def load_host_state_dict(self, sd: Dict[str, Any]) -> None:
+        """``self.module.load_state_dict(sd, strict=True)`` for a full (host) state dict, written
+        straight into this rank's parameter shard: no gather, no collective.
+
+        Same result as the old load path (``load_state_dict`` inside ``full_params(writeback=
+        True)``: the shard's slice of every parameter, tied weights taking their last key's
+        value, padding untouched), but the old path gathered every bucket at once -- the whole
+        model's parameters on the device on top of the shards, at least what a p = I / G
+        strategy was chosen to avoid. Now each parameter's piece inside the shard is copied from
+        the host tensor and nothing model-sized is allocated."""
+        if self.param_shard is None:           # p = N: the parameters are always full
+            self.module.load_state_dict(sd, strict=True)
+            return
+        current = self.module.state_dict(keep_vars=True)
+        missing = [k for k in current if k not in sd]
+        unexpected = [k for k in sd if k not in current]
+        if missing or unexpected:
+            raise RuntimeError(f"Error(s) in loading state_dict for "
+                               f"{type(self.module).__name__}: missing keys {missing}, "
+                               f"unexpected keys {unexpected}")
+        index = {id(p): i for i, p in enumerate(self.params)}
+        keys_of: Dict[int, List[str]] = {}
+        others: Dict[str, Any] = {}
+        for key, value in current.items():
+            if torch.is_tensor(value) and id(value) in index:
+                keys_of.setdefault(index[id(value)], []).append(key)
+            else:
+                others[key] = sd[key]
+        for i, keys in keys_of.items():
+            for key in keys:
+                if tuple(sd[key].shape) != tuple(self.slots[i].shape):
+                    raise RuntimeError(
+                        f"size mismatch for {key}: copying a param with shape "
+                        f"{tuple(sd[key].shape)} from checkpoint, the shape in current model is "
+                        f"{tuple(self.slots[i].shape)}")
+        self.module.load_state_dict(others, strict=False)   # buffers, extra state
+        p = self.strategy.params
+        k = self.level_ranks(p)
+        for b in self.buckets:
+            a, e = self._local_range(b, p)
+            shard = b.shard(self.param_shard, k)
+            for i in b.params:
+                slot = self.slots[i]
+                lo = max(slot.offset - b.start, a)           # bucket-local, inside the shard
+                hi = min(slot.offset - b.start + slot.numel, e)
+                if lo >= hi or i not in keys_of:
+                    continue
+                first = lo - (slot.offset - b.start)         # element of the parameter
+                for key in keys_of[i]:                       # tied: the last key wins
+                    shard[lo - a:hi - a].copy_(sd[key].reshape(-1)[first:first + hi - lo])
+            if b.gathered:                  # stale now: the next use gathers the new values
+                self._release_bucket(b)
+
     def param_level_storage(self) -> torch.Tensor:
         """The persistent parameter tensor at the p level (full buffer for N, else the shard)."""
         return self.param_buffer if self.param_shard is None else self.param_shard

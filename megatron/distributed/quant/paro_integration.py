@@ -93,6 +93,20 @@ def _memory_for_auto(args: argparse.Namespace) -> float:
     return float(t.item())
 
 
+def _keeps_attention_scores(args: argparse.Namespace) -> bool:
+    """Whether the attention kernel materialises the s x s scores: megatron-core's local kernel
+    (and an unknown one: assume it does), and Transformer Engine's unfused backend -- asked for
+    with ``--attention-backend unfused``, or TE's fallback for fp32, which its flash and fused
+    kernels do not take. SDPA and TE's flash / fused kernels do not."""
+    impl = getattr(args, "attention_impl", "local")
+    if impl in ("local", None):
+        return True
+    if impl == "transformer_engine":
+        half = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
+        return getattr(args, "attention_backend", None) == "unfused" or not half
+    return False
+
+
 def activation_bytes_estimate(args: argparse.Namespace) -> float:
     """:func:`.paro_cost.activation_memory` of one micro-batch of this run (its shape, precision,
     attention kernel and recomputation flags)."""
@@ -106,8 +120,7 @@ def activation_bytes_estimate(args: argparse.Namespace) -> float:
         ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
         gated_mlp=bool(getattr(args, "swiglu", False)),
         bytes_per_value=2.0 if (args.bf16 or args.fp16) else 4.0,
-        # Only the local (unfused) kernel keeps the s x s scores; unknown: assume it does.
-        attention_scores=getattr(args, "attention_impl", "local") in ("local", None),
+        attention_scores=_keeps_attention_scores(args),
         recompute=getattr(args, "recompute_granularity", None),
         recompute_num_layers=getattr(args, "recompute_num_layers", None) or 1)
 

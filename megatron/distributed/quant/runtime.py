@@ -356,7 +356,8 @@ class QuantizationRuntime:
             "last_stepped_iteration": self.last_stepped_iteration,
             "generators": {k: g.get_state() for k, g in self.generators.items()},
             "loco": None if self.loco is None else self.loco.state_dict(),
-            "reference_shards": {k: None if r is None else r.clone()
+            # host copies: not a second copy on the device just for torch.save
+            "reference_shards": {k: None if r is None else r.detach().to("cpu", copy=True)
                                  for k, r in self.reference_shards.items()},
             "updated_buckets": dict(self.updated),
             "nonfinite_events": self.nonfinite_events,

@@ -109,15 +109,16 @@ class Toy(torch.nn.Module):
 
 
 def _engine(strategy: str, group_size: int, module: Optional[torch.nn.Module] = None,
-            bucket_numel: Optional[int] = None):
+            bucket_numel: Optional[int] = None, overlap_param_gather: bool = False):
     from megatron.distributed.quant.paro_comm import build_paro_groups
     from megatron.distributed.quant.paro_engine import ParoDataParallel
 
     torch.manual_seed(0)
     module = Toy() if module is None else module
     groups = build_paro_groups(group_size)
+    param_groups = build_paro_groups(group_size) if overlap_param_gather else None
     return ParoDataParallel(types.SimpleNamespace(), module, PaRoStrategy.from_string(strategy),
-                            groups, bucket_numel=bucket_numel)
+                            groups, bucket_numel=bucket_numel, param_groups=param_groups)
 
 
 def _opt_config(optimizer: str = "adam") -> Any:
@@ -331,6 +332,49 @@ def test_load_writes_the_shard_without_gathering_the_model(strategy):
         key = "layers.0.fc1.weight"
         with pytest.raises(RuntimeError, match=f"size mismatch for {key}"):
             new.load_host_state_dict(dict(sd, **{key: sd[key][:-1]}))
+
+
+@pytest.mark.parametrize("strategy", ["GGG", "IIG"])
+def test_overlapped_gathers_run_one_bucket_ahead(strategy):
+    """--overlap-param-gather (p = I / G): each forward pre-hook starts the next bucket's gather
+    (on the weights stage) before its own module computes, each backward hook the previous
+    bucket's; never more than PARAM_GATHERS_AHEAD in flight, nothing left gathered or in flight
+    after the backward. The inline engine starts each gather only when its module is called."""
+    from megatron.distributed.quant.paro_engine import PARAM_GATHERS_AHEAD
+
+    def events_of(overlap: bool) -> List[Tuple[str, int]]:
+        with fake_world(8, 3):
+            engine = _engine(strategy, 4, overlap_param_gather=overlap)
+            events: List[Tuple[str, int]] = []
+            start = engine._start_gather
+
+            def logged_start(b):
+                events.append(("gather", b.index))
+                handle = start(b)
+                assert len(engine._gathering) <= PARAM_GATHERS_AHEAD
+                return handle
+
+            engine._start_gather = logged_start
+            for b in engine.buckets:
+                if len(b.owners) == 1:
+                    b.owners[0].register_forward_hook(
+                        lambda m, i, o, index=b.index: events.append(("computed", index)))
+            tokens = torch.randint(0, 37, (2, 5))
+            engine(tokens).float().sum().backward()
+            assert engine._gathering == {} and not any(b.gathered for b in engine.buckets)
+            if overlap:
+                assert engine._param_stages.kind == "thread"
+            return events
+
+    overlapped, inline = events_of(True), events_of(False)
+    forward = [i for kind, i in overlapped if kind == "computed"]
+    assert forward == sorted(forward) and len(forward) >= 3
+    for a, b in zip(forward, forward[1:]):   # b's gather started before a computed
+        assert overlapped.index(("gather", b)) < overlapped.index(("computed", a)), overlapped
+        assert inline.index(("gather", b)) > inline.index(("computed", a)), inline
+    # the backward regathers every bucket, the earlier ones ahead of their turn
+    assert sorted(i for kind, i in overlapped if kind == "gather") == \
+        sorted(i for kind, i in inline if kind == "gather")
 
 
 def test_old_save_path_cloned_every_parameter():

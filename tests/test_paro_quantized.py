@@ -18,7 +18,10 @@ GPT:
   the relative error / cosine of the quantized gradients and weights;
 * a NaN injected into one rank's gradient: the step is skipped on every rank (reason 'nan',
   optimizer state unchanged, LoCo buffers dropped, one agreed non-finite event), and the next
-  step trains.
+  step trains;
+* ``--overlap-grad-reduce`` (NIG, NGG) and ``--overlap-param-gather`` (GGG): the engine's
+  reduce-scatters and parameter gathers on the communication stages (worker threads, and fake
+  CUDA streams under the allocation check) give the inline path's numbers bit for bit.
 """
 
 from __future__ import annotations
@@ -65,9 +68,17 @@ RUNS = {
     "ngg_sdp4bit_loco": ["--paro-strategy", "NGG"] + SDP4BIT + ["--loco"],
     "ngg_sdp4bit_loco_overlap": ["--paro-strategy", "NGG"] + SDP4BIT + ["--loco",
                                                                         "--overlap-grad-reduce"],
+    "ngg_monitor2_overlap": ["--paro-strategy", "NGG"] + SDP4BIT + [
+        "--loco", "--overlap-grad-reduce", "--quantization-error-interval", "2"],
+    # --overlap-param-gather (p = G): the hooks' parameter gathers on the weights stage, one
+    # bucket ahead, bit-identical to the inline gathers
+    "ggg_sdp4bit_loco": ["--paro-strategy", "GGG"] + SDP4BIT + ["--loco"],
+    "ggg_sdp4bit_loco_overlap": ["--paro-strategy", "GGG", "--use-distributed-optimizer"]
+    + SDP4BIT + ["--loco", "--overlap-grad-reduce", "--overlap-param-gather"],
 }
 FAKE_CUDA_RUNS = {"ngg_exact_overlap_fake_cuda": "ngg_exact_overlap",
-                  "ngg_sdp4bit_loco_overlap_fake_cuda": "ngg_sdp4bit_loco_overlap"}
+                  "ngg_sdp4bit_loco_overlap_fake_cuda": "ngg_sdp4bit_loco_overlap",
+                  "ggg_sdp4bit_loco_overlap_fake_cuda": "ggg_sdp4bit_loco_overlap"}
 """The same runs with the stages on CUDA streams: the fake ``torch.cuda`` of fake_cuda.py over
 CPU tensors, under its allocation check (no GPU here)."""
 
@@ -147,8 +158,10 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
                 assert ok, (label, step)
                 losses.append(loss)
         stages = getattr(model[0], "_grad_stages", None)
+        gathers = getattr(model[0], "_param_stages", None)
         res: Dict[str, Any] = {"losses": losses, "engine": type(model[0]).__name__,
                                "grad_stages": None if stages is None else stages.kind,
+                               "param_stages": None if gathers is None else gathers.kind,
                                "params": model[0].param_level_storage().detach().clone(),
                                "hazards": None if check is None else check.hazards()}
         rt = getattr(model[0], "quant_runtime", None)
@@ -242,7 +255,8 @@ def test_error_monitor_on_the_engine(results):
 
 @pytest.mark.parametrize("inline,overlapped", [
     ("exact", "exact_overlap"), ("sdp4bit_loco", "sdp4bit_loco_overlap"),
-    ("ngg_exact", "ngg_exact_overlap"), ("ngg_sdp4bit_loco", "ngg_sdp4bit_loco_overlap")])
+    ("ngg_exact", "ngg_exact_overlap"), ("ngg_sdp4bit_loco", "ngg_sdp4bit_loco_overlap"),
+    ("ggg_sdp4bit_loco", "ggg_sdp4bit_loco_overlap")])
 def test_overlapped_gradient_reduces_are_bit_identical(results, inline: str, overlapped: str):
     """Issue 25 item 9: with --overlap-grad-reduce the engine's gradient reduce-scatters run on
     the communication stages (worker threads here) over their own communicators while backward
@@ -251,7 +265,18 @@ def test_overlapped_gradient_reduces_are_bit_identical(results, inline: str, ove
         assert r[inline]["grad_stages"] is None and r[overlapped]["grad_stages"] == "thread"
         assert r[overlapped]["losses"] == r[inline]["losses"]
         assert torch.equal(r[overlapped]["params"], r[inline]["params"])
+        # parameters partitioned (GGG) and --overlap-param-gather: the gathers on a stage too
+        assert r[overlapped]["param_stages"] == ("thread" if inline.startswith("ggg") else None)
     assert results[0]["ngg_sdp4bit_loco"]["losses"] != results[0]["ngg_exact"]["losses"]
+
+
+def test_monitoring_iterations_do_not_change_overlapped_runs(results):
+    """--quantization-error-interval runs every second iteration's collectives inline (LoCo's
+    errors are then made on the compute stream and replaced on the stage the next iteration:
+    their hand-over is tests/test_cuda_stream_lifetimes.py's); the losses are the unmonitored
+    run's."""
+    for r in results:
+        assert r["ngg_monitor2_overlap"]["losses"] == r["ngg_sdp4bit_loco_overlap"]["losses"]
 
 
 @pytest.mark.parametrize("fake,real", sorted(FAKE_CUDA_RUNS.items()))
@@ -261,6 +286,7 @@ def test_overlapped_gradient_reduces_on_cuda_stages(results, fake: str, real: st
     without ``record_stream``."""
     for r in results:
         assert r[fake]["grad_stages"] == "cuda" and r[real]["grad_stages"] == "thread"
+        assert r[fake]["param_stages"] == ("cuda" if real.startswith("ggg") else None)
         assert r[fake]["losses"] == r[real]["losses"]
         assert torch.equal(r[fake]["params"], r[real]["params"])
         assert r[fake]["hazards"] == []

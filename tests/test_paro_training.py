@@ -402,9 +402,15 @@ def test_auto_and_rejections(monkeypatch):
         _validated(monkeypatch, "--paro-strategy", "IIG", "--fp16")
     with pytest.raises(ArgumentError, match="needs --tensor-model-parallel-size 1"):
         _validated(monkeypatch, "--paro-strategy", "NIG", "--tensor-model-parallel-size", "2")
-    with pytest.raises(ArgumentError, match="drop --overlap-param-gather"):
-        _validated(monkeypatch, "--paro-strategy", "GGG", "--use-distributed-optimizer",
+    assert _validated(monkeypatch, "--paro-strategy", "GGG", "--use-distributed-optimizer",
+                      "--overlap-grad-reduce", "--overlap-param-gather").overlap_param_gather
+    with pytest.raises(ArgumentError, match="p = N.*drop --overlap-param-gather"):
+        _validated(monkeypatch, "--paro-strategy", "NIG", "--use-distributed-optimizer",
                    "--overlap-grad-reduce", "--overlap-param-gather")
+    with pytest.raises(ArgumentError, match="drop --overlap-param-gather-with-optimizer-step"):
+        _validated(monkeypatch, "--paro-strategy", "GGG", "--use-distributed-optimizer",
+                   "--overlap-grad-reduce", "--overlap-param-gather",
+                   "--overlap-param-gather-with-optimizer-step")
     assert _validated(monkeypatch, "--paro-strategy", "GGG",
                       "--overlap-grad-reduce").overlap_grad_reduce
     assert _validated(monkeypatch, "--paro-strategy", "NIG", "--quantized-gradients",

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from .paro_strategy import AUTO, check_trainable, resolve_group_size, uses_engine
+from .paro_strategy import (AUTO, Level, PaRoStrategy, check_trainable, resolve_group_size,
+                            uses_engine)
 
 __all__ = ["add_paro_args", "check_paro_args"]
 
@@ -55,7 +56,8 @@ def check_paro_args(args: argparse.Namespace) -> None:
     Normalises ``args.paro_strategy`` (a canonical name, or ``'auto'``, resolved at startup once
     the model size is known) and ``args.paro_group_size``. NNN / NNG run on megatron-core (with
     the matching ``--use-distributed-optimizer``); the other 12 on the PaRO engine, which needs
-    pure data parallelism, bf16 or fp32, no ``--overlap-param-gather``, ``--ckpt-format torch``,
+    pure data parallelism, bf16 or fp32, ``--overlap-param-gather`` only where parameters are
+    partitioned (p = I / G), ``--ckpt-format torch``,
     and quantization only where the engine supports it (``paro_engine.quantization_support_error``).
     """
     if args.paro_strategy is not None:
@@ -71,10 +73,15 @@ def check_paro_args(args: argparse.Namespace) -> None:
                  f"{what} needs --tensor-model-parallel-size 1 and "
                  f"--pipeline-model-parallel-size 1 (pure data parallelism)")
         _require(not args.fp16, f"{what} supports --bf16 and fp32, not --fp16 (no loss scaling)")
-        _require(not args.overlap_param_gather,
-                 f"{what} gathers parameters in its forward hooks, not overlapped: drop "
-                 f"--overlap-param-gather (--overlap-grad-reduce overlaps its gradient "
-                 f"reduce-scatters)")
+        _require(not args.overlap_param_gather_with_optimizer_step,
+                 f"{what} gathers parameters in its hooks, not after the optimizer step: drop "
+                 f"--overlap-param-gather-with-optimizer-step (--overlap-param-gather overlaps "
+                 f"the hooks' gathers where parameters are partitioned)")
+        if args.paro_strategy != AUTO:
+            _require(not args.overlap_param_gather
+                     or PaRoStrategy.from_string(args.paro_strategy).params != Level.N,
+                     f"{what} keeps the full parameters on every rank (p = N): there are no "
+                     f"per-micro-step gathers to overlap; drop --overlap-param-gather")
         quant = args.quant_config
         if args.paro_strategy == AUTO:
             _require(not quant.enabled,

@@ -69,6 +69,13 @@ GRAD_REDUCES_IN_FLIGHT = 2
 that starts another first finishes the oldest, so at most this many temporary full bucket
 gradients (g = I / G) are alive beside the one being accumulated."""
 
+PARAM_GATHERS_AHEAD = 1
+"""``param_groups`` (``--overlap-param-gather``, p = I / G): buckets whose parameter gather a
+hook has started ahead of their use (the next bucket in forward order, the previous one in
+backward order) and nobody waited for yet: each is one bucket's full parameters beyond the
+inline path's peak."""
+
+
 def quantization_support_error(strategy: str, quant_config: Any) -> Optional[str]:
     """Why the engine cannot run ``strategy`` with these quantization flags, or None.
 
@@ -86,9 +93,8 @@ def quantization_support_error(strategy: str, quant_config: Any) -> Optional[str
       is refused when parameters are partitioned.
 
     ``--overlap-grad-reduce`` runs the per-bucket gradient reduce-scatters on the communication
-    stages (:class:`ParoDataParallel`, ``grad_groups``); ``--overlap-param-gather`` is a
-    megatron-core DDP option (refused for engine strategies at startup): the parameter gathers
-    run inline in the owner modules' hooks.
+    stages (:class:`ParoDataParallel`, ``grad_groups``); ``--overlap-param-gather`` (p = I / G)
+    the per-bucket parameter gathers, one bucket ahead (``param_groups``).
     """
     q = quant_config
     if q is None or not q.enabled:
@@ -127,11 +133,18 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
     bounded). The stages drive only ``grad_groups``; the parameter gathers of the hooks drive
     ``groups`` from the main thread: one communicator per stream. The numbers are those of the
     inline path, bit for bit.
+
+    ``param_groups`` (``--overlap-param-gather``, p = I / G): a third set of the same groups. The
+    parameter gathers of the hooks then run on the ``weights`` stage over it, and each hook
+    starts the gather of the bucket it will need next (forward: the next bucket; backward: the
+    previous one) before its module computes, so the gather travels while the module runs
+    (:data:`PARAM_GATHERS_AHEAD` buckets ahead at most). Exact copies: the numbers do not change.
     """
 
     def __init__(self, config: Any, module: torch.nn.Module, strategy: PaRoStrategy, groups: Any,
                  grad_dtype: Optional[torch.dtype] = None, quant_config: Any = None,
-                 bucket_numel: Optional[int] = None, grad_groups: Any = None) -> None:
+                 bucket_numel: Optional[int] = None, grad_groups: Any = None,
+                 param_groups: Any = None) -> None:
         super().__init__()
         self.config = config
         self.module = module
@@ -174,6 +187,16 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         self.grad_groups = grad_groups
         """Communicators of the overlapped gradient reduce-scatters (None: inline, on
         ``groups``)."""
+        for other in (param_groups,):
+            if other is not None and (other.dp_size, other.intra_size) != (
+                    groups.dp_size, groups.intra_size):
+                raise ValueError("param_groups must have the layout of groups")
+        self.param_groups = param_groups if strategy.params != Level.N else None
+        """Communicators of the overlapped parameter gathers (None: inline in the hooks, on
+        ``groups``; p = N has none)."""
+        self._param_stages: Optional[CommStreams] = None
+        self._gathering: Dict[int, Any] = {}
+        """Bucket index -> handle of its parameter gather started ahead and not waited for."""
         self._grad_stages: Optional[CommStreams] = None
         self._pending: List[Tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         """(handle, reduced shard, accumulator slice, input kept alive) per reduce in flight."""
@@ -332,9 +355,22 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
     # ------------------------------------------------------------------ parameters
     @torch.no_grad()
     def _gather_bucket(self, b: Bucket) -> None:
-        """Rebuild bucket ``b``'s full parameters from the shards (collective; p = I / G)."""
+        """Rebuild bucket ``b``'s full parameters from the shards (collective; p = I / G), or
+        wait for the gather a hook started ahead (:meth:`_prefetch`)."""
         if b.gathered:
             return
+        handle = self._gathering.pop(b.index, None)
+        if handle is None:
+            handle = self._start_gather(b)
+        if handle is not None:
+            handle.wait()
+        b.gathered = True
+        self._track_peak()
+
+    def _start_gather(self, b: Bucket) -> Any:
+        """Allocate bucket ``b``'s full storage and gather it: inline on ``groups`` (returns
+        None), or on the ``weights`` stage over ``param_groups`` (returns the job; counted here,
+        in the hook's thread, as the inline path counts)."""
         storage = b.full.untyped_storage()
         need = b.size * b.full.element_size()
         if storage.nbytes() != need:
@@ -342,15 +378,44 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         p = self.strategy.params
         k = self.level_ranks(p)
         shard = b.shard(self.param_shard, k)
-        if p == Level.I:
-            self._ag(b.full, shard, "intra")
-        else:
-            self._global_ag(b.full, shard)
-        b.gathered = True
+        if self.param_groups is None:
+            if p == Level.I:
+                self._ag(b.full, shard, "intra")
+            else:
+                self._global_ag(b.full, shard)
+            return None
+        scope = "intra" if p == Level.I else "global"
+        self._count_exact_gather(b.full, scope)
+        if self._param_stages is None:
+            self._param_stages = CommStreams.for_device(b.full.device)
+        full, groups = b.full, self.param_groups
+        # The full buffer was allocated here, on the caller's stream; the stage waits on that
+        # stream before it writes, and the buffer is freed only after the wait (_release_bucket).
+        return self._param_stages.submit(
+            "weights", lambda: self._exact_gather(full, shard, scope, groups))
+
+    def _prefetch(self, index: int) -> None:
+        """Start the gather of bucket ``index`` ahead of its use (``param_groups`` only): not
+        past the ends, not one gathered or in flight, not one whose backward is over, and at
+        most :data:`PARAM_GATHERS_AHEAD` in flight. The order is the buckets' (module order),
+        the same on every rank."""
+        if self.param_groups is None or not 0 <= index < len(self.buckets):
+            return
+        b = self.buckets[index]
+        if b.gathered or b.index in self._gathering or (self._in_backward and b.reduced):
+            return
+        if len(self._gathering) >= PARAM_GATHERS_AHEAD:
+            return
+        self._gathering[b.index] = self._start_gather(b)
         self._track_peak()
 
     def _release_bucket(self, b: Bucket) -> None:
-        """Free bucket ``b``'s full parameter storage (p = I / G); the views stay valid."""
+        """Free bucket ``b``'s full parameter storage (p = I / G); the views stay valid. A gather
+        still in flight into it is waited for first (its stage writes the storage)."""
+        handle = self._gathering.pop(b.index, None)
+        if handle is not None:
+            handle.wait()
+            b.gathered = True
         if self.strategy.params == Level.N or not b.gathered:
             return
         b.full.untyped_storage().resize_(0)
@@ -380,6 +445,7 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
             self._release_deferred(keep=buckets)
             for b in buckets:
                 self._gather_bucket(b)
+            self._prefetch(max(b.index for b in buckets) + 1)   # travels while this computes
         return pre_hook
 
     def _make_post_hook(self, module: torch.nn.Module, buckets: List[Bucket]):
@@ -411,6 +477,7 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
             for b in buckets:
                 if not b.reduced:
                     self._gather_bucket(b)
+            self._prefetch(min(b.index for b in buckets) - 1)   # the next backward's bucket
         return hook
 
     @contextlib.contextmanager

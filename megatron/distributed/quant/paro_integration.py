@@ -37,13 +37,15 @@ def wrap_with_engine(config: Any, ddp_config: Any, model_chunks: List[torch.nn.M
     (``ddp_config.grad_reduce_in_fp32`` after ``--grad-accum-dtype``, else the parameter dtype) and
     the bucket-size cap (``ddp_config.bucket_size``; None: one bucket per layer), and
     ``--overlap-grad-reduce`` (``ddp_config.overlap_grad_reduce``: the gradient reduce-scatters on
-    the communication stages, over a second set of groups)."""
+    the communication stages, over a second set of groups) and ``--overlap-param-gather``
+    (``ddp_config.overlap_param_gather``, parameters at level I / G: the parameter gathers on the
+    ``weights`` stage one bucket ahead, over a third set)."""
     from megatron.core import parallel_state as ps
 
     from .grad_accum import apply_grad_accum_dtype
     from .paro_comm import build_paro_groups
     from .paro_engine import ParoDataParallel
-    from .paro_strategy import PaRoStrategy
+    from .paro_strategy import Level, PaRoStrategy
 
     if len(model_chunks) != 1:
         raise ValueError(f"the PaRO engine wraps one model chunk, got {len(model_chunks)} "
@@ -52,12 +54,17 @@ def wrap_with_engine(config: Any, ddp_config: Any, model_chunks: List[torch.nn.M
     grad_dtype = apply_grad_accum_dtype(ddp_config, quant_config, params_dtype)
     dp_ranks = torch.distributed.get_process_group_ranks(ps.get_data_parallel_group())
     groups = build_paro_groups(group_size, dp_ranks=dp_ranks)
-    # --overlap-grad-reduce: the stages' own communicators (one communicator per stream)
+    parsed = PaRoStrategy.from_string(strategy)
+    # --overlap-grad-reduce / --overlap-param-gather (p = I / G): the stages' own communicators
+    # (one communicator per stream)
     grad_groups = (build_paro_groups(group_size, dp_ranks=dp_ranks)
                    if ddp_config.overlap_grad_reduce else None)
-    return [ParoDataParallel(config, model_chunks[0], PaRoStrategy.from_string(strategy), groups,
+    param_groups = (build_paro_groups(group_size, dp_ranks=dp_ranks)
+                    if ddp_config.overlap_param_gather and parsed.params != Level.N else None)
+    return [ParoDataParallel(config, model_chunks[0], parsed, groups,
                              grad_dtype=grad_dtype, quant_config=quant_config,
-                             bucket_numel=ddp_config.bucket_size, grad_groups=grad_groups)]
+                             bucket_numel=ddp_config.bucket_size, grad_groups=grad_groups,
+                             param_groups=param_groups)]
 
 
 def build_engine_optimizer(optimizer_config: Any, model_chunks: List[torch.nn.Module]) -> Any:

@@ -79,6 +79,29 @@ class LevelCollectives:
         if scope != "intra":
             _count(self.counter, "inter", "reduce_scatter", full.numel() // self.m, full, self.g)
 
+    def _exact_gather(self, full: torch.Tensor, shard: torch.Tensor, scope: str,
+                      groups: Any = None) -> None:
+        """Exact all-gather of this rank's shard into a full bucket buffer at 'intra' (intra AG)
+        or 'global' (inter AG into the 1/m slice, then intra AG: :meth:`_global_ag`'s hops), on
+        ``groups`` (see :meth:`_scope`). Not counted (:meth:`_count_exact_gather`): the
+        overlapped gathers count in the hook's thread and run on a communication stage."""
+        src = shard
+        hops = (("inter", torch.empty(full.numel() // self.m, dtype=full.dtype,
+                                      device=full.device)),) if scope == "global" else ()
+        for hop, out in hops + (("intra", full),):
+            group, k = self._scope(hop, groups)
+            if k == 1:
+                out.copy_(src)
+            else:
+                _all_gather(out, src.contiguous(), group)
+            src = out
+
+    def _count_exact_gather(self, full: torch.Tensor, scope: str) -> None:
+        """What :meth:`_ag` counts for the hops of :meth:`_exact_gather`."""
+        if scope != "intra":
+            _count(self.counter, "inter", "all_gather", full.numel() // self.m, full, self.g)
+        _count(self.counter, "intra", "all_gather", full.numel(), full, self.m)
+
     def _ar(self, t: torch.Tensor, scope: str) -> None:
         group, k = self._scope(scope)
         if k == 1:

@@ -802,7 +802,11 @@ def test_ring_volume_worker_thread_handles():
     assert h3.is_completed() and not h3.is_success()
     with pytest.raises(ZeroDivisionError):
         h3.wait()  # every wait re-raises
-    blocked = w.submit(lambda: gate.clear() or threading.Event().wait(0.5))
+    after = w.submit(lambda: order.append(3))   # the stage stopped at its first error
+    with pytest.raises(ZeroDivisionError):
+        after.wait()
+    assert order == [1, 2]
+    blocked = rv._Worker().submit(lambda: gate.clear() or threading.Event().wait(0.5))
     with pytest.raises(RuntimeError):
         blocked.wait(timeout=0.01)
     assert blocked.wait() is True

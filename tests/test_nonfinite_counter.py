@@ -36,6 +36,28 @@ def test_cpu_backends_count_into_the_counter(monkeypatch, backend: str) -> None:
         K.quantize(x, 4, 128)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_a_difference_that_overflows_the_reference_dtype_is_counted(monkeypatch,
+                                                                      backend: str) -> None:
+    """qWD with fp16 weights: finite fp32 ``new`` and fp16 ``reference`` whose difference
+    overflows fp16 (Inf): its group's scale is NaN, so the weights would turn NaN on every rank.
+    The counter must see it on every backend (the CPU backends counted only the two inputs)."""
+    monkeypatch.setenv("QUANT_KERNELS", backend)
+    if backend == "cpp" and not K.cpu_kernels_available():
+        pytest.skip("C++ kernels not built here")
+    if backend == "triton":
+        pytest.importorskip("triton")
+    new = torch.zeros(256)
+    new[70] = 7.0e4                                    # beyond fp16's 65504
+    ref = torch.zeros(256, dtype=torch.float16)
+    counter = torch.zeros(1, dtype=torch.int32)
+    q = K.quantize_difference(new, ref, 4, 64, nonfinite_counter=counter)
+    assert bool(q.scales[1].isnan()) and int(counter.item()) >= 1
+    counter.zero_()
+    K.quantize_difference(torch.ones(256), ref, 4, 64, nonfinite_counter=counter)
+    assert int(counter.item()) == 0
+
+
 def test_cuda_tensors_without_triton_are_an_error_not_a_fallback(monkeypatch) -> None:
     monkeypatch.delenv("QUANT_KERNELS", raising=False)
     monkeypatch.setattr(K, "_TRITON_MOD", None)

@@ -184,6 +184,34 @@ def test_hadamard_matches_dense_matrix_and_inverts() -> None:
                           atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_hadamard_blocks_beyond_what_every_kernel_transforms_are_refused(monkeypatch,
+                                                                          backend: str) -> None:
+    """The Triton butterfly is unrolled to stride 512: a 2048-point block (accepted before by
+    --hadamard-block-size) skipped a stage there and quantized another transform, silently. Every
+    backend and the flag refuse blocks above HADAMARD_MAX_BLOCK; 1024 still works."""
+    from megatron.distributed.quant.config import QuantizationConfig
+
+    monkeypatch.setenv("QUANT_KERNELS", backend)
+    if backend == "cpp" and not K.cpu_kernels_available():
+        pytest.skip("C++ kernels not built here")
+    if backend == "triton":
+        pytest.importorskip("triton")
+    x = _gauss(4096)
+    with pytest.raises(ValueError, match="larger than 1024"):
+        K.quantize(x, 8, 2048, stochastic=False, hadamard=True, hadamard_block=2048)
+    q = K.quantize(x, 8, 2048, stochastic=False)
+    with pytest.raises(ValueError, match="larger than 1024"):
+        K.dequantize(q, hadamard=True, hadamard_block=2048)
+    big = K.quantize(x, 8, 1024, stochastic=False, hadamard=True, hadamard_block=1024)
+    want = R.quantize(x, 8, 1024, stochastic=False, hadamard=True, hadamard_block=1024)
+    assert torch.equal(big.codes, want.codes) and torch.equal(big.scales, want.scales)
+    with pytest.raises(ValueError, match="--hadamard-block-size must be at most 1024"):
+        QuantizationConfig(quantized_gradients=True, hadamard_transform=True,
+                           hadamard_block_size=2048, gq_group_size_intra=2048,
+                           gq_group_size_inter=2048).validate()
+
+
 def test_quantize_hadamard_quantizes_transformed_values() -> None:
     x = _gauss(1024)
     q = K.quantize(x, 8, 128, stochastic=False, hadamard=True)

@@ -132,6 +132,31 @@ def test_weight_diff_ops_bit_exact(dt: torch.dtype) -> None:
     alias = ref.clone()
     out = K.dequantize_add(a, alias, out=alias)
     assert out is alias and torch.equal(alias, expect)
+    # out overlapping the reference one element further on (over more than one program's
+    # tile, so one program's writes land where the next still reads): through a temporary
+    big_ref = _randn(3 * 4096, seed=7).to(dt)
+    big = K.quantize_difference(big_ref.float() + 1e-2, big_ref, 4, 512, stochastic=False)
+    buf = torch.cat([big_ref, big_ref[:1]])
+    shifted = K.dequantize_add(big, buf[:-1], out=buf[1:])
+    assert shifted.data_ptr() == buf[1:].data_ptr()
+    assert torch.equal(buf[1:], R.dequantize_add(big, big_ref))
+
+
+def test_strided_codes_and_wide_scales_are_read_as_the_reference_reads_them() -> None:
+    """``QuantizedTensor.validate`` checks dtypes and sizes, not layout: codes that are a strided
+    view and fp64 scales decoded garbage / other values in the Triton kernels (the kernels read
+    raw buffers), where the torch and C++ backends make them contiguous fp32."""
+    q = R.quantize(_randn(4096, seed=8), 4, 128, stochastic=False)
+    strided = torch.stack([q.codes, torch.zeros_like(q.codes)], 1)[:, 0]
+    assert not strided.is_contiguous()
+    odd = K.QuantizedTensor(strided, q.scales.double(), 4, 128, 4096)
+    want = R.dequantize(q)
+    assert torch.equal(K.dequantize(odd), want)
+    assert torch.equal(K.dequantize_sum(odd, 2), R.dequantize_sum(q, 2))
+    assert _same(K.dequantize_sum_requantize(odd, 2, 8, stochastic=False),
+                 R.dequantize_sum_requantize(q, 2, 8, stochastic=False))
+    ref = _randn(4096, seed=9).to(torch.bfloat16)
+    assert torch.equal(K.dequantize_add(odd, ref), R.dequantize_add(q, ref))
 
 
 def test_stochastic_rounding_probability() -> None:

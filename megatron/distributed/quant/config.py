@@ -198,6 +198,11 @@ class QuantizationConfig:
         hb = self.hadamard_block_size
         if hb <= 0 or hb & (hb - 1):
             raise ValueError(f"--hadamard-block-size must be a power of two, got {hb}")
+        from .kernels.reference import HADAMARD_MAX_BLOCK
+
+        if hb > HADAMARD_MAX_BLOCK:
+            raise ValueError(f"--hadamard-block-size must be at most {HADAMARD_MAX_BLOCK} (the "
+                             f"largest block the kernels transform), got {hb}")
         if self.hadamard_transform:
             for name in ("gq_group_size_intra", "gq_group_size_inter"):
                 if getattr(self, name) % hb:

@@ -242,11 +242,20 @@ def quantize_difference(new: torch.Tensor, reference: torch.Tensor, bits: int, g
                         check_finite: bool = True,
                         nonfinite_counter: Optional[torch.Tensor] = None) -> QuantizedTensor:
     """qWD send side: quantize ``reference.dtype(new) - reference`` (subtraction in reference.dtype).
-    ``nonfinite_counter``: as in :func:`quantize` (the Triton kernel counts the difference; the
-    other backends count ``new`` and ``reference``)."""
-    return _impl(reference).quantize_difference(
-        new, reference, bits, group_size, stochastic=stochastic, generator=generator,
-        **_with_counter(reference, nonfinite_counter, check_finite, new, reference))
+    ``nonfinite_counter``: as in :func:`quantize`, for the *difference*: the Triton kernel counts
+    its non-finite elements; the other backends count the groups whose scale came out non-finite
+    (exactly the groups with a NaN/Inf difference). Counting ``new`` and ``reference`` missed a
+    difference that overflows the reference dtype (fp32 weights beyond fp16's range): NaN
+    weights on every rank, and no skipped step."""
+    if nonfinite_counter is None or backend_for(reference) == "triton":
+        return _impl(reference).quantize_difference(
+            new, reference, bits, group_size, stochastic=stochastic, generator=generator,
+            **_with_counter(reference, nonfinite_counter, check_finite))
+    q = _impl(reference).quantize_difference(new, reference, bits, group_size,
+                                             stochastic=stochastic, generator=generator,
+                                             check_finite=False)
+    _count_nonfinite_into(nonfinite_counter, q.scales)
+    return q
 
 
 def dequantize_add(q: QuantizedTensor, reference: torch.Tensor, *,

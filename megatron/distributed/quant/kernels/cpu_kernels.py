@@ -384,13 +384,6 @@ def _noise_map(noise_index: Optional[_ref.NoiseIndex], n: int) -> tuple:
     return (noise_index.part_len, noise_index.part_stride, noise_index.base)
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1 = a0 + a.numel() * a.element_size()
-    b1 = b0 + b.numel() * b.element_size()
-    return a0 < b1 and b0 < a1
-
-
 def dequantize_add(q: QuantizedTensor, reference: torch.Tensor, *,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """C++ version of :func:`reference.dequantize_add`; ``out`` may alias ``reference``."""
@@ -407,7 +400,7 @@ def dequantize_add(q: QuantizedTensor, reference: torch.Tensor, *,
     if out is not None and out.numel() != n:
         raise ValueError(f"dequantize_add: out has {out.numel()} elements, expected {n}")
     direct = (out is not None and _direct_target(out, (reference.dtype,))
-              and (out.data_ptr() == r.data_ptr() or not _overlaps(out, r)))
+              and (out.data_ptr() == r.data_ptr() or not _ref._overlaps(out, r)))
     target = out.view(-1) if direct else torch.empty(n, dtype=reference.dtype)
     _LIB.sdp4bit_dequant_add(codes.data_ptr(), scales.data_ptr(), q.bits, q.group_size, n,
                              r.data_ptr(), _DT[reference.dtype], target.data_ptr())

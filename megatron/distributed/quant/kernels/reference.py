@@ -106,9 +106,28 @@ def _check_group(numel: int, group_size: int, bits: int) -> None:
             f"whole bytes)")
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of contiguous ``a`` and ``b`` overlaps (an ``out`` that partly aliases
+    an input must not be written while the kernel still reads it; exact aliasing is fine where a
+    kernel reads each element before writing it)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + a.numel() * a.element_size()
+    b1 = b0 + b.numel() * b.element_size()
+    return a0 < b1 and b0 < a1
+
+
+HADAMARD_MAX_BLOCK = 1024
+"""Largest Hadamard block every backend computes: the Triton butterfly is unrolled up to stride
+512 (``triton_kernels._fwht``); a larger block would skip stages there. Checked here, for all
+backends, and by the config for ``--hadamard-block-size``."""
+
+
 def _check_hadamard(group_size: int, block: int) -> None:
     if not isinstance(block, int) or block < 1 or (block & (block - 1)) != 0:
         raise ValueError(f"hadamard_block must be a power of two, got {block!r}")
+    if block > HADAMARD_MAX_BLOCK:
+        raise ValueError(f"hadamard_block {block} is larger than {HADAMARD_MAX_BLOCK}, the largest "
+                         f"block the kernels transform")
     if group_size % block != 0:
         raise ValueError(
             f"group_size {group_size} must be a multiple of hadamard_block {block} (the "

@@ -500,12 +500,20 @@ def _out_1d(out: torch.Tensor, numel: int, what: str) -> Optional[torch.Tensor]:
     return None
 
 
+def _operands(q: QuantizedTensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(codes, fp32 scales) as the kernels read them: contiguous buffers. ``validate`` checks
+    dtypes and sizes only, and a strided view read as a raw buffer would decode garbage (the
+    other backends make both contiguous too). No copy when they already are."""
+    return q.codes.contiguous(), q.scales.to(torch.float32).contiguous()
+
+
 def _launch_dsum(q: QuantizedTensor, num_sources: int, n: int, out1d: torch.Tensor,
                  hadamard: bool, hadamard_block: int, scale: float) -> None:
     block = max(_TILE, hadamard_block if hadamard else 1)
     if n > 0:
+        codes, scales = _operands(q)
         _dsum_kernel[(triton.cdiv(n, block),)](
-            q.codes, q.scales, out1d, out1d.stride(0) if out1d.numel() > 1 else 1, float(scale),
+            codes, scales, out1d, out1d.stride(0) if out1d.numel() > 1 else 1, float(scale),
             n, S=num_sources, GS=q.group_size, BITS=q.bits, BLOCK=block, HADAMARD=bool(hadamard),
             HB=hadamard_block if hadamard else 1, HAS_SCALE=float(scale) != 1.0,
             ROWS=_pow2(q.group_size) and block % q.group_size == 0, enable_fp_fusion=False)
@@ -565,8 +573,9 @@ def dequantize_sum_requantize(q: QuantizedTensor, num_sources: int, bits_out: in
     rows = _rows_for(gp)
     seed = _seed(stochastic, generator)
     if ng > 0:
+        src_codes, src_scales = _operands(q)
         _dsum_requant_kernel[(triton.cdiv(ng, rows),)](
-            q.codes, q.scales, codes, scales, seed, n, ng, part_len, part_stride, base,
+            src_codes, src_scales, codes, scales, seed, n, ng, part_len, part_stride, base,
             S=num_sources, GS_IN=q.group_size, BITS_IN=q.bits, GS=gs, GP=gp, R=rows,
             BITS=bits_out, STOCHASTIC=bool(stochastic),
             ALIGNED=_noise_rows_aligned(gs, gp, part_len, part_stride, base),
@@ -586,14 +595,17 @@ def dequantize_add(q: QuantizedTensor, reference: torch.Tensor, *,
     r = reference.reshape(-1)
     if not r.is_contiguous():
         r = r.contiguous()
-    direct = out is not None and out.dtype == reference.dtype and out.is_contiguous()
-    target = out.view(-1) if direct else torch.empty(n, dtype=reference.dtype, device=reference.device)
     if out is not None and out.numel() != n:
         raise ValueError(f"dequantize_add: out has {out.numel()} elements, expected {n}")
+    # out may be reference itself (each element read before written), not overlap it partly
+    direct = (out is not None and out.dtype == reference.dtype and out.is_contiguous()
+              and (out.data_ptr() == r.data_ptr() or not _ref._overlaps(out, r)))
+    target = out.view(-1) if direct else torch.empty(n, dtype=reference.dtype, device=reference.device)
+    codes, scales = _operands(q)
     block = _TILE
     if n > 0:
         _dequant_add_kernel[(triton.cdiv(n, block),)](
-            q.codes, q.scales, r, target, n, GS=q.group_size, BITS=q.bits, BLOCK=block,
+            codes, scales, r, target, n, GS=q.group_size, BITS=q.bits, BLOCK=block,
             enable_fp_fusion=False)
     if out is None:
         return target.view(reference.shape)

@@ -20,16 +20,17 @@
 #   DATA_DIR (data/quickstart)  RUN_DIR (runs/quickstart/<name>)  RUN_NAME (baseline, or derived
 #   from the extra args)  NPROC (2)  TRAIN_ITERS (100)  LOG_INTERVAL (10)  CORPUS_BYTES (4000000)
 #   VOCAB_SIZE (8192)
-#   PYTHON (python)  TORCHRUN ("$PYTHON -m torch.distributed.run")  RUNS_ROOT (runs/quickstart)
+#   PYTHON (python3)  TORCHRUN ("$PYTHON -m torch.distributed.run")  RUNS_ROOT (runs/quickstart)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-# On a fresh machine, install what is missing first (torch==2.13.0, then requirements.txt).
-PYTHON="${PYTHON:-python3}" bash scripts/ensure_deps.sh
+# On a fresh machine, install what is missing first (torch==2.13.0, then requirements.txt),
+# into the interpreter every step below runs (python3: a fresh machine may have no `python`).
+PYTHON=${PYTHON:-python3}
+PYTHON="$PYTHON" bash scripts/ensure_deps.sh
 
-PYTHON=${PYTHON:-python}
 TORCHRUN=${TORCHRUN:-"$PYTHON -m torch.distributed.run"}
 DATA_DIR=${DATA_DIR:-data/quickstart}
 NPROC=${NPROC:-2}

@@ -239,6 +239,25 @@ def test_tensor_parallel_merge_rules() -> None:
                               [torch.zeros(2), torch.zeros(2)], swiglu=True)
 
 
+def test_gelu_flavour_follows_the_fusion_that_ran() -> None:
+    """The exported activation is what training ran: the fused bias-GELU (tanh approximation)
+    only where the resolver turned it on; --no-bias-gelu-fusion on CUDA ran exact GELU (the
+    export said gelu_new before, about 1e-3 off per activation)."""
+    from megatron.training.arguments import parse_args
+    from tools.checkpoint.convert_to_hf import gelu_flavour
+
+    def saved(*extra: str) -> argparse.Namespace:
+        return parse_args(TINY[:TINY.index("--device")] + list(extra), validate=False)
+
+    assert gelu_flavour(saved("--device", "cuda")) == "gelu_new"
+    assert gelu_flavour(saved("--device", "cuda", "--no-bias-gelu-fusion")) == "gelu"
+    assert gelu_flavour(saved("--device", "cuda", "--disable-bias-linear")) == "gelu"
+    assert gelu_flavour(saved("--device", "cpu")) == "gelu"
+    legacy = saved("--device", "cuda")
+    del legacy.device, legacy.bias_gelu_fusion           # older checkpoints: a GPU run, fused
+    assert gelu_flavour(legacy) == "gelu_new"
+
+
 @pytest.mark.parametrize("flags,message", [
     (dict(normalization="RMSNorm"), "needs --normalization LayerNorm"),
     (dict(position_embedding_type="rope", normalization="LayerNorm", swiglu=True),

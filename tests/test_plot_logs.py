@@ -78,3 +78,24 @@ def test_communication_table_puts_runs_side_by_side(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| baseline | 4.0000 | 4.2000 | 100.0 | 32.00 (unquantized) | 16.00 (unquantized) |" in out
     assert "| sdp4bit | 4.1000 | 4.3000 | 120.0 | 4.25 | 4.02 |" in out
+
+
+def test_runs_with_the_same_file_name_keep_apart(tmp_path, capsys):
+    """Two runs' metrics.jsonl without labels: both are plotted and tabled, labelled by their
+    directories (the second replaced the first before, and the table said +0.00%); the same
+    explicit label twice is an error; a resumed run's repeated iterations keep their last value."""
+    (tmp_path / "base").mkdir()
+    (tmp_path / "sdp").mkdir()
+    a, b = tmp_path / "base" / "metrics.jsonl", tmp_path / "sdp" / "metrics.jsonl"
+    _write_jsonl(a, [5.0, 4.0, 3.0])
+    _write_jsonl(b, [5.0, 4.5, 3.3])
+    assert plot_logs.run_labels([str(a), str(b), f"x={a}"]) == [
+        ("base/metrics.jsonl", str(a)), ("sdp/metrics.jsonl", str(b)), ("x", str(a))]
+    assert plot_logs.main([str(a), str(b), "--output", str(tmp_path / "o.png")]) == 0
+    table = capsys.readouterr().out
+    assert "| sdp/metrics.jsonl | 30 | 3.3000 | +10.00% |" in table
+    assert plot_logs.main([f"r={a}", f"r={b}", "--output", str(tmp_path / "o.png")]) == 2
+    assert "label(s) r given to more than one run" in capsys.readouterr().err
+    with open(b, "a") as f:   # resumed from iteration 20: iteration 30 again, another value
+        f.write(json.dumps({"type": "train", "iteration": 30, "lm_loss": 3.1}) + "\n")
+    assert plot_logs.read_run(str(b), "lm loss") == [(10, 5.0), (20, 4.5), (30, 3.1)]

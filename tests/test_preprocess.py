@@ -86,6 +86,22 @@ def test_tokenizer_matches_reference(env):
     assert tok.eod not in tok.tokenize("a literal <|endoftext|> is plain text")
 
 
+def test_several_json_keys_keep_their_documents_aligned(env, capsys):
+    """With several --json-keys, document i of every output is record i (Megatron-LM writes an
+    empty value as an empty document, the EOD alone with --append-eod); skipping it for one key
+    only shifted that key's documents against the others'."""
+    path = env["dir"] / "two_keys.jsonl"
+    _write_jsonl(path, [{"a": "x y", "b": ""}, {"a": "z", "b": "w v"}, {"a": " ", "b": "q"}])
+    prefix = env["dir"] / "two"
+    assert _run(env, path, prefix, "--json-keys", "a", "b") == 0
+    tok = env["tok"]
+    a, _ = _read(f"{prefix}_a_document")
+    b, _ = _read(f"{prefix}_b_document")
+    assert a == [tok.tokenize("x y") + [tok.eod], tok.tokenize("z") + [tok.eod], [tok.eod]]
+    assert b == [[tok.eod], tok.tokenize("w v") + [tok.eod], tok.tokenize("q") + [tok.eod]]
+    assert "wrote 1 empty document(s) for key 'b'" in capsys.readouterr().err
+
+
 def test_jsonl_roundtrip(env, capsys):
     prefix = env["dir"] / "rt"
     assert _run(env, env["corpus"], prefix) == 0
@@ -194,6 +210,38 @@ def _save_hf_gpt2(env, name: str) -> str:
     return hf_dir
 
 
+def _save_hf_with_bos(env, name: str) -> str:
+    """The tests' GPT-2 vocabulary as a HF fast tokenizer whose post-processor starts every
+    sequence with a BOS, as Llama's does (its id: the vocab's "<|endoftext|>", 0; EOS another)."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    base = Tokenizer.from_file(os.path.join(_save_hf_gpt2(env, name + "_base"), "tokenizer.json"))
+    base.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=base, bos_token="<|endoftext|>",
+                                 eos_token=env["tok"]._tok.id_to_token(1))
+    path = str(env["dir"] / name)
+    hf.save_pretrained(path)
+    return path
+
+
+def test_hf_tokenizer_frames_documents_as_megatron_lm(env):
+    """Megatron-LM's HuggingFaceTokenizer tokenizes with the tokenizer's special tokens: a Llama
+    tokenizer writes ``BOS doc EOD`` (this tool wrote ``doc EOD``: the model never saw a BOS at
+    a document start, unlike Megatron-LM's data and HF inference). Long documents tokenized in
+    pieces get the BOS once."""
+    tok = pp.build_tokenizer("HuggingFaceTokenizer", tokenizer_model=_save_hf_with_bos(env, "bos"))
+    plain = tok.tokenize_text(TRICKY)
+    assert plain[0] != 0 and tok.tokenize(TRICKY) == [0] + plain
+    assert tok.document_affixes() == ([0], [])
+    assert pp.chunking_unsafe_reason(tok) is None
+    for n in (0, 64, 7):
+        ids = pp.tokenize_document(tok, TRICKY, n, eod=tok.eod)
+        assert ids.tolist() == [0] + plain + [tok.eod], n
+    assert pp.tokenize_document(tok, "", 0, eod=tok.eod).tolist() == []   # empty stays empty
+
+
 def test_hf_and_sentencepiece_tokenizers(env):
     hf_dir = _save_hf_gpt2(env, "hf_tok")
     t = pp.build_tokenizer("HuggingFaceTokenizer", tokenizer_model=hf_dir)
@@ -205,14 +253,29 @@ def test_hf_and_sentencepiece_tokenizers(env):
     model_prefix = str(env["dir"] / "sp")
     spm.SentencePieceTrainer.train(sentence_iterator=iter(NONEMPTY * 3), model_prefix=model_prefix,
                                    vocab_size=120, model_type="bpe", minloglevel=2)
-    prefix = env["dir"] / "sp_out"
-    argv = ["--input", env["corpus"], "--output-prefix", str(prefix), "--tokenizer-type",
-            "SentencePieceTokenizer", "--tokenizer-model", model_prefix + ".model", "--append-eod"]
-    assert pp.main(argv) == 0
-    sp = pp.build_tokenizer("SentencePieceTokenizer", tokenizer_model=model_prefix + ".model")
-    assert sp.vocab_size == 120 and sp.eod == 2
-    docs, _ = _read(f"{prefix}_text_document")
-    assert docs == [sp.tokenize(x) + [sp.eod] for x in NONEMPTY]
+    model = model_prefix + ".model"
+    raw = spm.SentencePieceProcessor(model_file=model)
+    assert (raw.get_piece_size(), raw.bos_id(), raw.eos_id(), raw.pad_id()) == (120, 1, 2, -1)
+    # Megatron-LM's three SentencePiece types, each with its own vocabulary, EOD and framing
+    gpt = pp.build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=model)
+    assert gpt.vocab_size == 120 and gpt.eod == 2 and gpt.tokenize("ab cd") == raw.encode("ab cd")
+    llama = pp.build_tokenizer("Llama2Tokenizer", tokenizer_model=model)
+    assert llama.vocab_size == 120 and llama.eod == 2
+    assert llama.tokenize("ab cd") == [1] + raw.encode("ab cd")
+    sp = pp.build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
+    # <CLS> <SEP> <EOD> <MASK> <PAD> appended (the model has <s> and </s>): EOD is <EOD>, 122
+    assert sp.vocab_size == 125 and sp.eod == 122
+    assert sp.tokenize("ab<EOD>cd</s>") == raw.encode("ab") + [122] + raw.encode("cd") + [2]
+    assert sp.detokenize(sp.tokenize("ab<EOD>cd")) == "ab<EOD>cd"
+    for tok_type, tok in (("SentencePieceTokenizer", sp), ("GPTSentencePieceTokenizer", gpt),
+                          ("Llama2Tokenizer", llama)):
+        prefix = env["dir"] / f"sp_out_{tok_type}"
+        argv = ["--input", env["corpus"], "--output-prefix", str(prefix), "--tokenizer-type",
+                tok_type, "--tokenizer-model", model, "--append-eod"]
+        assert pp.main(argv) == 0
+        docs, _ = _read(f"{prefix}_text_document")
+        assert docs == [tok.tokenize(x) + [tok.eod] for x in NONEMPTY], tok_type
+        assert max(max(d) for d in docs) < tok.vocab_size
 
 
 def test_import_has_no_side_effects():
@@ -368,6 +431,14 @@ def test_legacy_flags_refuse_or_note(env, capsys):
     err = capsys.readouterr().err
     assert err.count("note: --torch-backend gloo is ignored") == 1
     assert "note: --split validation is ignored: a jsonl file has one split" in err
+    # Megatron-LM's other preprocess flags: accepted with a note where the files are the same,
+    # refused by name where they would differ (it wrote one document per sentence)
+    notes = pp.get_args(base + ["--partitions", "4", "--keep-sequential-samples", "--lang",
+                                "english", "--keep-newlines"]).legacy_notes
+    assert [n.split(" ")[1] for n in notes] == ["--partitions", "--keep-newlines"]
+    with pytest.raises(SystemExit) as e:
+        pp.get_args(base + ["--split-sentences"])
+    assert e.value.code == 2 and "--split-sentences is not supported" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------
@@ -534,7 +605,7 @@ def test_summary_reports_peak_rss_and_readable_tokenizer(env, tokenizers_under_t
     hf, kw = tokenizers_under_test["HuggingFaceTokenizer"]
     assert pp.describe_tokenizer(hf) == f"HuggingFaceTokenizer(model={kw['tokenizer_model']}, vocab_size=400, eod=0)"
     sp, kw = tokenizers_under_test["SentencePieceTokenizer"]
-    assert pp.describe_tokenizer(sp) == f"SentencePieceTokenizer(model={kw['tokenizer_model']}, vocab_size=120, eod=2)"
+    assert pp.describe_tokenizer(sp) == f"SentencePieceTokenizer(model={kw['tokenizer_model']}, vocab_size=125, eod=122)"
 
 
 def test_null_or_non_string_text_is_a_bad_record(env, capsys):

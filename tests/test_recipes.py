@@ -241,6 +241,12 @@ DRY_RUN_CASES = [
       "gradient_quantization_bits_intra": 4, "gradient_quantization_bits_inter": 4, "ffn_hidden_size": 4096}),
     ("examples/loco/run_8b.sh", {"LOCO": "0"},
      {"loco": False, "quantized_gradients": False, "ffn_hidden_size": 11008, "num_layers": 32}),
+    # the launch's world, not one rank: TP=4 on 2 nodes x 4 GPUs (before: "world size 1 is not
+    # divisible by --tensor-model-parallel-size 4")
+    ("examples/sdp4bit/run_6.7b.sh", {"VARIANT": "sdp4bit", "TP": "4", "NNODES": "2",
+                                      "GPUS_PER_NODE": "4"},
+     {"world_size": 8, "data_parallel_size": 2, "tensor_model_parallel_size": 4,
+      "quantized_gradients": True}),
 ]
 
 

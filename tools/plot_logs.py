@@ -76,6 +76,9 @@ def read_tensorboard(logdir: str, metric: str) -> Series:
 
 
 def read_run(path: str, metric: str) -> Series:
+    """The run's (iteration, value) points in iteration order. An iteration logged twice (a
+    resumed run appends to its --jsonl-log and repeats the iterations after its checkpoint)
+    keeps its last value, the one the finished run trained through."""
     if os.path.isdir(path):
         series = read_tensorboard(path, metric)
     elif os.path.isfile(path):
@@ -84,7 +87,7 @@ def read_run(path: str, metric: str) -> Series:
         raise FileNotFoundError(f"no such log file or directory: {path}")
     if not series:
         raise ValueError(f"{path}: no values for metric {metric!r}")
-    return sorted(series)
+    return sorted(dict(series).items())
 
 
 def parse_run_spec(spec: str) -> Tuple[str, str]:
@@ -92,6 +95,32 @@ def parse_run_spec(spec: str) -> Tuple[str, str]:
         return os.path.basename(os.path.normpath(spec)), spec
     label, path = spec.split("=", 1)
     return label, path
+
+
+def run_labels(specs: Sequence[str]) -> List[Tuple[str, str]]:
+    """(label, path) per ``LABEL=PATH`` or ``PATH``. A label derived from a path is its last
+    component, widened with parent directories until it differs from the others' (two
+    ``metrics.jsonl`` of two runs: ``base/metrics.jsonl``, ``sdp/metrics.jsonl``); the same
+    explicit label twice is an error (the second run would replace the first)."""
+    parsed = [(parse_run_spec(s), "=" in s) for s in specs]
+    explicit = [label for (label, _), given in parsed if given]
+    twice = sorted({label for label in explicit if explicit.count(label) > 1})
+    if twice:
+        raise ValueError(f"label(s) {', '.join(twice)} given to more than one run")
+    labels = [label for (label, _), _ in parsed]
+    depth = {i: 1 for i, (_, given) in enumerate(parsed) if not given}
+    while True:
+        clash = [i for i in depth if labels.count(labels[i]) > 1]
+        parts = {i: os.path.normpath(parsed[i][0][1]).split(os.sep) for i in clash}
+        grow = [i for i in clash if depth[i] < len(parts[i])]
+        if not grow:
+            break
+        for i in grow:
+            depth[i] += 1
+            labels[i] = "/".join(parts[i][-depth[i]:])
+    if len(set(labels)) != len(labels):
+        raise ValueError("two runs have the same path: give them labels (LABEL=PATH)")
+    return [(label, path) for label, ((_, path), _) in zip(labels, parsed)]
 
 
 def summary_table(runs: Dict[str, Series], metric: str) -> str:
@@ -183,17 +212,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     runs: Dict[str, Series] = {}
-    for spec in args.runs:
-        label, path = parse_run_spec(spec)
-        try:
+    try:
+        labelled = run_labels(args.runs)
+        for label, path in labelled:
             runs[label] = read_run(path, args.metric)
-        except (ValueError, FileNotFoundError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     plot(runs, args.metric, args.output, args.title, args.logy)
     print(summary_table(runs, args.metric))
-    summaries = {label: read_summary(parse_run_spec(spec)[1])
-                 for label, spec in zip(runs, args.runs)}
+    summaries = {label: read_summary(path) for label, path in labelled}
     if any(summaries.values()):
         print()
         print(communication_table({k: v for k, v in summaries.items() if v}))

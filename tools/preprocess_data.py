@@ -41,7 +41,10 @@ Tokenizers (all loaded from local files, no network access needed):
   ``--merge-file`` (merges.txt); end-of-document token ``<|endoftext|>``.
 * ``HuggingFaceTokenizer``: ``--tokenizer-model`` = a local directory saved with
   ``save_pretrained`` (or a hub name already in the local cache); EOD = ``eos_token``.
-* ``SentencePieceTokenizer``: ``--tokenizer-model`` = a ``.model`` file; EOD = ``eos`` id.
+* ``SentencePieceTokenizer``, ``GPTSentencePieceTokenizer``, ``Llama2Tokenizer``:
+  ``--tokenizer-model`` = a ``.model`` file, each as Megatron-LM's type of that name (see
+  :mod:`megatron.training.tokenizer`): special tokens added and EOD = ``<EOD>``; the model's
+  pieces and EOD = ``eos``; the same with a BOS at every document start.
 
 Long documents are tokenized in pieces of about ``--tokenize-chunk-chars`` characters (default
 1,000,000) so that memory stays bounded: one 30 MB document passed to a HF tokenizer in one call
@@ -82,9 +85,10 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from megatron.training.tokenizer import TokenizerError, build_tokenizer_from  # noqa: E402
+from megatron.training.tokenizer import (  # noqa: E402
+    SENTENCEPIECE_TYPES, TokenizerError, build_tokenizer_from)
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", *SENTENCEPIECE_TYPES)
 DEFAULT_TOKENIZE_CHUNK_CHARS = 1_000_000
 
 
@@ -213,7 +217,7 @@ def chunking_unsafe_reason(tokenizer: Any) -> Optional[str]:
     whole).  Then the pieces are also checked on a probe text.
     """
     name = type(tokenizer).__name__
-    if name == "SentencePieceTokenizer":
+    if name in SENTENCEPIECE_TYPES:
         return ("SentencePiece normalizes whitespace and adds a dummy prefix per call (and unigram "
                 "segmentation is a whole-string search), so pieces could tokenize differently")
     backend = _backend_tokenizer(tokenizer)
@@ -234,22 +238,39 @@ def chunking_unsafe_reason(tokenizer: Any) -> Optional[str]:
         if tok.lstrip or tok.rstrip or tok.single_word or any(c.isspace() for c in tok.content):
             return (f"its added token {tok.content!r} contains whitespace or strips / requires "
                     f"spaces around it")
+    affixes = tokenizer.document_affixes()
+    if affixes is None:
+        return "its special tokens around a document could not be told apart from the text's"
     whole = list(tokenizer.tokenize(_PROBE_TEXT))
-    pieces = [i for piece in iter_text_pieces(_PROBE_TEXT, 8) for i in tokenizer.tokenize(piece)]
-    if pieces != whole:
+    pieces = [i for piece in iter_text_pieces(_PROBE_TEXT, 8) for i in tokenizer.tokenize_text(piece)]
+    if affixes[0] + pieces + affixes[1] != whole:
         return "tokenizing a probe text in pieces gave different tokens than tokenizing it whole"
     return None
 
 
 def tokenize_document(tokenizer: Any, text: str, chunk_chars: int,
                       eod: Optional[int] = None) -> "numpy.ndarray":
-    """Token ids of ``text`` (int64), tokenized in pieces of about ``chunk_chars`` characters
-    (0: whole), followed by ``eod`` if given -- unless the text has no tokens at all (an empty
-    document stays empty).  Why int64 arrays per piece: a Python list of ints costs ~36 bytes per
-    token, a few hundred MB for a 30 MB document; the arrays cost 8."""
-    parts = [numpy.asarray(tokenizer.tokenize(piece), dtype=numpy.int64)
-             for piece in iter_text_pieces(text, chunk_chars)]
-    if eod is not None and any(len(p) for p in parts):
+    """Token ids of ``text`` (int64): ``tokenizer.tokenize(text)`` -- with the tokenizer's
+    special tokens around the document (a Llama BOS), as Megatron-LM writes it -- computed in
+    pieces of about ``chunk_chars`` characters (0: whole; the affixes once around the pieces),
+    followed by ``eod`` if given -- unless the text has no tokens at all (an empty document stays
+    empty).  Why int64 arrays per piece: a Python list of ints costs ~36 bytes per token, a few
+    hundred MB for a 30 MB document; the arrays cost 8."""
+    pieces = list(iter_text_pieces(text, chunk_chars))
+    if len(pieces) == 1:
+        parts = [numpy.asarray(tokenizer.tokenize(text), dtype=numpy.int64)]
+        affixes = tokenizer.document_affixes()
+        has_text = len(parts[0]) > (len(affixes[0]) + len(affixes[1]) if affixes else 0)
+    else:
+        before, after = tokenizer.document_affixes()
+        parts = [numpy.asarray(tokenizer.tokenize_text(piece), dtype=numpy.int64)
+                 for piece in pieces]
+        has_text = any(len(p) for p in parts)
+        parts = ([numpy.asarray(before, dtype=numpy.int64)] + parts
+                 + [numpy.asarray(after, dtype=numpy.int64)])
+    if not has_text:
+        return numpy.zeros(0, dtype=numpy.int64)
+    if eod is not None:
         parts.append(numpy.asarray([eod], dtype=numpy.int64))
     return parts[0] if len(parts) == 1 else numpy.concatenate(parts)
 
@@ -483,7 +504,23 @@ def get_args(argv=None):
                    help="only mmap (.bin/.idx) is written; any other value is an error")
     g.add_argument("--torch-backend", default=None, metavar="BACKEND",
                    help="ignored: no torch.distributed here (use --workers for parallelism)")
+    g.add_argument("--partitions", type=int, default=None, metavar="N",
+                   help="ignored: Megatron-LM's input partitions only parallelize; --workers does "
+                        "that here, with the same output")
+    g.add_argument("--keep-sequential-samples", action="store_true",
+                   help="ignored: documents are always written in input order")
+    g.add_argument("--split-sentences", action="store_true",
+                   help="not supported (stops): one document per record is written; Megatron-LM "
+                        "wrote one per sentence (nltk punkt) into *_sentence files")
+    g.add_argument("--keep-newlines", action="store_true",
+                   help="only acts with --split-sentences (not supported); newlines are always "
+                        "kept in the text")
+    g.add_argument("--lang", default=None, help="only acts with --split-sentences (not supported)")
     args = p.parse_args(argv)
+    if args.split_sentences:
+        p.error("--split-sentences is not supported: this tool writes one document per record "
+                "(<prefix>_<key>_document.bin/.idx); split the text into sentences before, or drop "
+                "the flag")
     if args.workers < 1:
         p.error("--workers must be >= 1")
     if args.log_interval < 1:
@@ -512,6 +549,13 @@ def legacy_flag_notes(args: argparse.Namespace) -> List[str]:
     if args.dataset_impl == "mmap":
         notes.append("note: --dataset-impl mmap is the only format (megatron-core .bin/.idx) and the "
                      "default; the flag can be dropped")
+    if args.partitions is not None or args.keep_sequential_samples:
+        notes.append("note: --partitions / --keep-sequential-samples are ignored: --workers "
+                     "parallelizes and documents are written in input order (the same files); "
+                     "the flags can be dropped")
+    if args.keep_newlines or args.lang is not None:
+        notes.append("note: --keep-newlines / --lang act only with --split-sentences (not "
+                     "supported); newlines are kept in the text; the flags can be dropped")
     if args.torch_backend is not None:
         notes.append(f"note: --torch-backend {args.torch_backend} is ignored: tokenization runs in this "
                      f"process and its --workers, without torch.distributed (launch it once, not with "
@@ -580,6 +624,10 @@ def preprocess(args):
          f"dtype={numpy.dtype(dtype).name} workers={args.workers} tokenize-chunk={chunking}")
     stats = {k: {"documents": 0, "tokens": 0, "empty": 0} for k in keys}
     empty_examples = {k: [] for k in keys}
+    # One key: an empty document is skipped. Several keys: it is written (empty, or the EOD alone
+    # with --append-eod, as Megatron-LM writes it), so that document i of every output is record i.
+    aligned = len(keys) > 1
+    empty_ids = [tokenizer.eod] if args.append_eod else []
     n_bad, bad = 0, []  # skipped bad records (--skip-bad-records): count, first 5 (number, message)
     n_records = total_bytes = 0
     start = time.time()
@@ -601,6 +649,8 @@ def preprocess(args):
                     stats[key]["empty"] += 1
                     if len(empty_examples[key]) < 5:
                         empty_examples[key].append(recno)
+                    if aligned:   # document i of every key's file is record i, as Megatron-LM
+                        builders[key].add_document(empty_ids, [len(empty_ids)])
                     continue
                 builders[key].add_document(ids, [len(ids)])
                 stats[key]["documents"] += 1
@@ -634,7 +684,9 @@ def preprocess(args):
              f"{bad[0][1]}")
     for key in keys:
         if stats[key]["empty"]:
-            _log(f"warning: skipped {stats[key]['empty']} empty document(s) for key {key!r} "
+            verb, why = (("wrote", " (kept: every key's document i is record i)") if aligned
+                         else ("skipped", ""))
+            _log(f"warning: {verb} {stats[key]['empty']} empty document(s) for key {key!r}{why} "
                  f"(e.g. {unit}s {', '.join(map(str, empty_examples[key]))})")
         if stats[key]["documents"] == 0:
             _log(f"warning: no documents written for key {key!r}; {prefixes[key]} is empty")
@@ -663,7 +715,7 @@ def preprocess(args):
     for key in keys:
         s = stats[key]
         _log(f"done: {prefixes[key]}.bin/.idx: {s['documents']} documents, {s['tokens']} tokens, "
-             f"{s['empty']} empty skipped")
+             f"{s['empty']} empty {'written' if aligned else 'skipped'}")
     _log(f"done: {n_records} records, {total_bytes / 1e6:.2f} MB in {elapsed:.2f}s "
          f"({n_records / elapsed:.1f} docs/s, {total_bytes / elapsed / 1e6:.2f} MB/s), {rss}")
     return summary

@@ -138,6 +138,11 @@ recipe_launcher() {
 recipe_launch() {
     local cmd
     if [[ "${DRY_RUN:-0}" == 1 ]]; then
+        # validate for the launch's world (NNODES x GPUS_PER_NODE), as rank 0 would see it:
+        # the data-parallel size, batch divisibility and the two-level layout depend on it
+        recipe_launcher
+        export WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) LOCAL_WORLD_SIZE=$GPUS_PER_NODE RANK=0 LOCAL_RANK=0
+        echo "[recipe] DRY_RUN=1: checking the arguments as rank 0 of $WORLD_SIZE ($NNODES node(s) x $GPUS_PER_NODE GPUs)" >&2
         cmd=("$PYTHON" pretrain_gpt.py "$@" --dry-run)
     else
         recipe_launcher

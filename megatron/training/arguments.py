@@ -23,6 +23,7 @@ from typing import Callable, FrozenSet, List, NoReturn, Optional, Tuple
 from megatron.distributed.quant import integration
 
 from .profiling import add_profile_args, validate_profile_args
+from .tokenizer import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
 
 NOOP = "(no-op in this trainer; accepted for Megatron-LM script compatibility)"
 
@@ -251,8 +252,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-cache-path", type=str, default=None)
     g.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank.")
     g.add_argument("--tokenizer-type", default=None,
-                   choices=("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
-                            "NullTokenizer"),
+                   choices=TOKENIZER_TYPES,
                    help="Default: GPT2BPETokenizer with --vocab-file, else NullTokenizer.")
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
@@ -598,7 +598,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
             _require(path is not None, f"GPT2BPETokenizer needs {flag}")
             _require(os.path.isfile(path), f"{flag} {path!r} does not exist")
-    elif args.tokenizer_type in ("SentencePieceTokenizer", "HuggingFaceTokenizer"):
+    elif args.tokenizer_type in ("HuggingFaceTokenizer", *SENTENCEPIECE_TYPES):
         _require(args.tokenizer_model is not None, f"{args.tokenizer_type} needs --tokenizer-model")
         _require(os.path.exists(args.tokenizer_model),
                  f"--tokenizer-model {args.tokenizer_model!r} does not exist")

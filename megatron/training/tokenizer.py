@@ -45,7 +45,19 @@ class _TokenizerBase:
         return self.eod
 
     def tokenize(self, text: str) -> List[int]:
+        """A document's ids, as Megatron-LM's tokenizer of the same type gives them."""
         raise NotImplementedError
+
+    def tokenize_text(self, text: str) -> List[int]:
+        """The ids of ``text`` alone, without the special tokens :meth:`tokenize` frames a
+        document with (``tokenize == prefix + tokenize_text + suffix``, see
+        :meth:`document_affixes`): what a document's pieces are tokenized with."""
+        return self.tokenize(text)
+
+    def document_affixes(self) -> "tuple[List[int], List[int]] | None":
+        """(ids before, ids after) the text of every :meth:`tokenize` result; None when they
+        cannot be told apart (then a document is only tokenized whole)."""
+        return [], []
 
     def detokenize(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
@@ -131,14 +143,32 @@ class HuggingFaceTokenizer(_TokenizerBase):
         return self._eod
 
     def tokenize(self, text: str) -> List[int]:
+        """With the tokenizer's special tokens, as Megatron-LM's ``_HuggingFaceTokenizer``: a
+        Llama tokenizer starts every document with its BOS (GPT-2's adds nothing)."""
+        return self._tok(text)["input_ids"]
+
+    def tokenize_text(self, text: str) -> List[int]:
         return self._tok(text, add_special_tokens=False)["input_ids"]
+
+    def document_affixes(self) -> "tuple[List[int], List[int]] | None":
+        """Found once on a probe text: where its plain ids sit inside its framed ids."""
+        if not hasattr(self, "_affixes"):
+            probe = "affix probe"
+            framed, plain = self.tokenize(probe), self.tokenize_text(probe)
+            self._affixes = None
+            for i in range(len(framed) - len(plain) + 1):
+                if framed[i:i + len(plain)] == plain:
+                    self._affixes = (framed[:i], framed[i + len(plain):])
+                    break
+        return self._affixes
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
 
 
-class SentencePieceTokenizer(_TokenizerBase):
-    """SentencePiece ``.model`` file; EOD = the model's eos id."""
+class GPTSentencePieceTokenizer(_TokenizerBase):
+    """A SentencePiece ``.model`` as Megatron-LM's ``GPTSentencePieceTokenizer``: the model's own
+    pieces only (vocabulary = its piece count), EOD = its eos id, no special tokens added."""
 
     def __init__(self, model_file: str) -> None:
         super().__init__(model_file)
@@ -166,6 +196,93 @@ class SentencePieceTokenizer(_TokenizerBase):
         return self._sp.decode(list(ids))
 
 
+class Llama2Tokenizer(GPTSentencePieceTokenizer):
+    """Megatron-LM's ``Llama2Tokenizer``: a SentencePiece model whose documents start with its BOS
+    (EOD = eos, vocabulary = the piece count)."""
+
+    def __init__(self, model_file: str) -> None:
+        super().__init__(model_file)
+        if self._sp.bos_id() < 0:
+            raise TokenizerError(f"SentencePiece model {model_file!r} has no bos piece")
+
+    def tokenize(self, text: str) -> List[int]:
+        return [self._sp.bos_id()] + self._sp.encode(text)
+
+    def tokenize_text(self, text: str) -> List[int]:
+        return self._sp.encode(text)
+
+    def document_affixes(self) -> "tuple[List[int], List[int]]":
+        return [self._sp.bos_id()], []
+
+
+class SentencePieceTokenizer(GPTSentencePieceTokenizer):
+    """Megatron-LM's ``SentencePieceTokenizer``: the model's pieces plus ``<CLS>``, ``<SEP>``,
+    ``<EOD>``, ``<MASK>`` and the pad / bos / eos pieces as special tokens (appended after the
+    model's pieces when it lacks them), written as their ids where they occur in the text; EOD =
+    ``<EOD>``. So the ``.bin`` files Megatron-LM writes with this type hold the same ids here,
+    and the vocabulary covers them (an id past the embedding fails on a GPU)."""
+
+    def __init__(self, model_file: str) -> None:
+        super().__init__(model_file)
+        sp = self._sp
+        self._vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+        self._special: "OrderedDict[str, int]" = OrderedDict()
+
+        def add(piece: str) -> int:
+            if piece not in self._vocab:
+                self._vocab[piece] = len(self._vocab)
+            self._special[piece] = self._vocab[piece]
+            return self._vocab[piece]
+
+        def model_piece(index: int, fallback: str) -> str:
+            return sp.id_to_piece(index) if 0 <= index < sp.get_piece_size() else fallback
+
+        for piece in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"):
+            add(piece)
+        add(model_piece(sp.pad_id(), "<PAD>"))
+        add(model_piece(sp.bos_id(), "<BOS>"))
+        add(model_piece(sp.eos_id(), "<EOS>"))
+        self._eod_id = self._special["<EOD>"]
+        self._pieces_of = {i: p for p, i in self._special.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    @property
+    def eod(self) -> int:
+        return self._eod_id
+
+    def tokenize(self, text: str) -> List[int]:
+        """The text's pieces, a special token's text becoming its id (leftmost first, as
+        Megatron-LM splits it)."""
+        ids: List[int] = []
+        start = 0
+        while True:
+            hits = [(text.find(piece, start), piece) for piece in self._special]
+            hits = [(at, piece) for at, piece in hits if at >= 0]
+            if not hits:
+                break
+            at, piece = min(hits, key=lambda hit: hit[0])
+            ids.extend(self._sp.encode(text[start:at]))
+            ids.append(self._special[piece])
+            start = at + len(piece)
+        ids.extend(self._sp.encode(text[start:]))
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        out, run = [], []
+        for i in ids:
+            if int(i) in self._pieces_of:
+                out.append(self._sp.decode(run))
+                out.append(self._pieces_of[int(i)])
+                run = []
+            else:
+                run.append(int(i))
+        out.append(self._sp.decode(run))
+        return "".join(out)
+
+
 class NullTokenizer(_TokenizerBase):
     """Text is whitespace-separated token ids; EOD is the last id.  For mock data / tests."""
 
@@ -188,7 +305,11 @@ class NullTokenizer(_TokenizerBase):
         return " ".join(str(int(i)) for i in numpy.asarray(ids).reshape(-1))
 
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer")
+SENTENCEPIECE_TYPES = {"SentencePieceTokenizer": SentencePieceTokenizer,
+                       "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
+                       "Llama2Tokenizer": Llama2Tokenizer}
+"""Megatron-LM's SentencePiece tokenizer types, each with its semantics (see the classes)."""
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", *SENTENCEPIECE_TYPES, "NullTokenizer")
 
 
 def build_tokenizer_from(tokenizer_type: str, *, vocab_file: str | None = None,
@@ -205,8 +326,9 @@ def build_tokenizer_from(tokenizer_type: str, *, vocab_file: str | None = None,
         if not tokenizer_model:
             raise TokenizerError("HuggingFaceTokenizer requires --tokenizer-model (a local directory)")
         return HuggingFaceTokenizer(tokenizer_model)
-    if tokenizer_type == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(_require_file(tokenizer_model, "SentencePiece model", "--tokenizer-model"))
+    if tokenizer_type in SENTENCEPIECE_TYPES:
+        return SENTENCEPIECE_TYPES[tokenizer_type](
+            _require_file(tokenizer_model, f"{tokenizer_type} SentencePiece model", "--tokenizer-model"))
     if tokenizer_type == "NullTokenizer":
         if not vocab_size:
             raise TokenizerError("NullTokenizer requires --vocab-size")

@@ -442,10 +442,16 @@ def architecture(args: argparse.Namespace) -> str:
 
 def gelu_flavour(args: argparse.Namespace) -> str:
     """HF activation matching what training ran: megatron-core's fused bias-GELU (tanh
-    approximation) when it was on (CUDA with biases, as in ``build_transformer_config``), else
-    torch's exact GELU."""
-    fused = getattr(args, "device", "cuda") == "cuda" and bool(getattr(args, "add_bias_linear", True))
-    return "gelu_new" if fused else "gelu"
+    approximation) when the fusion resolver turned it on for the saved arguments (CUDA, a bias,
+    no ``--no-bias-gelu-fusion``), else torch's exact GELU."""
+    from megatron.training.fusions import resolve_fusions
+
+    saved = argparse.Namespace(**vars(args))
+    saved.device = getattr(args, "device", "cuda")   # checkpoints before --device: GPU runs
+    saved.apply_rope_fusion_explicit = False         # TE's; not the activation's business
+    plan = resolve_fusions(saved, uses_te_spec=False, local_attention=False,
+                           have=lambda module: False)   # the bias-GELU needs no package
+    return "gelu_new" if plan.bias_activation_fusion else "gelu"
 
 
 class _Taker:

@@ -353,3 +353,43 @@ def test_resumed_quantization_state_lands_on_the_model_device() -> None:
         tensors = [stored.q.codes, stored.q.scales] if stored.q is not None else [stored.dense]
         tensors.append(resumed.reference_shards["b0"])
         assert [t.device.type for t in tensors] == ["meta"] * len(tensors)
+
+
+def test_quantization_state_of_another_bucket_layout_is_told_apart() -> None:
+    """A resharding checkpoint's "same layout" is the parallel sizes; the buckets
+    (--ddp-bucket-size, --overlap-grad-reduce) and the ranks per node (the launcher's node shape)
+    shape the quantization state too. The runtime records them and names a difference, so the
+    trainer re-derives the state (LoCo stopped the first resumed step with a size error)."""
+    from megatron.distributed.quant import integration
+    from megatron.distributed.quant.config import QuantizationConfig
+    from megatron.distributed.quant.runtime import QuantizationRuntime
+
+    cfg = QuantizationConfig(quantized_gradients=True, loco=True, gq_group_size_intra=GS,
+                             gq_group_size_inter=GS)
+
+    def runtime(sizes, groups=None) -> QuantizationRuntime:
+        rt = QuantizationRuntime(cfg, groups or _groups_2x2())
+        for i, n in enumerate(sizes):
+            rt.register(f"b{i}", i, n)
+        return rt
+
+    state = runtime([4096, 1024]).state_dict()
+    assert runtime([4096, 1024]).layout_difference(state) is None
+    assert "gradient buckets (2 of" in runtime([2048, 2048, 1024]).layout_difference(state)
+    one_node = TwoLevelGroups(dp_group=_Group(4), intra_group=_Group(4), inter_group=None,
+                              dp_size=4, dp_rank=0, intra_size=4, inter_size=1, node=0, local=0,
+                              dp_ranks=[0, 1, 2, 3])
+    assert runtime([4096, 1024], one_node).layout_difference(state) == \
+        "data-parallel ranks per node 2 -> 4"
+    older = {k: v for k, v in state.items() if k != "layout"}     # saved before it was recorded
+    assert runtime([2048]).layout_difference(older) is None
+
+    class Chunk(torch.nn.Module):
+        def __init__(self, rt):
+            super().__init__()
+            self.quant_runtime = rt
+
+    saved = {"runtimes": [state]}
+    assert integration.quantization_state_difference([Chunk(runtime([4096, 1024]))], saved) is None
+    assert "gradient buckets" in integration.quantization_state_difference(
+        [Chunk(runtime([4096]))], saved)

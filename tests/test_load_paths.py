@@ -147,3 +147,45 @@ def test_ckpt_step_needs_load(capsys) -> None:
                     "--ckpt-step", "3"])
     assert exc.value.code == 2
     assert "--ckpt-step needs --load DIR" in capsys.readouterr().err
+
+
+def _agree_worker(rank: int, world: int, root: str, rank1_tracker: Optional[int],
+                  rank1_fails: bool) -> dict:
+    """Every rank resolves --load; on rank 1 the tracker reads another iteration (a stale
+    cache), or the resolution fails."""
+    from megatron.training import checkpointing
+
+    if rank == 1 and rank1_tracker is not None:
+        checkpointing.read_tracker = lambda load: rank1_tracker
+    args = _args(Path(root) / ("missing" if rank == 1 and rank1_fails else "ckpt"))
+    if rank == 1 and rank1_fails:
+        args.ckpt_step = 4       # --ckpt-step on a --load that does not exist: an error
+    try:
+        target = checkpointing.agreed_checkpoint_to_load(args)
+        return {"iteration": None if target is None else target.iteration}
+    except StartupError as exc:
+        return {"error": str(exc)}
+
+
+@pytest.mark.parametrize("rank1_tracker,rank1_fails,expect", [
+    (None, False, {"iteration": 4}),
+    (2, False, "the ranks found different checkpoints to load (iteration 2 on some, "
+               "iteration 4 on others)"),
+    (None, True, "--ckpt-step 4 cannot be loaded"),
+])
+def test_every_rank_loads_the_same_checkpoint_or_none_does(tmp_path: Path, rank1_tracker,
+                                                           rank1_fails, expect) -> None:
+    """Ranks read the tracker on their own: another job saving into --load, or a shared
+    filesystem's stale cache on some nodes, made them load different iterations silently, and
+    a rank whose resolution failed left the others in the next collective. Now both ranks get
+    the same answer, or the same error."""
+    from dist_harness import run_distributed
+
+    _checkpoint(tmp_path / "ckpt", 2, 4, tracker=4)
+    (tmp_path / "out").mkdir()
+    results = run_distributed(2, _agree_worker, tmp_path / "out", str(tmp_path), rank1_tracker,
+                              rank1_fails)
+    if isinstance(expect, dict):
+        assert results == [expect, expect]
+    else:
+        assert all(expect in r.get("error", "") for r in results), results

@@ -410,6 +410,30 @@ def test_optimizer_state_dict_is_a_host_copy():
     assert torch.equal(sd["exp_avg"], saved)
     opt.load_state_dict(sd)
     assert torch.equal(opt.exp_avg, saved)
+    # Another group size, same DP size and padded size: each rank's slice would hold another
+    # rank's state (m follows LOCAL_WORLD_SIZE: a requeue on another node shape changes it).
+    with pytest.raises(RuntimeError, match="groups of 2 ranks, this run's are 4"):
+        opt.load_state_dict(dict(sd, group_size=2))
+
+
+def test_resume_layout_check_names_another_paro_group_size():
+    """The torch format's layout check: the engine's shards depend on --paro-group-size too."""
+    import argparse
+
+    from megatron.training import checkpointing
+    from megatron.training.errors import StartupError
+
+    args = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                              data_parallel_size=16, use_distributed_optimizer=False,
+                              paro_strategy="NGG", paro_group_size=4)
+    saved = argparse.Namespace(**{**vars(args), "paro_group_size": 8})
+    with pytest.raises(StartupError, match="--paro-group-size 8 -> 4"):
+        checkpointing._check_same_layout("ckpt", saved, args)
+    checkpointing._check_same_layout("ckpt", argparse.Namespace(**vars(args)), args)
+    for core in ("NNG", None):   # megatron-core's layouts do not depend on it
+        checkpointing._check_same_layout(
+            "ckpt", argparse.Namespace(**{**vars(saved), "paro_strategy": core}),
+            argparse.Namespace(**{**vars(args), "paro_strategy": core}))
 
 
 @pytest.fixture

@@ -100,6 +100,30 @@ def test_lock_of_another_host_is_stale_only_when_not_refreshed(tmp_path: Path) -
         lock.release()
 
 
+def test_a_requeued_slurm_job_takes_over_its_previous_runs_fresh_lock(tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    """A preempted job SIGKILLed while saving leaves a fresh lock on another host; its requeue
+    (same SLURM_JOB_ID, higher SLURM_RESTART_COUNT) takes it over at once instead of waiting
+    STALE_AFTER_S. Another job, or the same incarnation, still finds the lock busy."""
+    path = tmp_path / save_guard.LOCK_NAME
+    held = {"host": "node-elsewhere", "pid": 4242, "started": "t0", "slurm_job_id": "777",
+            "slurm_restart_count": 0}
+    path.write_text(json.dumps(held))
+    for job, restart in (("778", "1"), ("777", "0")):
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        monkeypatch.setenv("SLURM_RESTART_COUNT", restart)
+        with pytest.raises(SaveDirBusy, match="refreshed"):
+            SaveLock(str(tmp_path)).acquire()
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    lock = SaveLock(str(tmp_path))
+    try:
+        assert "this SLURM job's previous run (job 777, restart 0 -> 1" in lock.acquire()
+        assert json.loads(path.read_text())["slurm_restart_count"] == 1
+    finally:
+        lock.release()
+
+
 def test_writable_check_creates_the_directory_and_names_a_bad_one(tmp_path: Path) -> None:
     target = tmp_path / "a" / "b"
     assert save_guard.check_writable(str(target)) is None and target.is_dir()

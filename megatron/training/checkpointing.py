@@ -462,6 +462,13 @@ def _check_same_layout(path: str, saved: Optional[argparse.Namespace],
         old, new = getattr(saved, name, None), getattr(args, name, None)
         if old != new:
             diffs.append(f"{flag} {old} -> {new}")
+    if integration.uses_sharded_engine(getattr(args, "paro_strategy", None)):
+        # the PaRO engine's shards: rank r's slice of a bucket sits at local(r) * S/m +
+        # group(r) * S/n, so the same DP size with another group size m swaps ranks' regions
+        # (m follows LOCAL_WORLD_SIZE by default: a requeue on another node shape changes it)
+        old, new = getattr(saved, "paro_group_size", None), getattr(args, "paro_group_size", None)
+        if old != new:
+            diffs.append(f"--paro-group-size {old} -> {new}")
     if args.use_distributed_optimizer:  # the optimizer shards follow the bucket padding
         old_q = _padding_fields(getattr(saved, "quant_config", None))
         new_q = _padding_fields(args.quant_config)
@@ -494,7 +501,7 @@ def load_checkpoint(args: argparse.Namespace, model: List[torch.nn.Module], opti
     ``--ckpt-format`` (the save format) says."""
     from .logging_utils import print_rank_0
 
-    target = find_checkpoint_to_load(args)
+    target = agreed_checkpoint_to_load(args)
     if target is None:
         return 0, {}
     iteration, ckpt = target.iteration, target.directory
@@ -542,14 +549,47 @@ def load_checkpoint(args: argparse.Namespace, model: List[torch.nn.Module], opti
     return iteration, state.get("train_state", {})
 
 
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) \
+        if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _agreed(problem: Optional[str]) -> None:
     """Raise :class:`StartupError` on every rank when any rank found ``problem`` (so no rank
     is left in a collective its failed peer never joins)."""
     from .data import raise_if_any_rank_failed
 
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
-    raise_if_any_rank_failed(problem, device)
+    raise_if_any_rank_failed(problem, _collective_device())
+
+
+def agreed_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
+    """Collective :func:`find_checkpoint_to_load`: every rank resolves ``--load`` itself, and
+    the run stops on every rank when one failed or when they found different iterations.
+
+    Why: each rank reads the tracker on its own; a ``--load`` directory another job is saving
+    into, or a shared filesystem whose attribute cache is stale on some nodes, made ranks load
+    different iterations without a word (the per-rank file checks pass), and a rank whose
+    resolution failed left the others waiting in the next collective."""
+    target, problem = None, None
+    try:
+        target = find_checkpoint_to_load(args)
+    except StartupError as exc:
+        problem = str(exc)
+    _agreed(problem)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        it = -1 if target is None else target.iteration
+        bounds = torch.tensor([it, -it], dtype=torch.int64, device=_collective_device())
+        torch.distributed.all_reduce(bounds, op=torch.distributed.ReduceOp.MAX)
+        newest, oldest = int(bounds[0]), -int(bounds[1])
+        if newest != oldest:
+            def name(i: int) -> str:
+                return "none (a fresh start)" if i < 0 else f"iteration {i}"
+            raise StartupError(
+                f"--load {args.load}: the ranks found different checkpoints to load ({name(oldest)}"
+                f" on some, {name(newest)} on others): another job may be saving there, or some "
+                f"nodes see a stale copy of {TRACKER} on the shared filesystem. Pass --ckpt-step "
+                f"N to choose one, or resume once the directory is settled")
+    return target
 
 
 def verify_checkpoint(target: LoadTarget, log: Any) -> None:
@@ -641,8 +681,11 @@ def _load_quantization_state(args: argparse.Namespace, model: List[torch.nn.Modu
         integration.reset_quantization_state(model, iteration)
         return
     changed = _changed_quantization_settings(saved, args.quant_config)
-    if not same_layout or changed:
-        why = "the new layout" if not same_layout else f"changed settings ({', '.join(changed)})"
+    misfit = None if (not same_layout or changed) else \
+        integration.quantization_state_difference(model, saved)
+    if not same_layout or changed or misfit:
+        why = ("the new layout" if not same_layout else
+               f"changed settings ({', '.join(changed)})" if changed else f"a changed layout: {misfit}")
         log(f" > quantization state re-derived for {why}: stochastic-rounding generators "
             "restart from --seed, qWD references are the loaded weights, LoCo error buffers "
             "restart from zero (they belong to the old ranks' gradient streams)")

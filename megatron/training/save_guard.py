@@ -12,7 +12,9 @@ by the first save.  Four things now happen before (or around) it:
   a logged note when that process was on this host and is gone.  On a file system where
   ``flock`` is not coherent between hosts the text is the lock: the holder refreshes the file's
   modification time every :data:`HEARTBEAT_S` seconds, and a lock of another host is stale once
-  it is :data:`STALE_AFTER_S` seconds old.  The file is removed when the run ends.
+  it is :data:`STALE_AFTER_S` seconds old -- or at once when it was written by an earlier run
+  of the same SLURM job (a requeue after a SIGKILL mid-save).  The file is removed when the run
+  ends.
 * **Writable at startup** (:func:`check_writable`): the directory is created if missing and a
   probe file is written and removed, on global rank 0 and on the first rank of every other host
   (hosts may mount it differently); a read-only directory stops the run at startup naming it.
@@ -111,7 +113,28 @@ def holder_info() -> Dict[str, Any]:
     """What this process writes into the lock file."""
     return {"host": socket.gethostname(), "pid": os.getpid(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "boot_id": _boot_id(),
-            "proc_start": _proc_start(os.getpid()), "command": " ".join(sys.argv)[:300]}
+            "proc_start": _proc_start(os.getpid()), "command": " ".join(sys.argv)[:300],
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "slurm_restart_count": _int_or_none(os.environ.get("SLURM_RESTART_COUNT", "0"))}
+
+
+def _int_or_none(text: Optional[str]) -> Optional[int]:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _earlier_incarnation_of_this_job(info: Dict[str, Any], me: Dict[str, Any]) -> bool:
+    """Whether the lock's holder was an earlier run of this very SLURM job, which SLURM
+    requeued (same job id, a higher restart count now): SLURM runs one incarnation of a job at a
+    time, so that holder is gone. The case that matters: a preempted job SIGKILLed while saving
+    leaves a fresh lock, and its requeue (usually on other nodes) would wait out the staleness
+    period."""
+    if not me.get("slurm_job_id") or info.get("slurm_job_id") != me["slurm_job_id"]:
+        return False
+    theirs, mine = info.get("slurm_restart_count"), me.get("slurm_restart_count")
+    return isinstance(theirs, int) and isinstance(mine, int) and mine > theirs
 
 
 def describe_holder(info: Dict[str, Any]) -> str:
@@ -202,6 +225,10 @@ class SaveLock:
                 raise SaveDirBusy(self._busy_message(info))
             return (f" > --save {self.directory}: took over a stale lock of a run that is no "
                     f"longer alive ({describe_holder(info)})")
+        if _earlier_incarnation_of_this_job(info, me):
+            return (f" > --save {self.directory}: took over the lock of this SLURM job's previous "
+                    f"run (job {me['slurm_job_id']}, restart {info.get('slurm_restart_count')} -> "
+                    f"{me['slurm_restart_count']}; {describe_holder(info)})")
         try:
             age = time.time() - os.stat(self.path).st_mtime
         except OSError:

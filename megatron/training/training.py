@@ -330,6 +330,13 @@ the next step's "scale before" without a read that would wait for the backward (
 update (after)."""
 
 
+def _current_loss_scale(optimizer: Any) -> float:
+    """The loss scale for the log: the value the last step read (no device read after the
+    update is queued), else :func:`_loss_scale`."""
+    cached = _LOSS_SCALE_AFTER_LAST_STEP.get(optimizer)
+    return cached if cached is not None else _loss_scale(optimizer)
+
+
 def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler, device):
     """One optimizer step over num_microbatches micro-batches."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -613,7 +620,7 @@ def _pretrain(args: argparse.Namespace, forward_step_func, cleanup: Any) -> Dict
                   "grad-norm": grad_norm if (grad_norm is not None and math.isfinite(grad_norm)) else None,
                   "throughput/tokens-per-sec": tokens_per_iter / dt if dt > 0 else None}
             if args.log_loss_scale:
-                tb["loss-scale"] = _loss_scale(optimizer)
+                tb["loss-scale"] = _current_loss_scale(optimizer)
             if args.log_timers_to_tensorboard:
                 tb["iteration-time"] = dt
             metrics.scalars(tb, iteration)
@@ -624,7 +631,7 @@ def _pretrain(args: argparse.Namespace, forward_step_func, cleanup: Any) -> Dict
             tps = interval.tokens_per_s(tokens_per_iter)
             comm = integration.communication_report(model, reset=True)
             line = _fmt_log_line(iteration, args, consumed_train, ms, lr, avg_loss,
-                                 _loss_scale(optimizer), grad_norm, interval.skipped,
+                                 _current_loss_scale(optimizer), grad_norm, interval.skipped,
                                  interval.nan, tps, comm)
             print_rank_0(line)
             if not memory_reported:   # Megatron-LM's report, once, after the first interval
@@ -632,7 +639,7 @@ def _pretrain(args: argparse.Namespace, forward_step_func, cleanup: Any) -> Dict
                 print_rank_0(memory_report(args.device, iteration, torch.distributed.get_rank()))
             metrics.record({"type": "train", "iteration": iteration,
                             "consumed_samples": consumed_train, "lm_loss": avg_loss, "lr": lr,
-                            "grad_norm": grad_norm, "loss_scale": _loss_scale(optimizer),
+                            "grad_norm": grad_norm, "loss_scale": _current_loss_scale(optimizer),
                             "skipped_iterations": interval.skipped,
                             "nan_iterations": interval.nan, "ms_per_iteration": ms,
                             "iterations_in_interval": interval.iterations,

@@ -87,7 +87,8 @@ class QuantizedBucketGroup(mc.ParamAndGradBucketGroup):
         group._bucket_index_base = bucket_index_base
         group._reference_hook_installed = False
         for idx in range(len(group.buckets)):
-            runtime.register(group._bucket_key(idx), group._bucket_index(idx))
+            runtime.register(group._bucket_key(idx), group._bucket_index(idx),
+                             group.buckets[idx].grad_data.numel())
         return group
 
     # -- helpers ------------------------------------------------------------------------------

@@ -342,6 +342,21 @@ def load_quantization_state_dict(model_chunks: List[torch.nn.Module], state: Dic
         rt.load_state_dict(sd, device=device)
 
 
+def quantization_state_difference(model_chunks: List[torch.nn.Module],
+                                  state: Dict[str, Any]) -> Optional[str]:
+    """Why the checkpoint's quantization state (:func:`quantization_state_dict`) does not fit
+    this model's runtimes (their buckets, group sizes), or None."""
+    rts = _runtimes(model_chunks)
+    saved = state.get("runtimes", []) if state else []
+    if len(saved) != len(rts):
+        return f"{len(saved)} quantized model chunk(s) -> {len(rts)}"
+    for rt, sd in zip(rts, saved):
+        why = rt.layout_difference(sd)
+        if why:
+            return why
+    return None
+
+
 def reset_quantization_state(model_chunks: List[torch.nn.Module], iteration: int) -> None:
     """Start the quantization state afresh at ``iteration`` when a checkpoint's cannot be used
     (written under another layout, or without quantization): the freshly built runtime already

@@ -187,13 +187,15 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         self.grad_groups = grad_groups
         """Communicators of the overlapped gradient reduce-scatters (None: inline, on
         ``groups``)."""
-        for other in (param_groups,):
-            if other is not None and (other.dp_size, other.intra_size) != (
-                    groups.dp_size, groups.intra_size):
-                raise ValueError("param_groups must have the layout of groups")
-        self.param_groups = param_groups if strategy.params != Level.N else None
+        if param_groups is not None and (param_groups.dp_size, param_groups.intra_size) != (
+                groups.dp_size, groups.intra_size):
+            raise ValueError("param_groups must have the layout of groups")
+        if param_groups is not None and strategy.params == Level.N:
+            raise ValueError(f"{strategy.name} keeps full parameters (p = N): no gathers to "
+                             f"overlap, so no param_groups")
+        self.param_groups = param_groups
         """Communicators of the overlapped parameter gathers (None: inline in the hooks, on
-        ``groups``; p = N has none)."""
+        ``groups``)."""
         self._param_stages: Optional[CommStreams] = None
         self._gathering: Dict[int, Any] = {}
         """Bucket index -> handle of its parameter gather started ahead and not waited for."""
@@ -220,7 +222,7 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
             for i in b.params:
                 self._bucket_of[i] = b.index
             if self.quant_runtime is not None:
-                self.quant_runtime.register(self._bucket_key(b), b.index)
+                self.quant_runtime.register(self._bucket_key(b), b.index, b.size)
 
         # Parameters: p = N: one persistent flat buffer, the buckets are views of it;
         # p = I / G: the persistent shard (concatenation of the buckets' shards) plus, per bucket,

@@ -184,6 +184,7 @@ class ParoOptimizer:
         the host anyway; the loader maps everything to the CPU and copies in place."""
         return {"paro_strategy": self.engine.strategy.name,
                 "padded_numel": self.engine.padded_numel,
+                "group_size": self.engine.m,
                 "master": _host_copy(self.master),
                 "exp_avg": _host_copy(self.exp_avg),
                 "exp_avg_sq": None if self.exp_avg_sq is None else _host_copy(self.exp_avg_sq),
@@ -199,6 +200,12 @@ class ParoOptimizer:
                 f"checkpoint optimizer state is for PaRO strategy {sd.get('paro_strategy')} "
                 f"({sd.get('padded_numel')} elements), this run uses {self.engine.strategy.name} "
                 f"({self.engine.padded_numel}): resume with the same strategy and layout")
+        if sd.get("group_size", self.engine.m) != self.engine.m:   # older states: not recorded
+            raise RuntimeError(
+                f"checkpoint optimizer state was sharded over PaRO groups of {sd['group_size']} "
+                f"ranks, this run's are {self.engine.m} (--paro-group-size): each rank's slice "
+                f"would hold another rank's state; resume with --paro-group-size "
+                f"{sd['group_size']}")
         self.master.data.copy_(sd["master"])
         self.exp_avg.copy_(sd["exp_avg"])
         if self.exp_avg_sq is not None:

@@ -101,6 +101,8 @@ class QuantizationRuntime:
         before the optimizer overwrote it (None once a gather used it)."""
         self.updated: Dict[str, bool] = {}
         """Per buffer key: an optimizer update reached it since its last weight gather."""
+        self.buffer_numel: Dict[str, Optional[int]] = {}
+        """Per buffer key: its elements (the layout the saved state belongs to)."""
         self._nonfinite_flag: Optional[torch.Tensor] = None
         """Number of NaN/Inf inputs the quantized collectives of this step met on this rank,
         counted on the device by the quantize kernels (int32); agreed and reset once per step by
@@ -149,9 +151,10 @@ class QuantizationRuntime:
         return self.config.weight_quantization_mode == "diff"
 
     # -- buffers and their generators ----------------------------------------------------------
-    def register(self, key: str, index: int) -> None:
-        """Declare buffer ``key``: creates its generators now, so a checkpoint loaded before the
-        first step finds them."""
+    def register(self, key: str, index: int, numel: Optional[int] = None) -> None:
+        """Declare buffer ``key`` (``numel`` elements): creates its generators now, so a
+        checkpoint loaded before the first step finds them."""
+        self.buffer_numel[key] = numel
         self.grad_generator(key, index)
         self.weight_generator(key, index)
         self.reference_shards.setdefault(key, None)
@@ -360,9 +363,37 @@ class QuantizationRuntime:
             "reference_shards": {k: None if r is None else r.detach().to("cpu", copy=True)
                                  for k, r in self.reference_shards.items()},
             "updated_buckets": dict(self.updated),
+            "layout": self.layout(),
             "nonfinite_events": self.nonfinite_events,
             "config": self.config.to_dict(),
         }
+
+    def layout(self) -> Dict[str, Any]:
+        """What the saved state is shaped by: the two-level group sizes and the buffers (keys
+        and sizes: LoCo's error buffers hold a bucket's, or its intra-node sum's, elements)."""
+        return {"dp_size": self.groups.dp_size, "intra_size": self.groups.intra_size,
+                "buffers": dict(self.buffer_numel)}
+
+    def layout_difference(self, state: Dict[str, Any]) -> Optional[str]:
+        """Why :meth:`state_dict` output ``state`` does not fit this runtime, or None (also for
+        states saved before the layout was recorded). Why: a resharding format's "same layout"
+        is the parallel sizes, but the buckets (``--ddp-bucket-size``, ``--overlap-grad-reduce``)
+        and the intra-node size (from the launcher: another node shape) shape this state too;
+        loaded anyway, LoCo stopped the first step after the resume with a size error, or the
+        load with a missing generator."""
+        saved = state.get("layout")
+        if saved is None:
+            return None
+        mine = self.layout()
+        for name, what in (("dp_size", "data-parallel size"),
+                           ("intra_size", "data-parallel ranks per node")):
+            if saved.get(name) != mine[name]:
+                return f"{what} {saved.get(name)} -> {mine[name]}"
+        if saved.get("buffers") != mine["buffers"]:
+            old, new = saved.get("buffers") or {}, mine["buffers"]
+            return (f"the gradient buckets ({len(old)} of {sorted(set(old.values()), key=str)} "
+                    f"elements -> {len(new)} of {sorted(set(new.values()), key=str)})")
+        return None
 
     def load_state_dict(self, state: Dict[str, Any], device: Optional[torch.device] = None) -> None:
         """Restore :meth:`state_dict`'s output. Checkpoints are read with ``map_location="cpu"``:

@@ -164,7 +164,8 @@ class _Stage:
             t0 = time.perf_counter()   # waiting for another stage is not this stage's time
             fn()
         except BaseException as e:  # noqa: BLE001 -- delivered to the waiter
-            self.failed = e
+            if self.stops_at_first_error:
+                self.failed = e
             job._finish(e)
         else:
             job._finish()

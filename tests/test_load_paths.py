@@ -189,3 +189,28 @@ def test_every_rank_loads_the_same_checkpoint_or_none_does(tmp_path: Path, rank1
         assert results == [expect, expect]
     else:
         assert all(expect in r.get("error", "") for r in results), results
+
+
+def test_torch_format_optimizer_state_in_other_buckets_is_named() -> None:
+    """The torch format keeps the distributed optimizer's state in megatron-core's
+    dp-reshardable form, keyed by gradient bucket: resumed with another --ddp-bucket-size or
+    --overlap-grad-reduce it failed inside megatron-core's loader; now the flags are named."""
+    import torch
+
+    from megatron.training import checkpointing
+
+    class Leaf:   # what the check reads of a DistributedOptimizer: its buckets per buffer
+        gbuf_ranges = [{torch.float32: [{}, {}, {}]}]
+        loaded = None
+
+        def load_state_dict(self, sd) -> None:
+            self.loaded = sd
+
+    same = {"param_state": {0: {torch.float32: [[], [], []]}, "per_bucket_numel": {}}}
+    leaf = Leaf()
+    checkpointing._load_optimizer_state(leaf, [same])
+    assert leaf.loaded is same
+    other = {"param_state": {0: {torch.float32: [[]]}}}
+    with pytest.raises(StartupError, match=r"--ddp-bucket-size or --overlap-grad-reduce"):
+        checkpointing._load_optimizer_state(Leaf(), [other])
+    checkpointing._load_optimizer_state(Leaf(), [{"no": "param_state"}])   # other optimizers

@@ -184,11 +184,31 @@ def _optimizer_state(optimizer: Any) -> List[Dict[str, Any]]:
     return out
 
 
+def _saved_bucket_layout(sd: Dict[str, Any]) -> Optional[Dict[int, Dict[Any, int]]]:
+    """What :func:`~megatron.distributed.quant.mcore_compat.optimizer_bucket_layout` was for the
+    optimizer that saved ``sd`` (its dp-reshardable ``param_state``), or None."""
+    param_state = sd.get("param_state")
+    if not isinstance(param_state, dict):
+        return None
+    return {i: {dtype: len(buckets) for dtype, buckets in per_dtype.items()}
+            for i, per_dtype in param_state.items() if isinstance(i, int)}
+
+
 def _load_optimizer_state(optimizer: Any, states: List[Dict[str, Any]]) -> None:
+    from megatron.distributed.quant import mcore_compat
+
     subs = _sub_optimizers(optimizer)
     if len(subs) != len(states):
         raise RuntimeError(f"checkpoint has {len(states)} optimizer(s), model has {len(subs)}")
     for opt, sd in zip(subs, states):
+        saved, current = _saved_bucket_layout(sd), mcore_compat.optimizer_bucket_layout(opt)
+        if saved is not None and current is not None and saved != current:
+            raise StartupError(
+                "the checkpoint's distributed-optimizer state is laid out in other gradient "
+                f"buckets ({saved} per buffer and dtype) than this run's ({current}): "
+                "--ddp-bucket-size or --overlap-grad-reduce (which buckets the gradients) differ "
+                "from the run that saved it. Resume with its settings, or save with --ckpt-format "
+                "torch_dist, which reshards on load")
         # No autograd: without --bf16/--fp16 the distributed optimizer's main params are views
         # of the model's leaf parameters, which an in-place copy under grad mode refuses.
         with torch.no_grad():
@@ -289,6 +309,11 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model: List[torch.
 
     if rank == 0:
         checkpoint_integrity.write_manifest(tmp, iteration, [d for ds in everyone for d in ds])
+        # The files are fsynced by their writers; their directory entries (the temporary
+        # directory's and its subdirectories') must be durable before the rename publishes them,
+        # or a power loss could leave a published checkpoint without some of its files.
+        for directory, _, _ in os.walk(tmp):
+            _fsync_dir(directory)
         if os.path.exists(final):  # re-saving the same iteration: replace it
             old = os.path.join(root, f".old_iter_{iteration:07d}")
             if os.path.exists(old):

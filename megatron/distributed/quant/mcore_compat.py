@@ -84,7 +84,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from megatron.core import package_info as _package_info
 
@@ -481,6 +481,17 @@ def patch_bucket_collectives(reduce_scatter: Optional[Callable[..., Any]] = None
 # ================================================================================ optimizer
 HOOK_MARK = "_quant_hook"
 """Attribute set on our wrappers, so that wrapping twice is a no-op."""
+
+
+def optimizer_bucket_layout(leaf_optimizer: Any) -> Optional[Dict[int, Dict[Any, int]]]:
+    """``{grad buffer index: {dtype: number of buckets}}`` of a ``DistributedOptimizer`` (its
+    ``gbuf_ranges``), the structure its dp-reshardable state is keyed by; None for another
+    optimizer."""
+    ranges = getattr(leaf_optimizer, "gbuf_ranges", None)
+    if ranges is None:
+        return None
+    return {i: {dtype: len(buckets) for dtype, buckets in per_dtype.items()}
+            for i, per_dtype in enumerate(ranges)}
 
 
 def leaf_optimizers(optimizer: Any) -> List[Any]:

@@ -498,6 +498,17 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
                     b.shard(self.param_shard, k).copy_(b.full[a:e])
             self.release_params()
 
+    def _param_keys(self, sd: Dict[str, Any]) -> Dict[int, List[str]]:
+        """Parameter index -> its keys in ``sd``, a ``state_dict(keep_vars=True)`` of the module
+        (the parameter objects themselves: their data is not read while released; several keys
+        for tied weights)."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        keys_of: Dict[int, List[str]] = {}
+        for key, value in sd.items():
+            if torch.is_tensor(value) and id(value) in index:
+                keys_of.setdefault(index[id(value)], []).append(key)
+        return keys_of
+
     @torch.no_grad()
     def host_state_dict(self, keep: bool = True) -> Optional[Dict[str, Any]]:
         """``self.module.state_dict()`` with every tensor copied to the CPU, for a checkpoint;
@@ -512,14 +523,12 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         activation blocks may still be reserved. Now the device holds at most one gathered bucket
         above the persistent state (none for p = N) and nothing is cloned on it.
         """
-        # keep_vars: the parameter objects themselves (their data is not read while released).
         sd = self.module.state_dict(keep_vars=True)
-        index = {id(p): i for i, p in enumerate(self.params)}
-        keys_of: Dict[int, List[str]] = {}
+        keys_of = self._param_keys(sd)
+        params = {key for keys in keys_of.values() for key in keys}
         out: Dict[str, Any] = {}
         for key, value in sd.items():
-            if torch.is_tensor(value) and id(value) in index:
-                keys_of.setdefault(index[id(value)], []).append(key)
+            if key in params:
                 out[key] = None  # filled bucket by bucket below; keeps the key order
             elif keep:
                 out[key] = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
@@ -558,14 +567,9 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
             raise RuntimeError(f"Error(s) in loading state_dict for "
                                f"{type(self.module).__name__}: missing keys {missing}, "
                                f"unexpected keys {unexpected}")
-        index = {id(p): i for i, p in enumerate(self.params)}
-        keys_of: Dict[int, List[str]] = {}
-        others: Dict[str, Any] = {}
-        for key, value in current.items():
-            if torch.is_tensor(value) and id(value) in index:
-                keys_of.setdefault(index[id(value)], []).append(key)
-            else:
-                others[key] = sd[key]
+        keys_of = self._param_keys(current)
+        params = {key for keys in keys_of.values() for key in keys}
+        others = {key: sd[key] for key in current if key not in params}
         for i, keys in keys_of.items():
             for key in keys:
                 if tuple(sd[key].shape) != tuple(self.slots[i].shape):

@@ -10,7 +10,8 @@
 #
 # Steps (each logs to runs/gpu_selfcheck/<step>.log; without a CUDA device the run stops after
 # step 1, otherwise a failed step does not stop the later ones; exit status 1 if any failed):
-#   1 env          CUDA torch, GPUs, triton, Transformer Engine / apex present or not
+#   1 env          CUDA torch, GPUs, triton, megatron-core (steps 5-7 are skipped without it),
+#                  Transformer Engine / apex present or not
 #   2 aot          bench/triton_aot.py --quick for this GPU's arch (ptxas registers / spills)
 #   3 kernel-tests tests/test_triton_kernels.py: it uses CUDA tensors by itself when torch sees a
 #                  GPU (TRITON_INTERPRET unset), so the Triton kernels run compiled, bit-exact vs
@@ -38,7 +39,8 @@
 #
 # Environment: PYTHON (python3), SELFCHECK_DIR (runs/gpu_selfcheck), SELFCHECK_ITERS (20),
 # SELFCHECK_SIZES (16M,64M), SELFCHECK_LOSS_RTOL (0.02), SELFCHECK_THROUGHPUT_SHAPES (125m),
-# SELFCHECK_THROUGHPUT_ITERS (10). The script's own variables are SC_*: none of them shadows an
+# SELFCHECK_THROUGHPUT_ITERS (10), SELFCHECK_STEP_TIMEOUT (900 s per step; the report is rewritten
+# after every step, so a step stopped by the caller's own limit keeps the others'). The script's own variables are SC_*: none of them shadows an
 # environment variable the steps' programs read (a shell variable CC=<compute capability> once
 # replaced the exported C compiler, and Triton built its launcher with the "compiler" 90).
 set -uo pipefail
@@ -65,6 +67,7 @@ SC_SIZES=${SELFCHECK_SIZES:-16M,64M}
 SC_RTOL=${SELFCHECK_LOSS_RTOL:-0.02}
 SC_TP_SHAPES=${SELFCHECK_THROUGHPUT_SHAPES:-125m}
 SC_TP_ITERS=${SELFCHECK_THROUGHPUT_ITERS:-10}
+SC_STEP_TIMEOUT=${SELFCHECK_STEP_TIMEOUT:-900}
 SC_OUT=${SC_OUT:-$SC_RUN_DIR/gpu_selfcheck.md}
 mkdir -p "$SC_RUN_DIR" "$(dirname "$SC_OUT")"
 # This run's logs only: the report quotes them.
@@ -90,12 +93,14 @@ SC_FAILED=0
 
 log() { echo "[selfcheck] $*"; }
 
-# record STEP STATUS NOTE
+# record STEP STATUS NOTE (and rewrite the report: a step that hangs past the caller's own
+# limit still leaves the finished steps' findings)
 record() {
     SC_STATUS[$1]=$2
     SC_NOTE[$1]=${3:-}
     [[ $2 == FAIL ]] && SC_FAILED=1
     log "$1: $2${3:+ ($3)}"
+    write_report
 }
 
 # shell_join ARGS...: the command as one copy-pastable line (quotes only where needed).
@@ -119,11 +124,50 @@ run_step() {
         return 0
     fi
     local t0=$SECONDS rc
-    "$@" > "$SC_RUN_DIR/$logname.log" 2>&1
+    timeout --kill-after=30 "$SC_STEP_TIMEOUT" "$@" > "$SC_RUN_DIR/$logname.log" 2>&1
     rc=$?
+    if [[ $rc == 124 || $rc == 137 ]]; then
+        echo "[selfcheck] $step: stopped after SELFCHECK_STEP_TIMEOUT=$SC_STEP_TIMEOUT s" >> "$SC_RUN_DIR/$logname.log"
+    fi
     SC_SECONDS_TAKEN[$step]=$(( ${SC_SECONDS_TAKEN[$step]:-0} + SECONDS - t0 ))
     tail -n 15 "$SC_RUN_DIR/$logname.log" | sed 's/^/    /'
     return $rc
+}
+
+# write_report: the markdown section, from what is known so far.
+write_report() {
+    local s
+    {
+        echo "### GPU self-check ($(date -u '+%Y-%m-%d %H:%M UTC')$( [[ $SC_DRY_RUN == 1 ]] && echo ', DRY RUN: nothing measured'))"
+        echo
+        echo "\`bash scripts/gpu_selfcheck.sh$( [[ $SC_DRY_RUN == 1 ]] && echo ' --dry-run')\` on $(hostname): \`${SC_ENV_JSON:-torch did not import}\`"
+        echo
+        echo "| step | status | s | command / result |"
+        echo "|---|---|---:|---|"
+        for s in "${SC_STEPS[@]}"; do
+            echo "| $s | ${SC_STATUS[$s]:-not run yet} | ${SC_SECONDS_TAKEN[$s]:--} | \`${SC_CMD[$s]:-}\`<br>${SC_NOTE[$s]:-} |"
+        done
+        if [[ $SC_DRY_RUN == 0 && -f $SC_RUN_DIR/bench.log ]]; then
+            echo; echo "bench/bench_quant.py (\`%copy\` = moved bytes / device-to-device copy bandwidth):"
+            echo; echo '```'; grep -v '^\s*$' "$SC_RUN_DIR/bench.log"; echo '```'
+        fi
+        if [[ $SC_DRY_RUN == 0 && -f $SC_RUN_DIR/aot.log ]]; then
+            echo; echo "bench/triton_aot.py --quick on this GPU's arch:"
+            echo; echo '```'; cat "$SC_RUN_DIR/aot.log"; echo '```'
+        fi
+        if [[ $SC_DRY_RUN == 0 && -f $SC_RUN_DIR/nccl-vs-gloo.md ]]; then
+            echo; echo "NCCL (CUDA) vs gloo (CPU ranks), 4 ranks (2 x 2), SDP4Bit, round to nearest:"
+            echo; cat "$SC_RUN_DIR/nccl-vs-gloo.md"
+        fi
+        if [[ $SC_DRY_RUN == 0 && -f $SC_RUN_DIR/virtual-ranks.log ]]; then
+            echo; echo "Virtual ranks on one GPU vs the same ranks on the CPU (bench/virtual_cuda_ranks.py):"
+            echo; echo '```'; grep '^\[virtual_cuda_ranks\]\|^MISMATCH' "$SC_RUN_DIR/virtual-ranks.log"; echo '```'
+        fi
+        if [[ $SC_DRY_RUN == 0 && -f $SC_RUN_DIR/throughput.log ]]; then
+            echo; echo "bench/gpu_throughput.py (ours/reference = ms/iteration over the plain PyTorch GPT's):"
+            echo; grep -E '^(gpu_throughput |\||[0-9a-z.]+: (parameters|micro-batch))' "$SC_RUN_DIR/throughput.log"
+        fi
+    } > "$SC_OUT"
 }
 
 free_port() {
@@ -148,6 +192,12 @@ if info["cuda_available"]:
     info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
 info["transformer_engine"] = importlib.util.find_spec("transformer_engine") is not None
 info["apex"] = importlib.util.find_spec("apex") is not None
+try:  # steps 5-7 train through it; its C++ dataset helpers must load on this Python
+    import megatron.core
+    from megatron.core.datasets import helpers_cpp  # noqa: F401
+    info["megatron_core"] = megatron.core.__version__
+except Exception as exc:
+    info["megatron_core"] = f"not importable: {exc!r}"
 print(json.dumps(info))
 PY
 
@@ -212,11 +262,12 @@ log "repository $SC_ROOT, logs in $SC_RUN_DIR, report $SC_OUT"
 SC_ENV_JSON=""
 SC_SM=90
 SC_NGPU=0
+SC_MCORE_OK=1
 SC_CMD[env]="$PYTHON -c <torch / triton / TE / apex probe>"
 log "step 1/${#SC_STEPS[@]} env: ${SC_CMD[env]}"
 if SC_ENV_JSON=$("$PYTHON" -c "$SC_PY_ENV" 2> "$SC_RUN_DIR/env.log"); then
     log "    $SC_ENV_JSON"
-    read -r SC_CUDA_OK SC_NGPU SC_SM_FOUND < <("$PYTHON" -c 'import json, sys; d = json.loads(sys.argv[1]); print(int(d["cuda_available"]), len(d["gpus"]), d["capability"] or 0)' "$SC_ENV_JSON")
+    read -r SC_CUDA_OK SC_NGPU SC_SM_FOUND SC_MCORE_OK < <("$PYTHON" -c 'import json, sys; d = json.loads(sys.argv[1]); print(int(d["cuda_available"]), len(d["gpus"]), d["capability"] or 0, int(not d["megatron_core"].startswith("not importable")))' "$SC_ENV_JSON")
     [[ $SC_SM_FOUND != 0 ]] && SC_SM=$SC_SM_FOUND
     if [[ $SC_DRY_RUN == 1 ]]; then
         record env DRY "$( [[ $SC_CUDA_OK == 1 ]] && echo "$SC_NGPU GPU(s), sm_$SC_SM" || echo "no CUDA device here; the real run stops at this step without one")"
@@ -284,6 +335,11 @@ if [[ $SC_STOP == 0 ]]; then
         record bench FAIL "see $SC_RUN_DIR/bench.log"
     fi
 
+    if [[ $SC_MCORE_OK == 0 && $SC_DRY_RUN == 0 ]]; then
+        for s in smoke nccl-vs-gloo throughput; do
+            record "$s" SKIP "megatron-core is not importable here (see the env line): pip install megatron-core==0.16.1 for this Python"
+        done
+    else
     # ---- 5 smoke ------------------------------------------------------------------------------
     SC_SMOKE=("${SC_MODEL[@]}" "${SC_SDP4BIT[@]}" --data-parallel-intra-node-size 1 --device cuda
               --jsonl-log "$SC_RUN_DIR/smoke.jsonl")
@@ -322,6 +378,9 @@ print(f"loss {train[0]['lm_loss']:.4f} -> {train[-1]['lm_loss']:.4f} in {len(tra
       f"median {tps[len(tps) // 2]:.0f} tokens/s after 2 warm-up iterations")
 PY
     ); then
+        if grep -q "quantized communication off" "$SC_RUN_DIR/smoke.log"; then
+            out+="; data-parallel size 1: the quantized collectives are off (megatron-core's exact path), step 6 runs them"
+        fi
         record smoke PASS "$out"
     else
         record smoke FAIL "$(tail -1 <<< "$out")"
@@ -370,7 +429,7 @@ PY
     fi
 
     # ---- 7 throughput -------------------------------------------------------------------------
-    SC_TP_ARGS=(--shapes "$SC_TP_SHAPES" --iters "$SC_TP_ITERS" --warmup 3 --device cuda
+    SC_TP_ARGS=(--shapes "$SC_TP_SHAPES" --runs baseline,reference --iters "$SC_TP_ITERS" --warmup 3 --device cuda
                 --work-dir "$SC_RUN_DIR/throughput" --out "$SC_RUN_DIR/throughput.json")
     if ! run_step throughput "$PYTHON" bench/gpu_throughput.py "${SC_TP_ARGS[@]}"; then
         record throughput FAIL "see $SC_RUN_DIR/throughput.log"
@@ -395,43 +454,14 @@ PY
     else
         record throughput FAIL "$(tail -1 <<< "$out")"
     fi
+    fi
 fi
 for s in "${SC_STEPS[@]}"; do
     [[ -n ${SC_STATUS[$s]:-} ]] || record "$s" SKIP "not run: no GPU"
 done
 
 # ---- report -------------------------------------------------------------------------------------
-{
-    echo "### GPU self-check ($(date -u '+%Y-%m-%d %H:%M UTC')$( [[ $SC_DRY_RUN == 1 ]] && echo ', DRY RUN: nothing measured'))"
-    echo
-    echo "\`bash scripts/gpu_selfcheck.sh$( [[ $SC_DRY_RUN == 1 ]] && echo ' --dry-run')\` on $(hostname): \`${SC_ENV_JSON:-torch did not import}\`"
-    echo
-    echo "| step | status | s | command / result |"
-    echo "|---|---|---:|---|"
-    for s in "${SC_STEPS[@]}"; do
-        echo "| $s | ${SC_STATUS[$s]} | ${SC_SECONDS_TAKEN[$s]:--} | \`${SC_CMD[$s]:-}\`<br>${SC_NOTE[$s]:-} |"
-    done
-    if [[ $SC_DRY_RUN == 0 && -f $SC_RUN_DIR/bench.log ]]; then
-        echo; echo "bench/bench_quant.py (\`%copy\` = moved bytes / device-to-device copy bandwidth):"
-        echo; echo '```'; grep -v '^\s*$' "$SC_RUN_DIR/bench.log" | tail -n 60; echo '```'
-    fi
-    if [[ $SC_DRY_RUN == 0 && -f $SC_RUN_DIR/aot.log ]]; then
-        echo; echo "bench/triton_aot.py --quick on this GPU's arch:"
-        echo; echo '```'; cat "$SC_RUN_DIR/aot.log"; echo '```'
-    fi
-    if [[ $SC_DRY_RUN == 0 && -f $SC_RUN_DIR/nccl-vs-gloo.md ]]; then
-        echo; echo "NCCL (CUDA) vs gloo (CPU ranks), 4 ranks (2 x 2), SDP4Bit, round to nearest:"
-        echo; cat "$SC_RUN_DIR/nccl-vs-gloo.md"
-    fi
-    if [[ $SC_DRY_RUN == 0 && -f $SC_RUN_DIR/virtual-ranks.log ]]; then
-        echo; echo "Virtual ranks on one GPU vs the same ranks on the CPU (bench/virtual_cuda_ranks.py):"
-        echo; echo '```'; grep '^\[virtual_cuda_ranks\]\|^MISMATCH' "$SC_RUN_DIR/virtual-ranks.log"; echo '```'
-    fi
-    if [[ $SC_DRY_RUN == 0 && -f $SC_RUN_DIR/throughput.log ]]; then
-        echo; echo "bench/gpu_throughput.py (ours/reference = ms/iteration over the plain PyTorch GPT's):"
-        echo; grep -E '^(gpu_throughput |\||[0-9a-z.]+: (parameters|micro-batch))' "$SC_RUN_DIR/throughput.log"
-    fi
-} > "$SC_OUT"
+write_report
 log "report written to $SC_OUT"
 if [[ $SC_FAILED == 1 ]]; then
     log "FAILED: $(for s in "${SC_STEPS[@]}"; do [[ ${SC_STATUS[$s]} == FAIL ]] && printf '%s ' "$s"; done)"

@@ -108,7 +108,9 @@ def test_dry_run_prints_every_step_and_checks_what_runs_on_cpu(dry_run: tuple) -
     throughput = commands["throughput"]
     assert "bench/gpu_throughput.py" in throughput and "--device cuda" in throughput
     assert "--shapes 125m " in throughput, throughput            # the default: one shape
-    assert "throughput: DRY (dry run: 3 commands, all flags parse)" in out, out[-3000:]
+    assert "--runs baseline,reference" in throughput   # sdp4bit at DP=1 is the baseline's step
+    assert "throughput: DRY (dry run: 2 commands, all flags parse)" in out, out[-3000:]
+    assert '"megatron_core": "0.16.1"' in out        # steps 5-7 need it on the GPU machine
     assert "all steps passed (dry run)" in out
     md = report.read_text()
     assert md.startswith("### GPU self-check") and "DRY RUN" in md

@@ -40,9 +40,10 @@
 # Environment: PYTHON (python3), SELFCHECK_DIR (runs/gpu_selfcheck), SELFCHECK_ITERS (20),
 # SELFCHECK_SIZES (16M,64M), SELFCHECK_LOSS_RTOL (0.02), SELFCHECK_THROUGHPUT_SHAPES (125m),
 # SELFCHECK_THROUGHPUT_ITERS (10), SELFCHECK_STEP_TIMEOUT (900 s per step; the report is rewritten
-# after every step, so a step stopped by the caller's own limit keeps the others'). The script's own variables are SC_*: none of them shadows an
-# environment variable the steps' programs read (a shell variable CC=<compute capability> once
-# replaced the exported C compiler, and Triton built its launcher with the "compiler" 90).
+# after every step, so a step stopped by the caller's own limit keeps the others'). The script's
+# own variables are SC_*: none of them shadows an environment variable the steps' programs read (a
+# shell variable CC=<compute capability> once replaced the exported C compiler, and Triton built
+# its launcher with the "compiler" 90).
 set -uo pipefail
 SC_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$SC_ROOT"

@@ -88,8 +88,8 @@ def test_tokenizer_matches_reference(env):
 
 def test_several_json_keys_keep_their_documents_aligned(env, capsys):
     """With several --json-keys, document i of every output is record i (Megatron-LM writes an
-    empty value as an empty document, the EOD alone with --append-eod); skipping it for one key
-    only shifted that key's documents against the others'."""
+    empty value as an empty document, without EOD); skipping it for one key only shifted that
+    key's documents against the others'."""
     path = env["dir"] / "two_keys.jsonl"
     _write_jsonl(path, [{"a": "x y", "b": ""}, {"a": "z", "b": "w v"}, {"a": " ", "b": "q"}])
     prefix = env["dir"] / "two"
@@ -97,8 +97,8 @@ def test_several_json_keys_keep_their_documents_aligned(env, capsys):
     tok = env["tok"]
     a, _ = _read(f"{prefix}_a_document")
     b, _ = _read(f"{prefix}_b_document")
-    assert a == [tok.tokenize("x y") + [tok.eod], tok.tokenize("z") + [tok.eod], [tok.eod]]
-    assert b == [[tok.eod], tok.tokenize("w v") + [tok.eod], tok.tokenize("q") + [tok.eod]]
+    assert a == [tok.tokenize("x y") + [tok.eod], tok.tokenize("z") + [tok.eod], []]
+    assert b == [[], tok.tokenize("w v") + [tok.eod], tok.tokenize("q") + [tok.eod]]
     assert "wrote 1 empty document(s) for key 'b'" in capsys.readouterr().err
 
 

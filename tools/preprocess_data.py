@@ -242,7 +242,8 @@ def chunking_unsafe_reason(tokenizer: Any) -> Optional[str]:
     if affixes is None:
         return "its special tokens around a document could not be told apart from the text's"
     whole = list(tokenizer.tokenize(_PROBE_TEXT))
-    pieces = [i for piece in iter_text_pieces(_PROBE_TEXT, 8) for i in tokenizer.tokenize_text(piece)]
+    pieces = [i for piece in iter_text_pieces(_PROBE_TEXT, 8)
+              for i in tokenizer.tokenize_text(piece)]
     if affixes[0] + pieces + affixes[1] != whole:
         return "tokenizing a probe text in pieces gave different tokens than tokenizing it whole"
     return None
@@ -624,10 +625,10 @@ def preprocess(args):
          f"dtype={numpy.dtype(dtype).name} workers={args.workers} tokenize-chunk={chunking}")
     stats = {k: {"documents": 0, "tokens": 0, "empty": 0} for k in keys}
     empty_examples = {k: [] for k in keys}
-    # One key: an empty document is skipped. Several keys: it is written (empty, or the EOD alone
-    # with --append-eod, as Megatron-LM writes it), so that document i of every output is record i.
+    # One key: an empty document is skipped. Several keys: it is written, with no tokens (as
+    # Megatron-LM writes an empty text: no EOD either), so that document i of every output is
+    # record i.
     aligned = len(keys) > 1
-    empty_ids = [tokenizer.eod] if args.append_eod else []
     n_bad, bad = 0, []  # skipped bad records (--skip-bad-records): count, first 5 (number, message)
     n_records = total_bytes = 0
     start = time.time()
@@ -650,7 +651,7 @@ def preprocess(args):
                     if len(empty_examples[key]) < 5:
                         empty_examples[key].append(recno)
                     if aligned:   # document i of every key's file is record i, as Megatron-LM
-                        builders[key].add_document(empty_ids, [len(empty_ids)])
+                        builders[key].add_document([], [0])
                     continue
                 builders[key].add_document(ids, [len(ids)])
                 stats[key]["documents"] += 1

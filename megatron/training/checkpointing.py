@@ -710,7 +710,8 @@ def _load_quantization_state(args: argparse.Namespace, model: List[torch.nn.Modu
         integration.quantization_state_difference(model, saved)
     if not same_layout or changed or misfit:
         why = ("the new layout" if not same_layout else
-               f"changed settings ({', '.join(changed)})" if changed else f"a changed layout: {misfit}")
+               f"changed settings ({', '.join(changed)})" if changed else
+               f"a changed layout: {misfit}")
         log(f" > quantization state re-derived for {why}: stochastic-rounding generators "
             "restart from --seed, qWD references are the loaded weights, LoCo error buffers "
             "restart from zero (they belong to the old ranks' gradient streams)")

@@ -309,7 +309,8 @@ SENTENCEPIECE_TYPES = {"SentencePieceTokenizer": SentencePieceTokenizer,
                        "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
                        "Llama2Tokenizer": Llama2Tokenizer}
 """Megatron-LM's SentencePiece tokenizer types, each with its semantics (see the classes)."""
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", *SENTENCEPIECE_TYPES, "NullTokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", *SENTENCEPIECE_TYPES,
+                   "NullTokenizer")
 
 
 def build_tokenizer_from(tokenizer_type: str, *, vocab_file: str | None = None,
@@ -327,8 +328,9 @@ def build_tokenizer_from(tokenizer_type: str, *, vocab_file: str | None = None,
             raise TokenizerError("HuggingFaceTokenizer requires --tokenizer-model (a local directory)")
         return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type in SENTENCEPIECE_TYPES:
-        return SENTENCEPIECE_TYPES[tokenizer_type](
-            _require_file(tokenizer_model, f"{tokenizer_type} SentencePiece model", "--tokenizer-model"))
+        model = _require_file(tokenizer_model, f"{tokenizer_type} SentencePiece model",
+                              "--tokenizer-model")
+        return SENTENCEPIECE_TYPES[tokenizer_type](model)
     if tokenizer_type == "NullTokenizer":
         if not vocab_size:
             raise TokenizerError("NullTokenizer requires --vocab-size")

@@ -600,7 +600,8 @@ def dequantize_add(q: QuantizedTensor, reference: torch.Tensor, *,
     # out may be reference itself (each element read before written), not overlap it partly
     direct = (out is not None and out.dtype == reference.dtype and out.is_contiguous()
               and (out.data_ptr() == r.data_ptr() or not _ref._overlaps(out, r)))
-    target = out.view(-1) if direct else torch.empty(n, dtype=reference.dtype, device=reference.device)
+    target = (out.view(-1) if direct
+              else torch.empty(n, dtype=reference.dtype, device=reference.device))
     codes, scales = _operands(q)
     block = _TILE
     if n > 0:

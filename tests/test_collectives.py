@@ -330,11 +330,15 @@ def test_accounting_hand_computed():
     gi, ge = rep["grad"]["intra"], rep["grad"]["inter"]
     assert gi["bytes"] == (n + n // 16) // 2 and gi["bits_per_element"] == pytest.approx(8.5)
     assert ge["bytes"] == n // 8 + n // 128 and ge["bits_per_element"] == pytest.approx(4.25)
-    assert gi["baseline_bytes"] == n and ge["baseline_bytes"] == 2 * n     # (D-1)*N/P*4, (P-D)*N/P*4
-    assert ge["ratio_vs_baseline"] == pytest.approx((n // 8 + n // 128) / (2 * n))
+    # the baseline in its two-level form: (D-1)*M*N/P and (M-1)*N/P elements of 4 bytes
+    assert gi["baseline_bytes"] == 2 * n and ge["baseline_bytes"] == n
+    # so a link's byte ratio is its compression alone: 8.5 / 32 and 4.25 / 32
+    assert gi["ratio_vs_baseline"] == pytest.approx(8.5 / 32)
+    assert ge["ratio_vs_baseline"] == pytest.approx(4.25 / 32)
     w = rep["weight"]
     assert w["inter"]["bits_per_element"] == pytest.approx(4 + 32 / 2048)
-    assert w["inter"]["baseline_bytes"] == 2 * (n // p) * 2
+    assert w["inter"]["baseline_bytes"] == 1 * (n // p) * 2
+    assert w["inter"]["ratio_vs_baseline"] == pytest.approx((4 + 32 / 2048) / 16)
     assert rep["grad"]["model_elements"] == n and rep["grad"]["calls"] == 1
     assert "grad:" in acc.format_report() and "weight:" in acc.format_report()
     acc.reset_interval()
@@ -442,12 +446,16 @@ def test_collective_accounting_matches_hand_computation(res2, res4):
     assert g["inter"]["bytes"] == ((n // 2) // 2 + 4 * (n // 2) // GS_INTER) // 2
     assert g["inter"]["bits_per_element"] == pytest.approx(4 + 32 / GS_INTER)
     assert g["inter"]["bits_per_element"] <= 4.5
-    assert g["intra"]["baseline_bytes"] == n // 4 * 4 and g["inter"]["baseline_bytes"] == 2 * (n // 4) * 4
+    # two-level form of the baseline: (D-1)*M*N/P intra, (M-1)*N/P inter (4-byte elements)
+    assert g["intra"]["baseline_bytes"] == 2 * (n // 4) * 4 and g["inter"]["baseline_bytes"] == n // 4 * 4
+    assert g["inter"]["ratio_vs_baseline"] == pytest.approx((4 + 32 / GS_INTER) / 32)
     w = t["weight_report"]["weight"]
     steps = 40
     s = t["n_w"] // 4
-    assert w["inter"]["bytes"] == steps * 2 * (s // 2 + 4 * s // WQ_GS)
-    assert w["intra"]["bytes"] == steps * 1 * (s // 2 + 4 * s // WQ_GS)
+    # the flat all-gather in its two-level form: this rank's shard to the other node's rank of
+    # its local index, the node's two shards to the local peer
+    assert w["inter"]["bytes"] == steps * 1 * (s // 2 + 4 * s // WQ_GS)
+    assert w["intra"]["bytes"] == steps * 2 * (s // 2 + 4 * s // WQ_GS)
     assert w["inter"]["bits_per_element"] == pytest.approx(4 + 32 / WQ_GS) and w["inter"]["bits_per_element"] <= 4.5
     # single-hop 2x1: everything inter-node, 4-bit/128
     g1 = res2[0]["2x1"]["report"]["grad"]

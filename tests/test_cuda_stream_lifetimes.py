@@ -389,6 +389,10 @@ def test_quantization_state_of_another_bucket_layout_is_told_apart() -> None:
             super().__init__()
             self.quant_runtime = rt
 
+    # re-derived at a resume: the counters follow the checkpoint, no iteration is timed
+    fresh = runtime([4096])
+    integration.reset_quantization_state([Chunk(fresh)], 10)
+    assert (fresh.iteration, fresh.last_stepped_iteration, fresh.timing.iterations) == (10, 10, 0)
     saved = {"runtimes": [state]}
     assert integration.quantization_state_difference([Chunk(runtime([4096, 1024]))], saved) is None
     assert "gradient buckets" in integration.quantization_state_difference(

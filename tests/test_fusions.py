@@ -226,3 +226,29 @@ def test_fused_adamw_and_foreach_ops_match_the_unfused_step(monkeypatch) -> None
     mcore_compat.foreach_multi_tensor_scale(0, None, [a, b], 0.5)
     mcore_utils.local_multi_tensor_scale(0, None, [a, a], 0.5)      # in place, megatron-core's
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_foreach_scale_makes_its_products_a_group_at_a_time(monkeypatch) -> None:
+    """fp16 training copies every main param into the model through the scale op each step: its
+    out-of-place products were one temporary of all tensors at once (4 bytes per parameter at
+    the step's peak). Now a bounded group at a time, the same values as megatron-core's
+    per-tensor loop, and a scale of 1 makes none."""
+    from megatron.core import utils as mcore_utils
+
+    from megatron.distributed.quant import mcore_compat
+
+    monkeypatch.setattr(mcore_compat, "FOREACH_SCALE_GROUP_NUMEL", 1000)
+    groups = []
+    real_mul = torch._foreach_mul
+    monkeypatch.setattr(torch, "_foreach_mul",
+                        lambda ts, s: groups.append(sum(t.numel() for t in ts)) or real_mul(ts, s))
+    src = [torch.randn(n) for n in (600, 300, 900, 2500, 50)]
+    for scale in (0.5, 1.0):
+        groups.clear()
+        ours = [torch.empty(t.shape, dtype=torch.float16) for t in src]
+        want = [torch.empty(t.shape, dtype=torch.float16) for t in src]
+        mcore_compat.foreach_multi_tensor_scale(0, None, [src, ours], scale)
+        mcore_utils.local_multi_tensor_scale(0, None, [src, want], scale)
+        assert all(torch.equal(x, y) for x, y in zip(ours, want))
+        # a group holds whole tensors up to the bound (a larger tensor alone)
+        assert groups == ([900, 900, 2500, 50] if scale != 1.0 else []), groups

@@ -7,10 +7,19 @@ the backend uses underneath (ring, tree, NVLS, ...), so the numbers of the quant
 of megatron-core's baseline are directly comparable. Codes AND scales are counted.
 
 * all-to-all with equal splits in a group of g ranks sending B bytes: each of the g-1 peers gets
-  B/g bytes.
-* all-gather of a shard of S bytes: each of the P-1 peers gets S bytes.
-* baseline reduce-scatter / all-gather of N elements of ``elem_size`` bytes over P ranks: each of
-  the P-1 peers gets (or receives from us) N/P elements, i.e. (P-1)/P*N*elem_size in total.
+  B/g bytes (its pieces are all distinct: nothing can be combined on the way).
+* all-gather and reduce-scatter over a group of D ranks per node x M nodes (P = D*M), in their
+  two-level form: this rank's N/P elements (its gathered shard, or the slice it receives reduced)
+  are exchanged with the M-1 ranks of the same local index on the other nodes (inter), and the
+  node's N/D with the D-1 local peers (intra). That is what NCCL's ring / tree algorithms move
+  across nodes, up to factors (P-1)/P, and the structure of our two-level reduce-scatter, so a
+  ratio on a link is the compression alone. (Counted per peer instead, a flat collective would
+  seem to send (P-D)*N/P across nodes, D times what is sent: the 4-bit path's inter-node ratio
+  looked D times better than its 4.25 / 32 bits.) A group that is not a D x M grid is counted
+  per peer. An all-gather hop whose peers are all on one link (PaRO's hop-by-hop gathers) is
+  both.
+* the baseline is megatron-core's unquantized reduce-scatter / all-gather of the same N elements
+  of ``elem_size`` bytes, counted the same way.
 
 Peers are classified by link: 'intra' (same node) or 'inter' (another node). "Bits per element"
 of a link is ``8 * bytes / elements`` where elements counts the values those bytes carry (the
@@ -27,6 +36,18 @@ __all__ = ["CommAccounting", "LinkCounter"]
 
 _LINKS = ("intra", "inter")
 _KINDS = ("grad", "weight")
+
+
+def _two_level_shares(peers_intra: int, peers_inter: int) -> "tuple[int, int]":
+    """(intra, inter) multiples of a rank's N/P that a reduce-scatter / all-gather moves in its
+    two-level form over D = peers_intra + 1 ranks per node x M nodes: (D-1)*M and M-1. Per peer
+    (peers_intra, peers_inter) when the group is not such a grid."""
+    d = peers_intra + 1
+    p = d + peers_inter
+    if p % d:
+        return peers_intra, peers_inter
+    m = p // d
+    return (d - 1) * m, m - 1
 
 
 @dataclass
@@ -132,24 +153,28 @@ class CommAccounting:
 
     def record_all_gather(self, name: str, *, kind: str, shard_bytes: int, shard_elements: int,
                           peers_intra: int, peers_inter: int) -> None:
-        """Record an all-gather: this rank's shard (``shard_bytes`` of codes+scales carrying
-        ``shard_elements`` values) is delivered to every other member."""
-        self._add_link(name, kind, "intra", shard_bytes * peers_intra, shard_elements * peers_intra)
-        self._add_link(name, kind, "inter", shard_bytes * peers_inter, shard_elements * peers_inter)
+        """Record an all-gather of this rank's shard (``shard_bytes`` of codes+scales carrying
+        ``shard_elements`` values) over a group with ``peers_intra`` other ranks on this node and
+        ``peers_inter`` on others, in its two-level form (module docstring)."""
+        intra, inter = _two_level_shares(peers_intra, peers_inter)
+        self._add_link(name, kind, "intra", shard_bytes * intra, shard_elements * intra)
+        self._add_link(name, kind, "inter", shard_bytes * inter, shard_elements * inter)
 
     def record_baseline(self, name: str, *, kind: str, numel: int, elem_size: int, dp_size: int,
                         peers_intra: int, peers_inter: int) -> None:
         """Record what megatron-core's unquantized reduce-scatter / all-gather of ``numel``
-        elements of ``elem_size`` bytes over ``dp_size`` ranks would have sent (N/P elements to
-        each other peer), and count ``numel`` as the elements this collective represents."""
+        elements of ``elem_size`` bytes over ``dp_size`` ranks would have sent (in the two-level
+        form of the module docstring), and count ``numel`` as the elements this collective
+        represents."""
         if dp_size <= 0 or numel % dp_size:
             raise ValueError(f"numel {numel} is not divisible by the DP size {dp_size}")
         if peers_intra + peers_inter != dp_size - 1:
             raise ValueError(f"peers_intra ({peers_intra}) + peers_inter ({peers_inter}) must equal "
                              f"dp_size - 1 ({dp_size - 1})")
         shard = numel // dp_size
-        self._add_link(name, kind, "intra", 0, 0, shard * elem_size * peers_intra, shard * peers_intra)
-        self._add_link(name, kind, "inter", 0, 0, shard * elem_size * peers_inter, shard * peers_inter)
+        intra, inter = _two_level_shares(peers_intra, peers_inter)
+        self._add_link(name, kind, "intra", 0, 0, shard * elem_size * intra, shard * intra)
+        self._add_link(name, kind, "inter", 0, 0, shard * elem_size * inter, shard * inter)
         for st in self._stats(name, kind):
             st.model_elements += numel
             st.calls += 1

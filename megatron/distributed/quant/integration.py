@@ -363,7 +363,7 @@ def reset_quantization_state(model_chunks: List[torch.nn.Module], iteration: int
     has generators seeded from ``--seed``, zero LoCo error buffers and no qWD reference (the
     loaded model weights are the reference); only the iteration counters follow the checkpoint."""
     for rt in _runtimes(model_chunks):
-        rt.set_iteration(iteration)
+        rt.resume_at(iteration)
 
 
 # ----------------------------------------------------------------------------- reports

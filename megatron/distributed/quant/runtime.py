@@ -292,7 +292,7 @@ class QuantizationRuntime:
     # -- accounting of the exact (megatron-core) collectives -------------------------------------
     def record_exact(self, name: str, kind: str, numel: int, elem_size: int) -> None:
         """Count an unquantized reduce-scatter / all-gather of ``numel`` elements: the same bytes
-        as the baseline (N/P elements to each other peer), so reports cover every step."""
+        as the baseline (accounting's two-level form), so reports cover every step."""
         p, d = self.groups.dp_size, self.groups.intra_size
         if p <= 1:
             return
@@ -337,6 +337,12 @@ class QuantizationRuntime:
                 self.loco.step()
         self.last_stepped_iteration = iteration
         self.iteration = iteration
+
+    def resume_at(self, iteration: int) -> None:
+        """A resume whose quantization state starts afresh: the counters follow the checkpoint's
+        iteration, but no iteration ran (:meth:`set_iteration` would count one in the first
+        interval's per-iteration communication times)."""
+        self.iteration = self.last_stepped_iteration = int(iteration)
 
     def on_step_skipped(self, loss_scale_ratio: Optional[float]) -> None:
         """A skipped step may have polluted the error buffers with NaN/Inf: drop them (as

@@ -1,10 +1,9 @@
 """Communication-volume accounting for the quantized collectives.
 
-Convention ("logical bytes delivered to each other peer"): for every collective we count the
-payload bytes that this rank's data logically delivers to each *other* rank of the group, summed
-over peers; the piece a rank keeps for itself is excluded. This is independent of the algorithm
-the backend uses underneath (ring, tree, NVLS, ...), so the numbers of the quantized path and
-of megatron-core's baseline are directly comparable. Codes AND scales are counted.
+Convention: per collective, the payload bytes this rank sends to the other ranks of the group,
+by link, in the form the backend moves them across a two-level cluster (below), counted the same
+way for the quantized path and megatron-core's baseline, so the two are directly comparable.
+Codes AND scales are counted.
 
 * all-to-all with equal splits in a group of g ranks sending B bytes: each of the g-1 peers gets
   B/g bytes (its pieces are all distinct: nothing can be combined on the way).

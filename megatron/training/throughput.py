@@ -10,7 +10,10 @@ key/value width k, MLP width f and sequence length s, the forward pass multiplie
 
 * the QKV projection, h x (q + 2k), and the output projection, q x h;
 * the attention scores and their weighted sum of values, 2 x s x q (the full s x s square, causal
-  masking not discounted, as Megatron-LM counts it);
+  masking not discounted, as the Megatron-LM paper's closed form 72 B s L h^2 (1 + s/(6h) +
+  V/(12 L h)) and the SDP4Bit paper count it; Megatron-LM's code has since halved this term for
+  causal attention, so its TFLOP/s for the same run are lower by that term: 7 % at s = h = 2048,
+  24 layers);
 * the MLP, 2 x h x f, or 3 x h x f when gated (SwiGLU: gate, up and down projections);
 
 plus, once per token, the logits, h x V over the padded vocabulary V.

@@ -170,8 +170,9 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
             res["report"] = {k: v for k, v in report.items()
                              if k.startswith(("grad_inter", "weight_total", "nonfinite"))}
             res["loco_bytes"] = rt.loco.memory_bytes() if rt.loco is not None else None
-            res["errors"] = {k: v for k, v in integration.communication_report(model).items()
-                             if k.startswith("quant_error_")}
+            interval = integration.communication_report(model)
+            res["errors"] = {k: v for k, v in interval.items() if k.startswith("quant_error_")}
+            res["comm_ms"] = {k: v for k, v in interval.items() if k.startswith("comm_")}
             buf = model[0].param_level_storage().detach().float()
             digest = torch.tensor([float(buf.double().sum()), float((buf.double() ** 2).sum())],
                                   dtype=torch.float64)
@@ -217,6 +218,19 @@ def test_sdp4bit_with_loco_trains_on_nig(results):
         assert got["report"]["weight_total_bytes"] > 0
         assert got["replicas_identical"]
     assert all(r["sdp4bit_loco"]["losses"] == results[0]["sdp4bit_loco"]["losses"] for r in results)
+
+
+def test_the_engines_quantized_collectives_are_timed(results):
+    """The engine's quantized collectives ran on an untimed runner: every comm_*_ms read 0.000.
+    Now the inline ones count as exposed time and the overlapped ones as stage time; a kind this
+    layer does not send (megatron-core's exact gathers with --quantized-gradients alone) has no
+    figure rather than a 0 that reads as free."""
+    for r in results:
+        inline, overlapped = r["sdp4bit_loco"]["comm_ms"], r["ngg_sdp4bit_loco_overlap"]["comm_ms"]
+        assert inline["comm_grad_exposed_ms"] > 0 and inline["comm_weight_exposed_ms"] > 0, inline
+        assert overlapped["comm_grad_intra_ms"] + overlapped["comm_grad_inter_ms"] > 0, overlapped
+        grads_only = r["start3"]["comm_ms"]
+        assert grads_only and not any(k.startswith("comm_weight") for k in grads_only), grads_only
 
 
 def test_hadamard_changes_the_quantized_run(results):

@@ -436,7 +436,12 @@ def _runtime_report(rts: List[Any], model_chunks: List[torch.nn.Module], reset: 
                 merged[k] = merged.get(k, 0.0) + v
         nonfinite += rt.nonfinite_events if totals else rt.nonfinite_events_interval
         if not totals:  # total vs exposed communication ms per iteration (one runtime per model)
-            merged.update(rt.timing.interval_report(reset=reset))
+            # Only the kinds this layer sends (and times): megatron-core's own exact collectives
+            # are not timed, and a 0.000 for them would read as "free".
+            timed = ("comm_grad" if rt.config.quantized_gradients else None,
+                     "comm_weight" if rt.config.quantized_weights else None)
+            merged.update({k: v for k, v in rt.timing.interval_report(reset=reset).items()
+                           if k.startswith(tuple(t for t in timed if t))})
             # --quantization-error-interval: quantized vs exact over the interval's samples
             merged.update(rt.errors.report(reset=reset))
         if reset and not totals:

@@ -626,8 +626,10 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
                 src = b.shard(os_params, ko)
                 target = b.shard(target_all, kp)
                 before = rt.accounting.link_bytes("weight")
-                rt.all_gather(src, target, key=self._bucket_key(b), index=b.index,
-                              reference=target, hops=hops)
+                handle = rt.all_gather(src, target, key=self._bucket_key(b), index=b.index,
+                                       reference=target, hops=hops, streams=rt.timing.inline)
+                if handle is not None:   # ran inline: timed as exposed, its error raised here
+                    rt.timing.wait("weight", handle)
                 self._count_quantized("weight", "+".join(hops), "quantized_all_gather",
                                       target.numel(), ko // kp, before)
             return
@@ -722,8 +724,10 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         """Start bucket ``b``'s gradient reduce-scatter on the stages (``grad_groups``); the sum
         lands in ``acc`` when :meth:`_finish_grad_reduces` waits for it. Counted here, in the
         hook's thread, as the inline path counts it."""
-        if self._grad_stages is None:
-            self._grad_stages = CommStreams.for_device(full.device)
+        if self._grad_stages is None:   # the runtime's, when it has one: its timing sees them
+            self._grad_stages = (self.quant_runtime.overlap_streams(full.device)
+                                 if self.quant_runtime is not None
+                                 else CommStreams.for_device(full.device))
         shard = torch.empty_like(acc)
         scope = "intra" if self.strategy.grads == Level.I else "global"
         if self._quantize_gradients_now():
@@ -744,7 +748,10 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
     def _finish_oldest_grad_reduce(self) -> None:
         handle, shard, acc, _ = self._pending.pop(0)
         if handle is not None:
-            handle.wait()
+            if self.quant_runtime is not None:   # the wait is the runtime's exposed time
+                self.quant_runtime.timing.wait("grad", handle)
+            else:
+                handle.wait()
         acc.add_(shard)
 
     def _finish_grad_reduces(self) -> None:

@@ -146,10 +146,15 @@ class LevelCollectives:
             x = x.view(self.m, self.g, -1).transpose(0, 1).contiguous().view(-1)
         x = x.contiguous()
         before = rt.accounting.link_bytes("grad")
+        # Inline (no ``streams``): on the runtime's timed inline stage, waited for here, so its
+        # time counts as exposed and an error is raised here, not left in an unwaited handle.
         handle = rt.reduce_scatter(x, out, key=self._bucket_key(b), index=b.index, scope=scope,
-                                   streams=streams)
+                                   streams=streams if streams is not None else rt.timing.inline)
         self._count_quantized("grad", scope, "quantized_reduce_scatter", x.numel(),
                               rt.scope_groups(scope).dp_size, before)
+        if streams is None and handle is not None:
+            rt.timing.wait("grad", handle)
+            handle = None
         return handle, x
 
     def _global_rs(self, full: torch.Tensor, b: Bucket) -> torch.Tensor:

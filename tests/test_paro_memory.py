@@ -581,3 +581,29 @@ def test_explicit_memory_budget_reserves_nothing_by_default(device_memory):
         _auto_args(paro_gpu_memory_gb=5.0, paro_reserved_memory_gb=1.5), 5e9)[0] == 1.5e9
     assert paro_integration.reserved_bytes_for_auto(
         _auto_args(paro_reserved_memory_gb=0.0), 8e9)[0] == 0.0
+
+
+def test_strategy_report_is_per_rank_with_model_parallelism(monkeypatch):
+    """With TP / PP the startup report's per-rank memory and bytes come from this rank's share
+    of the model (what its data-parallel group holds and moves, and what auto sizes); the whole
+    model's count made them TP x PP times too large."""
+    import argparse
+
+    import megatron.core.num_microbatches_calculator as nmc
+    from megatron.distributed.quant import paro_integration
+    from megatron.distributed.quant.config import QuantizationConfig
+    from megatron.distributed.quant.paro_cost import format_report, paro_report
+
+    monkeypatch.setattr(nmc, "get_num_microbatches", lambda: 2)
+    chunk = torch.nn.Linear(64, 32)   # 2080 parameters on this rank
+    args = argparse.Namespace(paro_strategy="NNG", tensor_model_parallel_size=2,
+                              pipeline_model_parallel_size=2, data_parallel_size=8,
+                              paro_group_size=4, quant_config=QuantizationConfig(),
+                              bf16=True, fp16=False, accumulate_allreduce_grads_in_fp32=True,
+                              use_distributed_optimizer=True)
+    text = paro_integration.strategy_report(args, [chunk], None)
+    want = format_report(paro_report("NNG", 2080, 8, 4, micro_steps=2,
+                                     quant_config=args.quant_config,
+                                     state_bytes=paro_integration._state_bytes(args)))
+    assert text.startswith(want) and "Ψ=2080 params" in text
+    assert "this rank's share of the model (tensor x pipeline parallel = 4)" in text

@@ -192,8 +192,9 @@ def strategy_report(args: argparse.Namespace, model_chunks: List[torch.nn.Module
     if args.paro_strategy is None:
         return None
     chunk = model_chunks[0]
-    n_total = (sum(p.numel() for p in chunk.parameters()) * args.tensor_model_parallel_size
-               * args.pipeline_model_parallel_size)
+    # This rank's model-parallel share: what its data-parallel group holds and moves (the
+    # figures are per rank; the whole model's count overstated them TP x PP times), as auto uses.
+    n_total = sum(p.numel() for p in chunk.parameters())
     engine = is_engine(chunk)
     if engine:
         n_total = chunk.padded_numel  # what the engine allocates and sends (padded to n)
@@ -201,6 +202,10 @@ def strategy_report(args: argparse.Namespace, model_chunks: List[torch.nn.Module
         args.paro_strategy, n_total, args.data_parallel_size, args.paro_group_size,
         micro_steps=get_num_microbatches(), quant_config=args.quant_config,
         state_bytes=_state_bytes(args)))
+    mp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if mp > 1:
+        text += (f"\n > Ψ is this rank's share of the model (tensor x pipeline parallel = {mp}): "
+                 "its data-parallel group holds and moves that")
     if engine:
         from .paro_optimizer import model_state_bytes
 

@@ -130,11 +130,11 @@ def _fake_all_gather(engine) -> None:
     """Deterministic stand-in for the engine's all-gather on the fake backend (whose collectives
     leave the output untouched): every rank's piece is this rank's shard."""
 
-    def ag(out: torch.Tensor, inp: torch.Tensor, scope: str) -> None:
+    def ag(out: torch.Tensor, inp: torch.Tensor, scope: str, groups: Any = None) -> None:
         for piece in out.split(inp.numel()):  # views and in-place copies: no allocation
             piece.copy_(inp)
 
-    engine._ag = ag
+    engine._gather_hop = ag
 
 
 # ------------------------------------------------------------------------ 1. grad norm in fp32

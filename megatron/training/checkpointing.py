@@ -184,16 +184,6 @@ def _optimizer_state(optimizer: Any) -> List[Dict[str, Any]]:
     return out
 
 
-def _saved_bucket_layout(sd: Dict[str, Any]) -> Optional[Dict[int, Dict[Any, int]]]:
-    """What :func:`~megatron.distributed.quant.mcore_compat.optimizer_bucket_layout` was for the
-    optimizer that saved ``sd`` (its dp-reshardable ``param_state``), or None."""
-    param_state = sd.get("param_state")
-    if not isinstance(param_state, dict):
-        return None
-    return {i: {dtype: len(buckets) for dtype, buckets in per_dtype.items()}
-            for i, per_dtype in param_state.items() if isinstance(i, int)}
-
-
 def _load_optimizer_state(optimizer: Any, states: List[Dict[str, Any]]) -> None:
     from megatron.distributed.quant import mcore_compat
 
@@ -201,7 +191,8 @@ def _load_optimizer_state(optimizer: Any, states: List[Dict[str, Any]]) -> None:
     if len(subs) != len(states):
         raise RuntimeError(f"checkpoint has {len(states)} optimizer(s), model has {len(subs)}")
     for opt, sd in zip(subs, states):
-        saved, current = _saved_bucket_layout(sd), mcore_compat.optimizer_bucket_layout(opt)
+        saved = mcore_compat.saved_bucket_layout(sd.get("param_state"))
+        current = mcore_compat.optimizer_bucket_layout(opt)
         if saved is not None and current is not None and saved != current:
             raise StartupError(
                 "the checkpoint's distributed-optimizer state is laid out in other gradient "

@@ -490,8 +490,22 @@ def optimizer_bucket_layout(leaf_optimizer: Any) -> Optional[Dict[int, Dict[Any,
     ranges = getattr(leaf_optimizer, "gbuf_ranges", None)
     if ranges is None:
         return None
+    return _bucket_counts(enumerate(ranges))
+
+
+def saved_bucket_layout(param_state: Any) -> Optional[Dict[int, Dict[Any, int]]]:
+    """:func:`optimizer_bucket_layout` of the optimizer that wrote ``param_state`` (its
+    ``get_parameter_state_dp_reshardable()``: grad buffer index -> dtype -> per-bucket lists,
+    beside non-integer bookkeeping keys); None for anything else."""
+    if not isinstance(param_state, dict):
+        return None
+    return _bucket_counts((i, per_dtype) for i, per_dtype in param_state.items()
+                          if isinstance(i, int))
+
+
+def _bucket_counts(per_buffer: Any) -> Dict[int, Dict[Any, int]]:
     return {i: {dtype: len(buckets) for dtype, buckets in per_dtype.items()}
-            for i, per_dtype in enumerate(ranges)}
+            for i, per_dtype in per_buffer}
 
 
 def leaf_optimizers(optimizer: Any) -> List[Any]:

@@ -378,16 +378,12 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         if storage.nbytes() != need:
             storage.resize_(need)
         p = self.strategy.params
-        k = self.level_ranks(p)
-        shard = b.shard(self.param_shard, k)
-        if self.param_groups is None:
-            if p == Level.I:
-                self._ag(b.full, shard, "intra")
-            else:
-                self._global_ag(b.full, shard)
-            return None
+        shard = b.shard(self.param_shard, self.level_ranks(p))
         scope = "intra" if p == Level.I else "global"
         self._count_exact_gather(b.full, scope)
+        if self.param_groups is None:
+            self._exact_gather(b.full, shard, scope)
+            return None
         if self._param_stages is None:
             self._param_stages = CommStreams.for_device(b.full.device)
         full, groups = b.full, self.param_groups

@@ -32,28 +32,42 @@ class LevelCollectives:
         owner = self if groups is None else groups
         return (owner.intra_group, self.m) if scope == "intra" else (owner.inter_group, self.g)
 
-    def _ag(self, out: torch.Tensor, inp: torch.Tensor, scope: str) -> None:
-        """All-gather at 'intra' / 'inter' scope ('inter' works on the 1/m slice), counted."""
-        group, k = self._scope(scope)
+    def _gather_hop(self, out: torch.Tensor, inp: torch.Tensor, scope: str,
+                    groups: Any = None) -> None:
+        """One all-gather at 'intra' / 'inter' scope on ``groups`` (see :meth:`_scope`; a copy
+        when the scope has one rank), not counted: :meth:`_ag` and :meth:`_exact_gather`."""
+        group, k = self._scope(scope, groups)
         if k == 1:
             out.copy_(inp)
-            return
-        _all_gather(out, inp.contiguous(), group)
-        _count(self.counter, scope, "all_gather", out.numel(), out, k)
+        else:
+            _all_gather(out, inp.contiguous(), group)
+
+    def _ag(self, out: torch.Tensor, inp: torch.Tensor, scope: str) -> None:
+        """All-gather at 'intra' / 'inter' scope ('inter' works on the 1/m slice), counted."""
+        self._gather_hop(out, inp, scope)
+        _count(self.counter, scope, "all_gather", out.numel(), out, self._scope(scope)[1])
 
     def _rs(self, out: torch.Tensor, inp: torch.Tensor, scope: str, b: Bucket) -> None:
         """Reduce-scatter of bucket ``b``'s gradients at 'intra' / 'inter' scope (SUM), counted;
         the runtime's one-hop quantized path with --quantized-gradients (from its start
         iteration on)."""
-        group, k = self._scope(scope)
-        if k == 1:
-            out.copy_(inp)
-            return
-        if self._quantize_gradients_now():
+        k = self._scope(scope)[1]
+        if k > 1 and self._quantize_gradients_now():
             self._quantized_rs(out, inp, scope, b)
             return
-        _reduce_scatter(out, inp.contiguous(), group, dist.ReduceOp.SUM)
+        self._reduce_hop(out, inp, scope)
         _count(self.counter, scope, "reduce_scatter", inp.numel(), inp, k)
+
+    def _reduce_hop(self, out: torch.Tensor, inp: torch.Tensor, scope: str,
+                    groups: Any = None) -> None:
+        """One exact SUM reduce-scatter at 'intra' / 'inter' scope on ``groups`` (see
+        :meth:`_scope`; a copy when the scope has one rank), not counted: :meth:`_rs` and
+        :meth:`_exact_reduce`."""
+        group, k = self._scope(scope, groups)
+        if k == 1:
+            out.copy_(inp)
+        else:
+            _reduce_scatter(out, inp.contiguous(), group, dist.ReduceOp.SUM)
 
     def _exact_reduce(self, out: torch.Tensor, full: torch.Tensor, scope: str,
                       groups: Any = None) -> None:
@@ -64,13 +78,10 @@ class LevelCollectives:
         hops = ("intra",) if scope == "intra" else ("intra", "inter")
         x = full
         for i, hop in enumerate(hops):
-            group, k = self._scope(hop, groups)
+            k = self._scope(hop, groups)[1]
             y = out if i == len(hops) - 1 else torch.empty(x.numel() // k, dtype=x.dtype,
                                                            device=x.device)
-            if k == 1:
-                y.copy_(x)
-            else:
-                _reduce_scatter(y, x.contiguous(), group, dist.ReduceOp.SUM)
+            self._reduce_hop(y, x, hop, groups)
             x = y
 
     def _count_exact_reduce(self, full: torch.Tensor, scope: str) -> None:
@@ -82,18 +93,14 @@ class LevelCollectives:
     def _exact_gather(self, full: torch.Tensor, shard: torch.Tensor, scope: str,
                       groups: Any = None) -> None:
         """Exact all-gather of this rank's shard into a full bucket buffer at 'intra' (intra AG)
-        or 'global' (inter AG into the 1/m slice, then intra AG: :meth:`_global_ag`'s hops), on
+        or 'global' (inter AG into the 1/m slice, then intra AG), on
         ``groups`` (see :meth:`_scope`). Not counted (:meth:`_count_exact_gather`): the
         overlapped gathers count in the hook's thread and run on a communication stage."""
         src = shard
         hops = (("inter", torch.empty(full.numel() // self.m, dtype=full.dtype,
                                       device=full.device)),) if scope == "global" else ()
         for hop, out in hops + (("intra", full),):
-            group, k = self._scope(hop, groups)
-            if k == 1:
-                out.copy_(src)
-            else:
-                _all_gather(out, src.contiguous(), group)
+            self._gather_hop(out, src, hop, groups)
             src = out
 
     def _count_exact_gather(self, full: torch.Tensor, scope: str) -> None:
@@ -170,10 +177,9 @@ class LevelCollectives:
         return g_shard
 
     def _global_ag(self, full: torch.Tensor, g_shard: torch.Tensor) -> None:
-        """PaRO-CC all-gather of G shards into the full buffer (inter AG, intra AG)."""
-        i_slice = torch.empty(full.numel() // self.m, dtype=full.dtype, device=full.device)
-        self._ag(i_slice, g_shard, "inter")
-        self._ag(full, i_slice, "intra")
+        """PaRO-CC all-gather of G shards into the full buffer (inter AG, intra AG), counted."""
+        self._exact_gather(full, g_shard, "global")
+        self._count_exact_gather(full, "global")
 
     # ------------------------------------------------------------------ level transitions
     def _reduce_to(self, src: torch.Tensor, frm: Level, to: Level) -> torch.Tensor:

@@ -13,14 +13,39 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
   echo "[ensure_deps] installing torch==2.13.0"
   "$PYTHON" -m pip install --quiet "torch==2.13.0"
 fi
-if ! "$PYTHON" - <<'PY' >/dev/null 2>&1
+# Every line of requirements.txt (torch aside, handled above) must be installed at a version it
+# allows, so a dependency added there can never be missing here (the check reads the file, it
+# keeps no list of its own).
+if ! "$PYTHON" - "$ROOT/requirements.txt" <<'PY'
 import importlib.metadata as md
-import megatron.core, tokenizers, transformers, sentencepiece, datasets, pyarrow, tensorboard, matplotlib, pytest, numpy, psutil
-assert md.version("megatron-core") == "0.16.1", md.version("megatron-core")
+import sys
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # a fresh virtual environment has pip's vendored copy only
+    from pip._vendor.packaging.requirements import Requirement
+missing = []
+for line in open(sys.argv[1], encoding="utf-8"):
+    line = line.split("#", 1)[0].strip()
+    if not line:
+        continue
+    req = Requirement(line)
+    if req.name == "torch" or (req.marker is not None and not req.marker.evaluate()):
+        continue
+    try:
+        version = md.version(req.name)
+    except md.PackageNotFoundError:
+        missing.append(req.name)
+        continue
+    if version not in req.specifier:
+        missing.append(f"{req.name} {version} (wants {req.specifier})")
+if missing:
+    print("[ensure_deps] missing: " + ", ".join(missing))
+    sys.exit(1)
 PY
 then
+  # without its torch line: the torch installed above (or a GPU machine's CUDA build) stays
   echo "[ensure_deps] installing requirements.txt"
-  "$PYTHON" -m pip install --quiet -r "$ROOT/requirements.txt"
+  grep -v '^torch==' "$ROOT/requirements.txt" | "$PYTHON" -m pip install --quiet -r /dev/stdin
 fi
 # ninja drives torch.utils.cpp_extension, which builds the C++ CPU quantization kernels at first
 # use (without it they fall back to the slower torch reference). A system ninja on PATH is fine.

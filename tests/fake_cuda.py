@@ -14,6 +14,7 @@ allocator then keeps the block until the reader is done).
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import threading
 import weakref
@@ -118,7 +119,12 @@ class StreamAllocationCheck(TorchDispatchMode):
     buffers, which the caller keeps until it waits (not a hazard) -- unless a stage job drops the
     last reference itself: a block freed by the host while a stage that read it is enqueuing (its
     kernels still pending) goes back to its allocating stream's pool at once, so that is a hazard
-    too, wherever the block was allocated (LoCo's error buffers after a resume)."""
+    too, wherever the block was allocated (LoCo's error buffers after a resume).
+
+    Only a stage dropping the last reference counts as that stage freeing a block: blocks the
+    cyclic garbage collector frees (reference cycles, at a moment of its choosing and on whatever
+    thread allocated last) and blocks of a check whose ``with`` block has ended are forgotten
+    without a verdict, so the result never depends on the collector's timing."""
 
     def __init__(self, fake: FakeCuda) -> None:
         super().__init__()
@@ -136,6 +142,30 @@ class StreamAllocationCheck(TorchDispatchMode):
         self.freed_while_read: List[Tuple[str, str]] = []
         """(allocating stream, reading stage) of blocks freed by that stage without hand-over"""
         fake.on_record.append(self._note_hand_over)
+        self._finished = False
+        """Set when the ``with`` block ends: a block of this check that the cyclic collector
+        frees during a later run is no evidence about that run (finalizers record nothing)."""
+        self._collecting: Set[int] = set()
+        """Threads inside a cyclic garbage collection (``gc.callbacks``): a block freed there was
+        dropped by the collector at a moment of its choosing, not by the stage that happens to
+        be current on that thread."""
+
+    def _note_collection(self, phase: str, info: Dict[str, int]) -> None:
+        if phase == "start":
+            self._collecting.add(threading.get_ident())
+        else:
+            self._collecting.discard(threading.get_ident())
+
+    def __enter__(self) -> "StreamAllocationCheck":
+        self._finished = False
+        gc.callbacks.append(self._note_collection)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        self._finished = True
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._note_collection)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         operands = set()
@@ -164,8 +194,10 @@ class StreamAllocationCheck(TorchDispatchMode):
         if alloc[1] == number:
             self.allocated_on.pop(ptr, None)
         freeing = self.fake.current.name
-        if alloc[1] == number and freeing not in ("default", alloc[0]) and \
-                freeing in self.read_on.get(number, ()) and (number, freeing) not in self.protected:
+        dropped_by_a_stage = not self._finished and threading.get_ident() not in self._collecting
+        if dropped_by_a_stage and alloc[1] == number and freeing not in ("default", alloc[0]) \
+                and freeing in self.read_on.get(number, ()) and \
+                (number, freeing) not in self.protected:
             self.freed_while_read.append((alloc[0], freeing))
         self.read_on.pop(number, None)
 

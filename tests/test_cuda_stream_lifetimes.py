@@ -18,6 +18,7 @@ the dispatcher.
 
 from __future__ import annotations
 
+import gc
 from typing import Any, List, Optional, Tuple
 
 import pytest
@@ -219,6 +220,52 @@ def test_loco_errors_made_on_the_compute_stream_are_kept_for_the_stage(
     assert step_after(made_by) == []
     monkeypatch.setattr("megatron.distributed.quant.loco.used_on_this_stage", lambda *t: None)
     assert set(step_after(made_by)) == {("default", "intra")}
+
+
+def _block_read_by(fake: FakeCuda, stage: str) -> List[Any]:
+    """A block allocated on the compute stream, read on ``stage``, and held only by a reference
+    cycle (so refcounting never frees it: only the cyclic collector does)."""
+    block = torch.ones(64) * 2        # an allocation on the default stream
+    with torch.cuda.stream(fake.Stream(fake, stage)):
+        block.sum()                   # read on the stage
+    cycle: List[Any] = [block]
+    cycle.append(cycle)
+    return cycle
+
+
+def test_the_check_blames_a_stage_that_drops_a_block_it_read(fake_world) -> None:
+    """The planted hazard: the stage itself drops the last reference of a block it read."""
+    fake, check, _ = fake_world
+    with check:
+        block = torch.ones(64) * 2
+        with torch.cuda.stream(fake.Stream(fake, "intra")):
+            block.sum()
+            del block
+    assert check.hazards() == [("default", "intra")]
+
+
+def test_a_block_the_cyclic_collector_frees_is_no_stage_s_free(fake_world) -> None:
+    """Issue 35: a block in a reference cycle is freed whenever a full collection runs, on the
+    thread that triggered it, with that thread's current stage. That is no stage dropping the
+    block (a real run's caching allocator returns it to its allocating stream's pool), so the
+    check records nothing -- also for blocks of an earlier check freed during a later run."""
+    fake, check, _ = fake_world
+    gc.collect()
+    with check:
+        cycle = _block_read_by(fake, "intra")
+        del cycle
+        with torch.cuda.stream(fake.Stream(fake, "intra")):
+            assert gc.collect() > 0
+    assert check.hazards() == []
+
+    later = StreamAllocationCheck(fake)
+    with check:
+        cycle = _block_read_by(fake, "intra")
+    del cycle
+    with later, torch.cuda.stream(fake.Stream(fake, "intra")):
+        torch.ones(8).sum()
+        assert gc.collect() > 0          # the earlier check's block, freed in the later run
+    assert check.hazards() == [] and later.hazards() == []
 
 
 @pytest.mark.parametrize("pipeline,loco", [(1, False), (2, False), (2, True)])

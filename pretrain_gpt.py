@@ -40,6 +40,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     import torch
 
+    from megatron.distributed.quant.failures import CommunicationFailure
     from megatron.training.errors import StartupError
     from megatron.training.save_guard import CheckpointWriteError
     from megatron.training.training import pretrain
@@ -49,6 +50,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except CheckpointWriteError as exc:
         # No space / no permission while saving: one line from each rank that met it (its peers
         # may still wait in the save's barrier; the launcher stops them).
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except CommunicationFailure as exc:
+        # One rank failed (its traceback is in its log): every rank prints the same line -- the
+        # rank, where, the cause -- and leaves without the collectives of a clean shutdown.
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     except StartupError as exc:

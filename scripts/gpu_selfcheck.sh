@@ -28,7 +28,10 @@
 #                  must agree within SELFCHECK_LOSS_RTOL (default 0.02 relative; what remains is
 #                  GPU vs CPU bf16 matmul rounding and, when Transformer Engine is installed, TE
 #                  layers on the CUDA side vs megatron-core's local ones on the CPU side).
-#                  With fewer GPUs (NCCL refuses two ranks on one GPU): bench/virtual_cuda_ranks.py,
+#                  With fewer GPUs, where the loaded NCCL shares a GPU between ranks (>= 2.30 with
+#                  NCCL_MULTI_RANK_GPU_ENABLE=1, e.g. .device/boot.sh's): the same 4 NCCL
+#                  processes, placed on the GPUs modulo their count. Elsewhere (NCCL refuses two
+#                  ranks on one GPU): bench/virtual_cuda_ranks.py,
 #                  2x2 and 2x4 ranks as threads sharing the GPU (NCCL's stream semantics), the
 #                  runtime's bucket calls with overlap, LoCo, qWD, a NaN step and a resume, bit for
 #                  bit against the same ranks on the CPU, under set_sync_debug_mode("error")
@@ -191,6 +194,13 @@ if info["cuda_available"]:
     major, minor = torch.cuda.get_device_capability(0)
     info["capability"] = major * 10 + minor
     info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    try:  # the trainer's own rule for several ranks on one GPU
+        from megatron.training.initialize import ranks_can_share_a_gpu
+        import os
+        info["nccl_shares_gpu"] = ranks_can_share_a_gpu(tuple(torch.cuda.nccl.version()), os.environ)
+    except Exception as exc:
+        info["nccl_shares_gpu"] = False
+        info["nccl_shares_gpu_error"] = repr(exc)
 info["transformer_engine"] = importlib.util.find_spec("transformer_engine") is not None
 info["apex"] = importlib.util.find_spec("apex") is not None
 try:  # steps 5-7 train through it; its C++ dataset helpers must load on this Python
@@ -264,11 +274,12 @@ SC_ENV_JSON=""
 SC_SM=90
 SC_NGPU=0
 SC_MCORE_OK=1
+SC_NCCL_SHARES=0
 SC_CMD[env]="$PYTHON -c <torch / triton / TE / apex probe>"
 log "step 1/${#SC_STEPS[@]} env: ${SC_CMD[env]}"
 if SC_ENV_JSON=$("$PYTHON" -c "$SC_PY_ENV" 2> "$SC_RUN_DIR/env.log"); then
     log "    $SC_ENV_JSON"
-    read -r SC_CUDA_OK SC_NGPU SC_SM_FOUND SC_MCORE_OK < <("$PYTHON" -c 'import json, sys; d = json.loads(sys.argv[1]); print(int(d["cuda_available"]), len(d["gpus"]), d["capability"] or 0, int(not d["megatron_core"].startswith("not importable")))' "$SC_ENV_JSON")
+    read -r SC_CUDA_OK SC_NGPU SC_SM_FOUND SC_MCORE_OK SC_NCCL_SHARES < <("$PYTHON" -c 'import json, sys; d = json.loads(sys.argv[1]); print(int(d["cuda_available"]), len(d["gpus"]), d["capability"] or 0, int(not d["megatron_core"].startswith("not importable")), int(d.get("nccl_shares_gpu", False)))' "$SC_ENV_JSON")
     [[ $SC_SM_FOUND != 0 ]] && SC_SM=$SC_SM_FOUND
     if [[ $SC_DRY_RUN == 1 ]]; then
         record env DRY "$( [[ $SC_CUDA_OK == 1 ]] && echo "$SC_NGPU GPU(s), sm_$SC_SM" || echo "no CUDA device here; the real run stops at this step without one")"
@@ -388,8 +399,8 @@ PY
     fi
 
     # ---- 6 nccl-vs-gloo -----------------------------------------------------------------------
-    if [[ $SC_DRY_RUN == 0 && $SC_NGPU -lt 4 ]]; then
-        # NCCL refuses two ranks on one GPU: the ranks run as threads sharing this GPU instead.
+    if [[ $SC_DRY_RUN == 0 && $SC_NGPU -lt 4 && $SC_NCCL_SHARES == 0 ]]; then
+        # This NCCL refuses two ranks on one GPU: the ranks run as threads sharing it instead.
         if run_step nccl-vs-gloo:virtual-ranks "${SC_VIRTUAL[@]}"; then
             record nccl-vs-gloo PASS "$SC_NGPU GPU(s) < 4 ranks: virtual ranks on one GPU, $(grep -c 'CUDA == CPU bit for bit' "$SC_RUN_DIR/virtual-ranks.log") layouts bit-identical to CPU"
         else
@@ -423,7 +434,7 @@ PY
         elif [[ $ok == 0 ]]; then
             record nccl-vs-gloo FAIL "a run failed: see $SC_RUN_DIR/nccl.log and $SC_RUN_DIR/gloo.log"
         elif "$PYTHON" -c "$SC_PY_COMPARE" "$SC_RUN_DIR/nccl.jsonl" "$SC_RUN_DIR/gloo.jsonl" "$SC_RTOL" > "$SC_RUN_DIR/nccl-vs-gloo.md" 2>&1; then
-            record nccl-vs-gloo PASS "$(tail -1 "$SC_RUN_DIR/nccl-vs-gloo.md")"
+            record nccl-vs-gloo PASS "$( [[ $SC_NGPU -lt 4 ]] && echo "4 NCCL processes sharing $SC_NGPU GPU(s); ")$(tail -1 "$SC_RUN_DIR/nccl-vs-gloo.md")"
         else
             record nccl-vs-gloo FAIL "$(tail -1 "$SC_RUN_DIR/nccl-vs-gloo.md")"
         fi

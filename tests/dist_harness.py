@@ -19,6 +19,8 @@ import torch.multiprocessing as mp
 
 import pytest
 
+from collective_trace import CollectiveTrace, divergences
+
 FINAL_BARRIER_TIMEOUT_S = 120.0
 """How long a healthy rank waits at the final barrier for its peers (they may still be finishing
 local work after the last collective; a peer that never comes is reported by rank)."""
@@ -121,13 +123,16 @@ def _entry(rank: int, world: int, port: int, job: bytes, out_dir: str, environ: 
     warnings.filterwarnings("ignore", category=FutureWarning)  # gloo *_tensor deprecation notes
     init_process_group(rank, world, port)
     healthy = False
+    trace = CollectiveTrace()
     try:
         try:
             fn, args = pickle.loads(job)
-            res = fn(rank, world, *args)
+            with trace:
+                res = fn(rank, world, *args)
             healthy = True
         except Exception:  # report instead of hanging the peers' assertions
             res = {"__error__": traceback.format_exc()}
+        torch.save(trace.calls, os.path.join(out_dir, f"rank{rank}.trace.pt"))
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         shutdown_process_group(healthy)
@@ -135,6 +140,9 @@ def _entry(rank: int, world: int, port: int, job: bytes, out_dir: str, environ: 
 
 def run_distributed(world: int, fn, out_dir, *args) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result dict.
+
+    Every rank's collectives are traced (tests/collective_trace.py): ranks that issued different
+    collectives on a communicator fail the test, naming where.
 
     A rank that raises reports its traceback through its result file, so the test fails with the
     real error instead of the peers hanging in a collective; every rank's error is shown (a peer
@@ -164,12 +172,16 @@ def run_distributed(world: int, fn, out_dir, *args) -> list:
     missing = [r for r, res in enumerate(results) if res is None]
     if errors or missing:
         raise AssertionError("\n".join(errors) or f"ranks {missing} wrote no result")
+    diverged = divergences(_load(out_dir, world, ".trace.pt"))
+    if diverged:   # collectives pair by issue order: a divergence hangs or mixes data
+        raise AssertionError("the ranks issued different collectives on a communicator:\n"
+                             + "\n".join(diverged))
     return results
 
 
-def _load(out_dir: str, world: int) -> list:
-    """Each rank's result (None where the rank wrote none)."""
-    paths = [os.path.join(out_dir, f"rank{r}.pt") for r in range(world)]
+def _load(out_dir: str, world: int, suffix: str = ".pt") -> list:
+    """Each rank's result (or trace, ``suffix='.trace.pt'``; None where the rank wrote none)."""
+    paths = [os.path.join(out_dir, f"rank{r}{suffix}") for r in range(world)]
     return [torch.load(p, weights_only=False) if os.path.exists(p) else None for p in paths]
 
 

@@ -327,6 +327,61 @@ def test_weight_gather_messages_follow_the_links(fake_world, links, gathers: int
     assert torch.equal(outs[0], outs[1])
 
 
+class NanCheckingDist(LoopbackDist):
+    """The loopback transport with ``TORCH_NCCL_NAN_CHECK=1``'s rule: a floating-point input
+    holding NaN stops the collective (NCCL traps on the device)."""
+
+    def _check(self, inp: torch.Tensor) -> None:
+        if inp.is_floating_point() and bool(torch.isnan(inp).any()):
+            raise RuntimeError(f"NaN check: a {inp.dtype} input of {inp.numel()} holds NaN")
+
+    def all_to_all_single(self, out, inp, group=None, async_op=False):  # noqa: ANN001
+        self._check(inp)
+        return super().all_to_all_single(out, inp, group, async_op)
+
+    def all_gather_single(self, out, inp, group=None, async_op=False):  # noqa: ANN001
+        self._check(inp)
+        return super().all_gather_single(out, inp, group, async_op)
+
+    all_gather_into_tensor = all_gather_single
+
+
+@pytest.mark.parametrize("one_message", [True, False])
+def test_a_poisoned_group_passes_nccls_nan_check(fake_world, monkeypatch,
+                                                 one_message: bool) -> None:
+    """Issue 36: a group holding NaN/Inf gets a NaN scale by design (its step is skipped, the
+    flag counts it). Sent as fp32, the intra-node hop's scales (and the intra-only weight
+    gather's) trapped in NCCL's NaN check instead; the scales now travel as bytes. The
+    gradient and the weights still reach every rank as non-finite, and the flag counts them."""
+    fake, check, _ = fake_world
+    transport = NanCheckingDist(check)
+    monkeypatch.setattr(collectives, "dist", transport)
+    monkeypatch.setattr(collectives, "_one_message", lambda link: one_message)
+    x = torch.randn(4 * 2 * GS * 2, generator=torch.Generator().manual_seed(0))
+    x[5] = float("nan")
+    x[3 * GS] = float("inf")
+    out = torch.empty(x.numel() // 4)
+    flag = torch.zeros(1, dtype=torch.int32)
+    collectives.two_level_reduce_scatter(
+        x, out, _groups_2x2(), bits_intra=8, group_size_intra=GS, bits_inter=4,
+        group_size_inter=GS, hadamard=True, generator=torch.Generator().manual_seed(1),
+        nonfinite_flag=flag, pipeline=2,
+        error_feedback=LoCoErrorFeedback().bucket(0))
+    assert int(flag) == 2 and not bool(torch.isfinite(out).all())
+    shard = torch.randn(2 * GS, generator=torch.Generator().manual_seed(2))
+    shard[7] = float("nan")
+    ref = torch.zeros(4 * 2 * GS)
+    gathered = torch.empty_like(ref)
+    collectives.quantized_all_gather(
+        shard, ref, gathered, _Group(4), bits=4, group_size=GS,
+        generator=torch.Generator().manual_seed(1), link_of_peer=lambda r: "intra",
+        nonfinite_flag=flag)
+    assert int(flag) == 3 and not bool(torch.isfinite(gathered).all())
+    # the check does trap a NaN in a floating-point input (what the scales were)
+    with pytest.raises(RuntimeError, match="NaN check"):
+        transport.all_to_all_single(torch.empty(4), torch.full((4,), float("nan")), _Group(4))
+
+
 def test_cpu_stages_need_no_hand_over(monkeypatch) -> None:
     """Worker threads and inline runs share one allocator timeline: no ``record_stream``."""
     calls = []

@@ -12,11 +12,13 @@ import argparse
 import os
 import random
 from datetime import timedelta
+from typing import Mapping, Optional, Tuple
 
 import numpy as np
 import torch
 
 from . import cpu_mode
+from .errors import StartupError
 
 
 def initialize_distributed(args: argparse.Namespace) -> None:
@@ -29,8 +31,12 @@ def initialize_distributed(args: argparse.Namespace) -> None:
         else:
             cpu_mode.enable_cpu_mode()
     else:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
+        index, note = cuda_device_for_local_rank(
+            int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count(), _nccl_version(),
+            os.environ)
+        torch.cuda.set_device(index)
+        if note is not None and int(os.environ.get("RANK", "0")) == 0:
+            print(f" > {note}", flush=True)
 
     if not torch.distributed.is_initialized():
         if "MASTER_ADDR" not in os.environ:  # plain `python pretrain_gpt.py`: one process
@@ -47,6 +53,11 @@ def initialize_distributed(args: argparse.Namespace) -> None:
             timeout=timedelta(minutes=args.distributed_timeout_minutes), **kwargs)
     args.rank = torch.distributed.get_rank()
     args.world_size = torch.distributed.get_world_size()
+    if args.world_size > 1:   # one rank's failure stops every rank with its cause (failures.py)
+        from megatron.distributed.quant import failures
+
+        failures.install(failures.default_store(), args.rank)
+        failures.watch()
 
     from megatron.core import parallel_state
 
@@ -57,6 +68,58 @@ def initialize_distributed(args: argparse.Namespace) -> None:
             distributed_timeout_minutes=args.distributed_timeout_minutes)
     assert parallel_state.get_data_parallel_world_size() == args.data_parallel_size, (
         "data-parallel size from WORLD_SIZE at parse time differs from the process group")
+
+
+MULTI_RANK_GPU_NCCL = (2, 30, 0)
+"""The first NCCL that lets several ranks of a job share one GPU (with
+``NCCL_MULTI_RANK_GPU_ENABLE=1``); older ones refuse the communicator."""
+
+
+def ranks_can_share_a_gpu(nccl_version: Optional[Tuple[int, ...]],
+                          environ: Mapping[str, str]) -> bool:
+    """Whether the loaded NCCL places several ranks on one GPU: NCCL >= 2.30 with
+    ``NCCL_MULTI_RANK_GPU_ENABLE=1``."""
+    return (nccl_version is not None and tuple(nccl_version) >= MULTI_RANK_GPU_NCCL
+            and environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1")
+
+
+def cuda_device_for_local_rank(local_rank: int, device_count: int,
+                               nccl_version: Optional[Tuple[int, ...]],
+                               environ: Mapping[str, str]) -> Tuple[int, Optional[str]]:
+    """(CUDA device index of this local rank, a startup note or None).
+
+    One GPU per local rank, as torchrun places them. More local ranks than GPUs (several ranks
+    on one GPU, for correctness and memory checks on one machine) only where the loaded NCCL
+    allows it (:func:`ranks_can_share_a_gpu`): then rank ``l`` takes GPU ``l % count``; elsewhere
+    a :class:`StartupError` naming the counts, not ``set_device``'s invalid device ordinal."""
+    if device_count < 1:
+        raise StartupError("--device cuda, but torch sees no CUDA device (CUDA_VISIBLE_DEVICES="
+                           f"{environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); pass --device cpu "
+                           "to train on the CPU")
+    if local_rank < device_count:
+        return local_rank, None
+    version = "unknown" if nccl_version is None else ".".join(map(str, nccl_version))
+    local_world = environ.get("LOCAL_WORLD_SIZE", "?")
+    if not ranks_can_share_a_gpu(nccl_version, environ):
+        raise StartupError(
+            f"local rank {local_rank} has no GPU of its own: this node runs {local_world} ranks "
+            f"on {device_count} visible CUDA device(s), and NCCL {version} cannot place several "
+            f"ranks on one GPU. Launch at most {device_count} processes per node (torchrun "
+            f"--nproc-per-node {device_count}), or, to check correctness with several ranks per "
+            "GPU, load NCCL >= 2.30 and set NCCL_MULTI_RANK_GPU_ENABLE=1")
+    return local_rank % device_count, (
+        f"{local_world} local ranks share {device_count} GPU(s) (NCCL {version}, "
+        "NCCL_MULTI_RANK_GPU_ENABLE=1): local rank l runs on cuda:(l % "
+        f"{device_count}). The ranks time-share each GPU: right for correctness and memory "
+        "checks, not for speed")
+
+
+def _nccl_version() -> Optional[Tuple[int, ...]]:
+    """The version of the NCCL this process loaded (a preloaded newer library included)."""
+    try:
+        return tuple(torch.cuda.nccl.version())
+    except Exception:  # noqa: BLE001 -- a build without NCCL
+        return None
 
 
 def _free_port() -> int:

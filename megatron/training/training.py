@@ -28,9 +28,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.distributed.quant import integration
+from megatron.distributed.quant import failures, integration
 
 from . import checkpointing, save_guard
+from .errors import StartupError
 from .arguments import padded_vocab_size
 from .fusions import apply_optimizer_fusions, fusion_plan
 from .layer_specs import attention_choice, config_attention_backend, gpt_layer_spec
@@ -488,7 +489,18 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
 
     # ``cleanup``: the exit-signal handler and the --save lock, released however the run ends.
     with cpu_mode(args.device == "cpu"), ExitStack() as cleanup:
-        return _pretrain(args, forward_step_func, cleanup)
+        cleanup.callback(failures.uninstall)
+        try:
+            return _pretrain(args, forward_step_func, cleanup)
+        except StartupError:
+            raise                     # every rank raises it: nobody is left waiting
+        except Exception as exc:
+            # Posted to every rank (failures.py), so peers blocked in a collective with this
+            # rank stop now with this cause instead of at the timeout.
+            failure = failures.report("the training loop", exc)
+            if failure is exc or isinstance(exc, save_guard.CheckpointWriteError):
+                raise
+            raise failure from exc
 
 
 def _pretrain(args: argparse.Namespace, forward_step_func, cleanup: Any) -> Dict[str, Any]:
@@ -557,6 +569,8 @@ def _pretrain(args: argparse.Namespace, forward_step_func, cleanup: Any) -> Dict
             and integration.nobody_to_talk_to()):
         print_rank_0(" > quantized communication off: data-parallel size 1, nothing is sent "
                      "(megatron-core's exact path, bit-identical to the baseline)")
+    for warning in integration.startup_warnings(args, model):
+        print_rank_0(f"WARNING: {warning}")
     report = integration.strategy_report(args, model, optimizer)
     if report:
         print_rank_0(report)

@@ -48,7 +48,6 @@ import torch
 import torch.distributed as dist
 
 from .accounting import CommAccounting
-from .device_tables import slot_of
 from .kernels import (NoiseIndex, NonFiniteError, QuantizedTensor, all_finite, dequantize,
                       dequantize_add, dequantize_sum, dequantize_sum_requantize, quantize,
                       quantize_difference, quantize_partitions)
@@ -205,8 +204,16 @@ def _exchange(q: QuantizedTensor, group, *, rows: int, a: int = 0, b: Optional[i
     codes = torch.empty_like(q.codes)
     scales = torch.empty_like(q.scales)
     dist.all_to_all_single(codes, q.codes, group=group)
-    dist.all_to_all_single(scales, q.scales, group=group)
+    dist.all_to_all_single(_as_bytes(scales), _as_bytes(q.scales), group=group)
     return QuantizedTensor(codes, scales, q.bits, q.group_size, q.numel)
+
+
+def _as_bytes(scales: torch.Tensor) -> torch.Tensor:
+    """The scales as the bytes they are on the wire. A group holding NaN/Inf has a NaN scale by
+    design (kernels/reference.py: the step is then skipped), and ``TORCH_NCCL_NAN_CHECK=1``
+    traps any NaN in a floating-point collective's input: sent as fp32 the scales stopped the
+    job where it should skip one step. Bytes are what the packed messages send anyway."""
+    return scales.view(torch.uint8)
 
 
 def _one_message(link: str) -> bool:
@@ -220,10 +227,25 @@ def _write_result(src_fp32: torch.Tensor, output: torch.Tensor) -> None:
     output.copy_(src_fp32.view(output.shape))
 
 
-def _unswizzle(slots: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
-    """Inverse of the slot permutation: input-layout tensor from a slot-ordered one (the index
-    table is cached on the device: no host copy per bucket)."""
-    return slots.view(len(order), -1).index_select(0, slot_of(order, slots.device)).reshape(-1)
+def _dequantize_in_input_order(q: QuantizedTensor, order: Optional[Sequence[int]],
+                               hadamard: bool, hadamard_block: int) -> torch.Tensor:
+    """``dequantize(q)`` put back from slot order into the input layout, without a slot-ordered
+    copy (what ``index_select`` of the slots made): each slot is
+    dequantized straight into its partition's place (one kernel call per slot; one in all for
+    ``order`` None, the identity). Bit-identical: dequantizing is per element (per Hadamard
+    block, and blocks never straddle a partition)."""
+    if order is None:
+        return dequantize(q, hadamard=hadamard, hadamard_block=hadamard_block)
+    rows = len(order)
+    out = torch.empty(q.numel, dtype=torch.float32, device=q.codes.device)
+    part = out.view(rows, -1)
+    code_bytes, groups = q.codes.numel() // rows, q.scales.numel() // rows
+    for slot, partition in enumerate(order):
+        piece = QuantizedTensor(q.codes[slot * code_bytes:(slot + 1) * code_bytes],
+                                q.scales[slot * groups:(slot + 1) * groups], q.bits,
+                                q.group_size, q.numel // rows)
+        dequantize(piece, hadamard=hadamard, hadamard_block=hadamard_block, out=part[partition])
+    return out
 
 
 class PendingCollective:
@@ -320,7 +342,8 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
                              async_op: bool = False, check_finite: bool = True,
                              nonfinite_flag: Optional[torch.Tensor] = None, pipeline: int = 1,
                              streams: Optional[CommStreams] = None,
-                             name: str = GRAD_COLLECTIVE) -> Optional[PendingCollective]:
+                             name: str = GRAD_COLLECTIVE,
+                             label: Optional[str] = None) -> Optional[PendingCollective]:
     """Quantized reduce-scatter: ``output`` (N/P elements) = sum over DP ranks of ``input``'s
     shard ``dp_rank`` — the layout of ``dist.reduce_scatter_tensor(output, input, dp_group)``.
 
@@ -350,6 +373,8 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
     it is what lets every rank raise :class:`NonFiniteError` together instead of deadlocking.
     ``nonfinite_flag`` replaces it with the deferred contract (module docstring): no check here,
     the flag records this rank's verdict for the caller's once-per-step agreement.
+    ``label`` (default ``name``) says which buffer this is in the error every rank sees when a
+    job of the call fails (:mod:`.failures`; the hop and pipeline chunk are added to it).
     """
     if not input.is_contiguous():
         raise ValueError("input must be a contiguous buffer (a flat gradient bucket)")
@@ -359,9 +384,9 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
     if output.numel() * p != n:
         raise ValueError(f"output has {output.numel()} elements; expected N/P = {n}/{p}")
     if hadamard:
-        for label, gs in (("group_size_intra", group_size_intra), ("group_size_inter", group_size_inter)):
+        for flag, gs in (("group_size_intra", group_size_intra), ("group_size_inter", group_size_inter)):
             if gs % hadamard_block:
-                raise ValueError(f"with Hadamard, {label} ({gs}) must be a multiple of the Hadamard "
+                raise ValueError(f"with Hadamard, {flag} ({gs}) must be a multiple of the Hadamard "
                                  f"block ({hadamard_block}) so blocks never straddle groups")
     mult = required_padding_multiple(p, d, group_size_intra, group_size_inter)
     if n % mult:
@@ -413,14 +438,23 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
     state: dict = {}
 
     def quantize_first() -> None:
-        """[E1] -> [Hadamard] -> quantize into destination-major slots (whole bucket)."""
+        """[E1] -> [Hadamard] -> quantize into destination-major slots (whole bucket).
+
+        With LoCo at most two bucket-sized fp32 buffers are alive at once: ``h`` and the
+        dequantized codes (in the input layout, written slot by slot: no permuted copy), which
+        become the residual ``h - sent`` in place; ``h`` is dropped before the stored error is
+        read back for the update."""
         h = x if ef is None else ef.compensate("e1", x, group_size=gs1)
         q1 = quantize_partitions(h, p, order, bits1, gs1, stochastic=stochastic, generator=gen,
                                  hadamard=hadamard, hadamard_block=hadamard_block,
                                  check_finite=False, nonfinite_counter=nonfinite_flag)
         if ef is not None:
-            sent = dequantize(q1, hadamard=hadamard, hadamard_block=hadamard_block)
-            ef.update("e1", h, _unswizzle(sent, order) if two_level else sent)
+            residual = _dequantize_in_input_order(q1, order if two_level else None, hadamard,
+                                                  hadamard_block)
+            residual = torch.sub(h, residual, out=residual)
+            del h
+            ef.update_residual("e1", residual)
+            del residual
         state["q1"] = q1
         if len(bounds) > 1:
             state["gen"] = gen.get_state()     # where every middle chunk starts drawing
@@ -462,10 +496,16 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
         quantize_first()
         recv1 = _exchange(state.pop("q1"), group1, rows=p, one_message=one_message1)
         s = dequantize_sum(recv1, d)  # transformed domain with Hadamard
+        del recv1
         h2 = ef.compensate("e2", s, group_size=group_size_inter)
+        del s
         q2 = quantize(h2, bits_inter, group_size_inter, stochastic=stochastic, generator=gen,
                       check_finite=False)
-        ef.update("e2", h2, dequantize(q2))
+        residual = dequantize(q2)
+        residual = torch.sub(h2, residual, out=residual)   # as in quantize_first
+        del h2
+        ef.update_residual("e2", residual)
+        del residual
         for y, (a, b) in enumerate(bounds):
             state["q2", y] = (q2, a, b)      # sliced by the inter stage's message copy
 
@@ -478,15 +518,26 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
 
     runner = _runner(async_op, streams, x.device)
     first_stage = "intra" if d > 1 else "inter"
+    first_link = "intra-node" if d > 1 else "inter-node"
+
+    what = label or name
+
+    def job_label(hop: str, y: int) -> str:   # what the error every rank sees names
+        return f"{what}, {hop}" + (f" (pipeline chunk {y + 1}/{len(bounds)})"
+                                   if len(bounds) > 1 else "")
     jobs: List[Job] = []
     if two_level and ef is not None:
-        middle = runner.submit("intra", first_hop_loco)
-        jobs = [runner.submit("inter", second_hop(y, a, b), after=[middle])
+        middle = runner.submit("intra", first_hop_loco,
+                               label=f"{what}, intra-node hop and LoCo requantization")
+        jobs = [runner.submit("inter", second_hop(y, a, b), after=[middle],
+                              label=job_label("inter-node hop", y))
                 for y, (a, b) in enumerate(bounds)]
     else:
         for y, (a, b) in enumerate(bounds):
-            hop = runner.submit(first_stage, first_hop(y, a, b))
-            jobs.append(runner.submit("inter", second_hop(y, a, b), after=[hop])
+            hop = runner.submit(first_stage, first_hop(y, a, b),
+                                label=job_label(f"{first_link} hop", y))
+            jobs.append(runner.submit("inter", second_hop(y, a, b), after=[hop],
+                                      label=job_label("inter-node hop", y))
                         if two_level else hop)
     handle = PendingCollective(jobs)
     if async_op:
@@ -519,7 +570,7 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
                          hop_links: Optional[Sequence[str]] = None,
                          check_finite: bool = True, nonfinite_flag: Optional[torch.Tensor] = None,
                          async_op: bool = False, streams: Optional[CommStreams] = None,
-                         name: str = WEIGHT_COLLECTIVE):
+                         name: str = WEIGHT_COLLECTIVE, label: Optional[str] = None):
     """Quantized all-gather of parameter shards into ``output`` (P * shard elements).
 
     Non-finite shards: ``check_finite`` / ``nonfinite_flag`` as in :func:`two_level_reduce_scatter`.
@@ -544,7 +595,7 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
     Returns ``output``; with ``async_op`` a :class:`PendingCollective` instead: quantize,
     all-gather and dequantize[-add] run on the ``weights`` stage of ``streams`` while the caller
     computes (``--overlap-param-gather``), and ``shard``, ``full_reference`` and ``output`` must
-    stay untouched until ``wait()``.
+    stay untouched until ``wait()``. ``label``: as in :func:`two_level_reduce_scatter`.
     """
     if mode not in ("diff", "direct"):
         raise ValueError(f"mode must be 'diff' or 'direct', got {mode!r}")
@@ -628,7 +679,7 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
                 c2 = torch.empty(codes.numel() * k, dtype=codes.dtype, device=codes.device)
                 s2 = torch.empty(scales.numel() * k, dtype=scales.dtype, device=scales.device)
                 all_gather_flat(c2, codes, g)
-                all_gather_flat(s2, scales, g)
+                all_gather_flat(_as_bytes(s2), _as_bytes(scales), g)
                 codes, scales = c2, s2
             full = QuantizedTensor(codes, scales, bits, group_size, s * world)
         if mode == "diff":
@@ -641,7 +692,8 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
         else:
             output.copy_(dequantize(full, out_dtype=output.dtype).view(output.shape))
 
-    handle = PendingCollective([_runner(async_op, streams, shard.device).submit("weights", run)])
+    handle = PendingCollective([_runner(async_op, streams, shard.device).submit(
+        "weights", run, label=label or name)])
     if async_op:
         return handle
     handle.wait()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
 from typing import Any, List, Mapping, Optional, Tuple
 
 from .kernels.reference import SUPPORTED_BITS  # the one definition (the kernels' numerics)
@@ -129,6 +130,10 @@ class QuantizationConfig:
     inter-node hop of chunk y. Numerics do not depend on it (collectives.pipeline_bounds)."""
     data_parallel_intra_node_size: Optional[int] = None
     """Data-parallel ranks per node for two-level grouping; None = LOCAL_WORLD_SIZE // TP."""
+    distributed_timeout_minutes: Optional[int] = None
+    """The run's ``--distributed-timeout-minutes``: how long a collective of every communicator
+    this layer creates may wait (torch gives a new group its backend's default, 10 or 30
+    minutes, not the default group's); None: that default."""
 
     # --- stochastic rounding ---------------------------------------------------------------------
     stochastic_rounding: bool = True
@@ -268,6 +273,13 @@ class QuantizationConfig:
         if data_parallel_size % d:
             raise ValueError(f"{source} does not divide the data-parallel size {data_parallel_size}")
         return d
+
+    @property
+    def communicator_timeout(self) -> Optional[timedelta]:
+        """:attr:`distributed_timeout_minutes` as the ``timeout`` of a new process group."""
+        if self.distributed_timeout_minutes is None:
+            return None
+        return timedelta(minutes=self.distributed_timeout_minutes)
 
     @classmethod
     def from_args(cls, args: Any) -> "QuantizationConfig":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import weakref
 from typing import TYPE_CHECKING, AbstractSet, Any, Dict, Iterator, List, Optional
 
@@ -367,6 +368,25 @@ def reset_quantization_state(model_chunks: List[torch.nn.Module], iteration: int
 
 
 # ----------------------------------------------------------------------------- reports
+def startup_warnings(args: argparse.Namespace, model_chunks: List[torch.nn.Module],
+                     environ: Optional[Dict[str, str]] = None) -> List[str]:
+    """What the trainer warns about at startup: a rank placement that splits a node's ranks over
+    several hosts (:mod:`.placement`), and ``CUDA_DEVICE_MAX_CONNECTIONS=1`` where it removes
+    the overlap of the quantized collectives (:func:`.streams.single_hardware_queue_warning`)."""
+    from .streams import single_hardware_queue_warning
+
+    notes = [note for rt in _runtimes(model_chunks) for note in rt.startup_notes]
+    if args.quant_config.enabled and not nobody_to_talk_to():
+        queue = single_hardware_queue_warning(
+            dict(os.environ if environ is None else environ), device=args.device,
+            overlap=bool(args.overlap_grad_reduce or args.overlap_param_gather),
+            tensor_parallel=args.tensor_model_parallel_size,
+            sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
+        if queue is not None:
+            notes.append(queue)
+    return notes
+
+
 def strategy_report(args: argparse.Namespace, model_chunks: List[torch.nn.Module],
                     optimizer: Any) -> Optional[str]:
     """The startup report of ``--paro-strategy`` (model-state memory and bytes per link of one

@@ -111,14 +111,22 @@ class LoCoBucketErrors:
         sent = sent.reshape(-1)
         if h.numel() != sent.numel():
             raise ValueError(f"LoCo {which}: h has {h.numel()} elements but sent has {sent.numel()}")
+        self.update_residual(which, h.to(torch.float32) - sent.to(torch.float32))
+
+    def update_residual(self, which: str, residual: torch.Tensor) -> None:
+        """:meth:`update` from the residual ``h - sent`` (fp32, flat), which this call may scale
+        in place. Why: the collective computes the residual into the buffer of the dequantized
+        codes and drops ``h`` first, so no more than two bucket-sized fp32 buffers are alive at
+        once (the residual and the previous error), not four."""
+        self._check_which(which)
         beta = self._owner.beta
-        residual = h.to(torch.float32) - sent.to(torch.float32)
-        st = self._get(which, h.numel())
+        st = self._get(which, residual.numel())
         if st is None:
             e = residual.mul_(1.0 - beta)
             group_size = self._group_size.get(which)
         else:
-            e = self.error(which, h.numel(), h.device).mul_(beta).add_(residual, alpha=1.0 - beta)
+            e = self.error(which, residual.numel(), residual.device).mul_(beta).add_(
+                residual, alpha=1.0 - beta)
             group_size = st.group_size
         if group_size is None:
             raise ValueError(f"LoCo {which}: update() before compensate()")

@@ -10,6 +10,7 @@ measured step equals :func:`.paro_cost.communication_volume` exactly.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -47,18 +48,19 @@ class CommCounter:
 
 
 def build_paro_groups(group_size: int, dp_ranks: Optional[Sequence[int]] = None,
-                      backend: Optional[str] = None) -> Any:
+                      backend: Optional[str] = None, timeout: Optional[timedelta] = None) -> Any:
     """Intra (one per group of m consecutive DP ranks) and inter (same local index) groups.
 
     Delegates to :func:`megatron.distributed.quant.topology.build_two_level_groups`, whose layout
     (DP rank r = group * m + local) is the one PaRO assumes. Collective over the whole world;
     returns a ``TwoLevelGroups`` (``intra_group`` / ``inter_group`` are None for a size-1 side).
+    ``timeout``: the run's (every communicator created here takes it).
     """
     from .topology import build_two_level_groups
 
     ranks = list(range(dist.get_world_size())) if dp_ranks is None else list(dp_ranks)
     resolve_group_size(len(ranks), group_size)
-    return build_two_level_groups(ranks, group_size, backend=backend)
+    return build_two_level_groups(ranks, group_size, backend=backend, timeout=timeout)
 
 
 def _size(group: Any) -> int:

@@ -53,13 +53,14 @@ def wrap_with_engine(config: Any, ddp_config: Any, model_chunks: List[torch.nn.M
     params_dtype = getattr(config, "params_dtype", None) or torch.float32
     grad_dtype = apply_grad_accum_dtype(ddp_config, quant_config, params_dtype)
     dp_ranks = torch.distributed.get_process_group_ranks(ps.get_data_parallel_group())
-    groups = build_paro_groups(group_size, dp_ranks=dp_ranks)
+    timeout = quant_config.communicator_timeout
+    groups = build_paro_groups(group_size, dp_ranks=dp_ranks, timeout=timeout)
     parsed = PaRoStrategy.from_string(strategy)
     # --overlap-grad-reduce / --overlap-param-gather (p = I / G): the stages' own communicators
     # (one communicator per stream)
-    grad_groups = (build_paro_groups(group_size, dp_ranks=dp_ranks)
+    grad_groups = (build_paro_groups(group_size, dp_ranks=dp_ranks, timeout=timeout)
                    if ddp_config.overlap_grad_reduce else None)
-    param_groups = (build_paro_groups(group_size, dp_ranks=dp_ranks)
+    param_groups = (build_paro_groups(group_size, dp_ranks=dp_ranks, timeout=timeout)
                     if ddp_config.overlap_param_gather and parsed.params != Level.N else None)
     return [ParoDataParallel(config, model_chunks[0], parsed, groups,
                              grad_dtype=grad_dtype, quant_config=quant_config,

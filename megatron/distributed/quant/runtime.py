@@ -16,7 +16,7 @@ themselves (no state) are :mod:`.collectives`; where they run is :mod:`.streams`
 from __future__ import annotations
 
 import logging
-import socket
+from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -26,8 +26,9 @@ from megatron.core import parallel_state
 from .accounting import CommAccounting
 from .collectives import (PendingCollective, gather_layout, quantized_all_gather,
                           reduce_scatter_flat, two_level_reduce_scatter)
-from .config import QuantizationConfig, TopologyUnknownError, ranks_per_node_from_hosts
+from .config import QuantizationConfig
 from .loco import LoCoErrorFeedback
+from .placement import agree_intra_node_size, placement_warning
 from .streams import CommStreams, CommTiming
 from .topology import TwoLevelGroups, build_two_level_groups_for_all
 
@@ -111,6 +112,8 @@ class QuantizationRuntime:
         self.nonfinite_events_interval = 0
         self.timing = CommTiming(CommStreams("inline"))
         """Total vs exposed communication time per iteration (the log line's ``comm_*_ms``)."""
+        self.startup_notes: List[str] = []
+        """Warnings about how this run's ranks are placed (the trainer prints them at startup)."""
         self.errors = QuantizationErrorMonitor()
         """``--quantization-error-interval``: quantized vs exact, per interval (the log line's
         ``quant_error_*``)."""
@@ -214,7 +217,9 @@ class QuantizationRuntime:
             generator=self.grad_generator(key, index), stochastic=cfg.stochastic_rounding,
             accounting=self.accounting, error_feedback=ef, async_op=streams is not None,
             nonfinite_flag=self.nonfinite_flag(input.device),
-            pipeline=cfg.gradient_alltoall_pipeline, streams=streams)
+            pipeline=cfg.gradient_alltoall_pipeline, streams=streams,
+            label=f"gradient reduce-scatter of {key}" + ("" if scope == "global" else
+                                                         f" ({scope} scope)"))
         if exact is not None:
             self.errors.add("grad", output, exact)
         return handle
@@ -265,7 +270,8 @@ class QuantizationRuntime:
             group_size=cfg.wq_group_size, generator=self.weight_generator(key, index),
             stochastic=cfg.stochastic_rounding, accounting=self.accounting,
             nonfinite_flag=self.nonfinite_flag(shard.device),
-            async_op=streams is not None, streams=streams, **kwargs)
+            async_op=streams is not None, streams=streams,
+            label=f"weight all-gather of {key}", **kwargs)
         if monitor:  # this rank's shard of the reconstruction, where the gather put it
             n = exact.numel()
             _, position = gather_layout(group if isinstance(group, list) else [group])
@@ -429,7 +435,8 @@ class QuantizationRuntime:
 _GROUPS_CACHE: Dict[Tuple[Any, ...], TwoLevelGroups] = {}
 
 
-def _two_level_groups_for(dp_group: Any, intra_size: int) -> TwoLevelGroups:
+def _two_level_groups_for(dp_group: Any, intra_size: int,
+                          timeout: Optional[timedelta]) -> TwoLevelGroups:
     """Two-level groups of ``dp_group`` (cached; creating them is world-collective).
 
     Every rank learns every DP group's members (one all_gather_object over WORLD) so that all
@@ -439,13 +446,13 @@ def _two_level_groups_for(dp_group: Any, intra_size: int) -> TwoLevelGroups:
     everyone: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, my_ranks)
     all_lists = sorted({tuple(r) for r in everyone})
-    key = (tuple(all_lists), intra_size, my_ranks)
+    key = (tuple(all_lists), intra_size, my_ranks, timeout)
     cached = _GROUPS_CACHE.get(key)
     if cached is not None:
         return cached
     dp_groups = [dp_group if tuple(r) == my_ranks else None for r in all_lists]
     groups = build_two_level_groups_for_all([list(r) for r in all_lists], intra_size,
-                                            dp_groups=dp_groups)
+                                            dp_groups=dp_groups, timeout=timeout)
     _GROUPS_CACHE[key] = groups
     return groups
 
@@ -454,16 +461,17 @@ def build_runtime(config: QuantizationConfig,
                   dp_group: Optional[Any] = None) -> QuantizationRuntime:
     """Runtime for one model: two-level groups from megatron-core's DP(+CP) group, intra size
     from :meth:`QuantizationConfig.intra_node_size` (so ``--data-parallel-intra-node-size 2``
-    makes 4 CPU ranks behave like 2 nodes x 2)."""
+    makes 4 CPU ranks behave like 2 nodes x 2), agreed by every rank
+    (:func:`.placement.agree_intra_node_size`); the communicators take the run's
+    ``--distributed-timeout-minutes``. A placement that splits a node's ranks over several hosts
+    is noted in ``runtime.startup_notes``."""
     if dp_group is None:
         dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    dp_size = dist.get_world_size(dp_group)
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    try:
-        intra = config.intra_node_size(dp_size, tp_size)
-    except TopologyUnknownError:  # neither the flag nor a launcher says it: count hostnames
-        hostnames: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(hostnames, socket.gethostname())
-        per_host = ranks_per_node_from_hosts(hostnames, dist.get_process_group_ranks(dp_group))
-        intra = config.intra_node_size(dp_size, tp_size, dp_ranks_per_host=per_host)
-    return QuantizationRuntime(config, _two_level_groups_for(dp_group, intra))
+    intra, hostnames = agree_intra_node_size(config, dp_group, tp_size)
+    runtime = QuantizationRuntime(config, _two_level_groups_for(dp_group, intra,
+                                                                config.communicator_timeout))
+    note = placement_warning(hostnames, runtime.groups.dp_ranks, intra)
+    if note is not None:
+        runtime.startup_notes.append(note)
+    return runtime

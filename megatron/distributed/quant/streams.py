@@ -49,6 +49,8 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
+from . import failures
+
 __all__ = ["Job", "CommStreams", "CommTiming", "INLINE", "STAGES", "used_on_this_stage",
            "single_hardware_queue_warning"]
 
@@ -123,8 +125,10 @@ class Job:
         return self._error
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        """Block until the job finished (``timeout`` seconds at most: then ``TimeoutError``)."""
-        if not self._done.wait(timeout):
+        """Block until the job finished (``timeout`` seconds at most: then ``TimeoutError``), or
+        until another rank's failure was posted (:mod:`.failures`: then ``CommunicationFailure``,
+        since this job may wait for that rank forever)."""
+        if not failures.wait_until(self._done, timeout):
             raise TimeoutError(f"communication job not done after {timeout} s")
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
@@ -141,7 +145,8 @@ class _Stage:
     by issue order, so one that ran after a rank-local failure (an out-of-memory in one bucket's
     quantize) would exchange bucket b+1's codes with the peers' bucket b: wrong data when the
     sizes match, a hang otherwise. The error reaches the caller at its next wait; nothing
-    recovers from it (the run stops)."""
+    recovers from it (the run stops). The first failure is posted to every rank with the job's
+    ``label`` (:mod:`.failures`; the error then raised names the rank, the bucket and the hop)."""
 
     stops_at_first_error = True
 
@@ -150,10 +155,11 @@ class _Stage:
         self.busy_s = 0.0
         self.failed: Optional[BaseException] = None
 
-    def submit(self, fn: Callable[[], None], after: Sequence[Job]) -> Job:
+    def submit(self, fn: Callable[[], None], after: Sequence[Job], label: str = "") -> Job:
         raise NotImplementedError
 
-    def _run(self, fn: Callable[[], None], after: Sequence[Job], job: Job) -> None:
+    def _run(self, fn: Callable[[], None], after: Sequence[Job], job: Job,
+             label: str = "") -> None:
         if self.failed is not None and self.stops_at_first_error:
             job._finish(self.failed)
             return
@@ -164,6 +170,7 @@ class _Stage:
             t0 = time.perf_counter()   # waiting for another stage is not this stage's time
             fn()
         except BaseException as e:  # noqa: BLE001 -- delivered to the waiter
+            e = failures.report(label or f"a job of the {self.name} communication stage", e)
             if self.stops_at_first_error:
                 self.failed = e
             job._finish(e)
@@ -179,9 +186,9 @@ class _Stage:
 class _InlineStage(_Stage):
     stops_at_first_error = False   # each job runs in its caller, who gets its error at once
 
-    def submit(self, fn: Callable[[], None], after: Sequence[Job] = ()) -> Job:
+    def submit(self, fn: Callable[[], None], after: Sequence[Job] = (), label: str = "") -> Job:
         job = Job()
-        self._run(fn, after, job)
+        self._run(fn, after, job, label)
         return job
 
 
@@ -196,12 +203,12 @@ class _ThreadStage(_Stage):
 
     def _loop(self) -> None:
         while True:
-            fn, after, job = self._queue.get()
-            self._run(fn, after, job)
+            fn, after, job, label = self._queue.get()
+            self._run(fn, after, job, label)
 
-    def submit(self, fn: Callable[[], None], after: Sequence[Job] = ()) -> Job:
+    def submit(self, fn: Callable[[], None], after: Sequence[Job] = (), label: str = "") -> Job:
         job = Job()
-        self._queue.put((fn, tuple(after), job))
+        self._queue.put((fn, tuple(after), job, label))
         return job
 
 
@@ -238,7 +245,7 @@ class _CudaStage(_Stage):
     def busy_s(self, value: float) -> None:
         self._device_s = value
 
-    def submit(self, fn: Callable[[], None], after: Sequence[Job] = ()) -> Job:
+    def submit(self, fn: Callable[[], None], after: Sequence[Job] = (), label: str = "") -> Job:
         job = Job()
         failed = self.failed or next((dep.error for dep in after if dep.error is not None), None)
         if failed is not None:
@@ -258,7 +265,7 @@ class _CudaStage(_Stage):
             start.record(self.stream)
             _RUNNING.cuda_stage = self
             try:
-                self._run(fn, (), job)
+                self._run(fn, (), job, label)
             finally:
                 _RUNNING.cuda_stage = None
             job.event = torch.cuda.Event(enable_timing=True)
@@ -299,9 +306,11 @@ class CommStreams:
                 self._stages[name] = st
             return st
 
-    def submit(self, stage: str, fn: Callable[[], None], after: Sequence[Job] = ()) -> Job:
-        """Run ``fn`` on ``stage`` after the jobs ``after`` finished."""
-        return self.stage(stage).submit(fn, after)
+    def submit(self, stage: str, fn: Callable[[], None], after: Sequence[Job] = (),
+               label: str = "") -> Job:
+        """Run ``fn`` on ``stage`` after the jobs ``after`` finished. ``label`` says what the
+        job is (the bucket and the hop) in the error every rank sees if it fails."""
+        return self.stage(stage).submit(fn, after, label)
 
     def busy_seconds(self) -> Dict[str, float]:
         """Wall time each stage has spent in jobs so far (monotonic; diff it per interval)."""

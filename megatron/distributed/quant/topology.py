@@ -18,6 +18,7 @@ NCCL each kind of sub-group (intra, inter, weights) is one ``split_group`` of th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, List, Optional, Sequence
 
 import torch.distributed as dist
@@ -126,10 +127,13 @@ def _validate(dp_ranks: Sequence[int], intra_size: int) -> List[int]:
     return ranks
 
 
-def _new_group(ranks: List[int], backend: Optional[str]) -> Any:
-    if backend is None:
-        return dist.new_group(ranks=ranks)
-    return dist.new_group(ranks=ranks, backend=backend)
+def _new_group(ranks: List[int], backend: Optional[str], timeout: Optional[timedelta]) -> Any:
+    """``dist.new_group`` with the run's timeout: torch gives a new group its backend's default
+    (10 minutes for NCCL, 30 for gloo), not the default group's ``--distributed-timeout-minutes``."""
+    kwargs: dict = {} if timeout is None else {"timeout": timeout}
+    if backend is not None:
+        kwargs["backend"] = backend
+    return dist.new_group(ranks=ranks, **kwargs)
 
 
 def _splits_communicators(backend: Optional[str]) -> bool:
@@ -145,7 +149,8 @@ def _splits_communicators(backend: Optional[str]) -> bool:
     return str(dist.get_backend()) == "nccl" and backend in (None, "nccl")
 
 
-def _partition_groups(partition: List[List[int]], backend: Optional[str]) -> Optional[Any]:
+def _partition_groups(partition: List[List[int]], backend: Optional[str],
+                      timeout: Optional[timedelta]) -> Optional[Any]:
     """Create the communicators of ``partition`` (disjoint lists of global ranks; every rank of
     the world calls this with the same lists) and return the caller's, or None.
 
@@ -155,18 +160,19 @@ def _partition_groups(partition: List[List[int]], backend: Optional[str]) -> Opt
     if not partition:
         return None
     if _splits_communicators(backend):
-        return dist.split_group(split_ranks=partition)
+        return dist.split_group(split_ranks=partition, timeout=timeout)
     me = dist.get_rank()
     mine = None
     for ranks in partition:
-        group = _new_group(ranks, backend)
+        group = _new_group(ranks, backend, timeout)
         if me in ranks:
             mine = group
     return mine
 
 
 def _build(all_dp_ranks: Sequence[Sequence[int]], intra_size: int,
-           dp_groups: Sequence[Optional[Any]], backend: Optional[str]) -> Optional[TwoLevelGroups]:
+           dp_groups: Sequence[Optional[Any]], backend: Optional[str],
+           timeout: Optional[timedelta]) -> Optional[TwoLevelGroups]:
     """Create (collectively, on every rank) the sub-groups of every DP group; return mine or None.
 
     A ``dp_groups`` entry None means "create it" (every rank then calls new_group for it; WORLD is
@@ -183,16 +189,17 @@ def _build(all_dp_ranks: Sequence[Sequence[int]], intra_size: int,
             if ranks == list(range(dist.get_world_size())):
                 given = dist.group.WORLD
             else:
-                given = _new_group(ranks, backend)
+                given = _new_group(ranks, backend, timeout)
         if me in ranks:
             dp_group, mine = given, ranks
     # Each is its own communicator, also where its ranks are the DP group's (M = 1 or D = 1):
     # one communicator per stream (see TwoLevelGroups).
     intra_group = _partition_groups(
-        [r[n * d:(n + 1) * d] for r in all_ranks if d > 1 for n in range(len(r) // d)], backend)
+        [r[n * d:(n + 1) * d] for r in all_ranks if d > 1 for n in range(len(r) // d)], backend,
+        timeout)
     inter_group = _partition_groups(
-        [r[local::d] for r in all_ranks if len(r) > d for local in range(d)], backend)
-    weights_group = _partition_groups([r for r in all_ranks if len(r) > 1], backend)
+        [r[local::d] for r in all_ranks if len(r) > d for local in range(d)], backend, timeout)
+    weights_group = _partition_groups([r for r in all_ranks if len(r) > 1], backend, timeout)
     if mine is None:
         return None
     p = len(mine)
@@ -210,25 +217,30 @@ _NOT_A_MEMBER = object()
 
 
 def build_two_level_groups(dp_ranks: Sequence[int], intra_size: int, *, dp_group: Optional[Any] = None,
-                           backend: Optional[str] = None) -> Optional[TwoLevelGroups]:
+                           backend: Optional[str] = None,
+                           timeout: Optional[timedelta] = None) -> Optional[TwoLevelGroups]:
     """Build the intra/inter groups of ONE DP group.
 
     Must be called by every process of the world (``new_group`` is world-collective). Returns the
     groups if the caller belongs to ``dp_ranks``, else None. Pass ``dp_group`` to reuse an
     existing DP communicator (e.g. megatron-core's); otherwise one is created (or WORLD reused).
     Use :func:`build_two_level_groups_for_all` when the world holds several DP groups.
+    ``timeout``: every communicator created here waits that long in a collective (the run's
+    ``--distributed-timeout-minutes``; None: torch's default for the backend).
     """
-    return _build([dp_ranks], intra_size, [dp_group], backend)
+    return _build([dp_ranks], intra_size, [dp_group], backend, timeout)
 
 
 def build_two_level_groups_for_all(all_dp_ranks: Sequence[Sequence[int]], intra_size: int, *,
                                    dp_groups: Optional[Sequence[Any]] = None,
-                                   backend: Optional[str] = None) -> TwoLevelGroups:
+                                   backend: Optional[str] = None,
+                                   timeout: Optional[timedelta] = None) -> TwoLevelGroups:
     """Create the two-level groups of every DP group (same order on all ranks); return mine.
 
     ``all_dp_ranks`` lists every DP group's global ranks (each ascending; together a partition of
     the participating ranks). ``dp_groups`` optionally gives the existing communicator of each DP
     group (same order); entries for groups the caller is not in are ignored and may be None.
+    ``timeout`` as in :func:`build_two_level_groups`.
     """
     if dp_groups is not None and len(dp_groups) != len(all_dp_ranks):
         raise ValueError(f"dp_groups has {len(dp_groups)} entries but all_dp_ranks has {len(all_dp_ranks)}")
@@ -245,7 +257,7 @@ def build_two_level_groups_for_all(all_dp_ranks: Sequence[Sequence[int]], intra_
             if group is None and me in ranks:
                 raise ValueError(f"dp_groups[{i}] is None but rank {me} belongs to it")
             existing[i] = _NOT_A_MEMBER if group is None else group
-    mine = _build(all_dp_ranks, intra_size, existing, backend)
+    mine = _build(all_dp_ranks, intra_size, existing, backend, timeout)
     if mine is None:
         raise ValueError(f"rank {me} is in none of the DP groups {[list(r) for r in all_dp_ranks]}")
     return mine

@@ -1,0 +1,176 @@
+"""One rank's failure stops every rank, soon, with the one error that caused it.
+
+Why: collectives pair by issue order. When a job of one rank fails (an out-of-memory at the LoCo
+or Hadamard peak of one bucket's intra-node job), that rank's later collectives never run
+(streams.py stops the stage), and its peers wait inside theirs: on NCCL until the watchdog's
+timeout (``--distributed-timeout-minutes``, 10 minutes by default), and the cause is in one rank's
+log among hundreds. Here the failing rank posts one line -- its rank, where (the bucket and the
+hop) and the exception -- to the job's rendezvous store (the first post wins, so a peer's
+follow-up error, a gloo "connection closed" once the failing rank exits, never hides the root
+cause), and every rank watches for it:
+
+* a wait of this layer (:meth:`Job.wait <.streams.Job.wait>` on the CPU stages) raises
+  :class:`CommunicationFailure` with that line as soon as it is posted, so the trainer stops
+  through its normal error path;
+* a rank stuck where Python cannot interrupt it (inside a gloo collective, or at a CUDA
+  synchronisation behind an NCCL kernel that never completes) prints the line and leaves with
+  exit status 1 after :data:`GRACE_S` seconds; torchrun then stops the rest of the node.
+
+Nothing here runs until :func:`install` (the trainer, after ``init_process_group``): the
+collectives used standalone or by tests keep their plain exceptions.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Optional
+
+__all__ = ["CommunicationFailure", "default_store", "install", "uninstall", "report", "posted",
+           "raise_if_posted", "watch", "wait_until", "POLL_S", "GRACE_S"]
+
+KEY = "megatron_quant/failure"
+POLL_S = float(os.environ.get("QUANT_FAILURE_POLL_S", "2"))
+"""Seconds between two looks at the store (one small request per rank)."""
+GRACE_S = float(os.environ.get("QUANT_FAILURE_GRACE_S", "20"))
+"""Seconds a rank that saw a posted failure has to stop through its normal error path before it
+exits with status 1 (a rank blocked inside a collective never gets there)."""
+
+
+class CommunicationFailure(RuntimeError):
+    """A rank of the job failed; the message is that rank's posted line (``rank R: where:
+    ExceptionType: message``), the same on every rank."""
+
+
+class _Beacon:
+    def __init__(self, store: Any, rank: int) -> None:
+        self.store = store
+        self.rank = rank
+        self.seen: Optional[str] = None
+        """The posted line once this rank has seen it (posted here, or read by the watcher)."""
+        self.stop = threading.Event()
+
+
+_BEACON: Optional[_Beacon] = None
+
+
+def default_store() -> Any:
+    """The store of the default process group (the launcher's rendezvous store; under torchrun
+    prefixed per restart attempt, so a restarted job never sees the last attempt's failure).
+    torch has no public accessor for it."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def install(store: Any, rank: int) -> None:
+    """Report failures of this process (rank ``rank``) to ``store``, the job's shared store
+    (a previous installation's watcher stops)."""
+    global _BEACON
+    uninstall()
+    _BEACON = _Beacon(store, rank)
+
+
+def uninstall() -> None:
+    """Stop reporting and watching (the end of a run, or a test)."""
+    global _BEACON
+    if _BEACON is not None:
+        _BEACON.stop.set()
+    _BEACON = None
+
+
+def _line(rank: int, where: str, exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"rank {rank}: {where}: {type(exc).__name__}: {text[0] if text else ''}"
+
+
+def report(where: str, exc: BaseException) -> BaseException:
+    """Post this rank's failure ``exc`` at ``where`` (unless a failure was posted already) and
+    return the exception to raise: a :class:`CommunicationFailure` with the job's first posted
+    line, caused by ``exc``; ``exc`` itself when nothing is installed or it already is one. The
+    rank whose post is the first prints ``exc``'s traceback (the others' errors follow from it)."""
+    beacon = _BEACON
+    if beacon is None or isinstance(exc, CommunicationFailure):
+        return exc
+    mine = _line(beacon.rank, where, exc)
+    try:
+        first = beacon.store.compare_set(KEY, "", mine)
+        beacon.seen = first.decode() if isinstance(first, bytes) else str(first)
+    except Exception:  # noqa: BLE001 -- the store is gone (the job is ending): keep the cause
+        beacon.seen = beacon.seen or mine
+    if beacon.seen == mine:   # the root cause: its traceback once, on the rank where it happened
+        print(f"[rank {beacon.rank}] {where} failed; every rank stops:", file=sys.stderr)
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        sys.stderr.flush()
+    failure = CommunicationFailure(beacon.seen)
+    failure.__cause__ = exc
+    return failure
+
+
+def posted() -> Optional[str]:
+    """The job's posted failure line once this rank has seen it (no store access), else None."""
+    beacon = _BEACON
+    return None if beacon is None else beacon.seen
+
+
+def raise_if_posted() -> None:
+    """Raise :class:`CommunicationFailure` if a failure was posted (a waiter's check)."""
+    line = posted()
+    if line is not None:
+        raise CommunicationFailure(line)
+
+
+def watch(log: Any = None) -> Optional[threading.Thread]:
+    """Start the daemon thread that looks for a posted failure every :data:`POLL_S` seconds;
+    once there is one, it prints it (``log``: a callable taking the line, default stderr) and,
+    if the process is still alive :data:`GRACE_S` seconds later, exits with status 1."""
+    beacon = _BEACON
+    if beacon is None:
+        return None
+
+    def say(line: str) -> None:
+        if log is not None:
+            log(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def run() -> None:
+        while not beacon.stop.wait(POLL_S):
+            try:
+                found = beacon.store.check([KEY])
+                line = beacon.store.get(KEY).decode() if found else None
+            except Exception:  # noqa: BLE001 -- the store went away: the job is ending
+                return
+            if line is None:
+                continue
+            beacon.seen = line
+            say(f"[rank {beacon.rank}] stopping: {line}")
+            if beacon.stop.wait(GRACE_S):
+                return
+            say(f"[rank {beacon.rank}] still blocked {GRACE_S:.0f} s after the failure was "
+                "posted (inside a collective): exiting with status 1")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    thread = threading.Thread(target=run, name="quant-failure-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_until(done: Any, timeout: Optional[float]) -> bool:
+    """``done.wait(timeout)`` for a ``threading.Event`` that also returns (raising
+    :class:`CommunicationFailure`) once another rank's failure was posted."""
+    if _BEACON is None:
+        return done.wait(timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        step = POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - time.monotonic()))
+        if done.wait(step):
+            return True
+        raise_if_posted()
+        if deadline is not None and time.monotonic() >= deadline:
+            return False

@@ -571,6 +571,9 @@ def _pretrain(args: argparse.Namespace, forward_step_func, cleanup: Any) -> Dict
                      "(megatron-core's exact path, bit-identical to the baseline)")
     for warning in integration.startup_warnings(args, model):
         print_rank_0(f"WARNING: {warning}")
+    layer_memory = integration.memory_report(args, model)
+    if layer_memory:
+        print_rank_0(f" > {layer_memory}")
     report = integration.strategy_report(args, model, optimizer)
     if report:
         print_rank_0(report)

@@ -75,9 +75,11 @@ def install(store: Any, rank: int) -> None:
 
 
 def uninstall() -> None:
-    """Stop reporting and watching (the end of a run, or a test)."""
+    """Stop reporting, and watching unless a failure was seen: then the watcher keeps its grace
+    period, so a process whose exit blocks (an NCCL communicator waiting for a peer that never
+    comes) still leaves with status 1."""
     global _BEACON
-    if _BEACON is not None:
+    if _BEACON is not None and _BEACON.seen is None:
         _BEACON.stop.set()
     _BEACON = None
 
@@ -148,8 +150,7 @@ def watch(log: Any = None) -> Optional[threading.Thread]:
                 continue
             beacon.seen = line
             say(f"[rank {beacon.rank}] stopping: {line}")
-            if beacon.stop.wait(GRACE_S):
-                return
+            time.sleep(GRACE_S)
             say(f"[rank {beacon.rank}] still blocked {GRACE_S:.0f} s after the failure was "
                 "posted (inside a collective): exiting with status 1")
             sys.stdout.flush()

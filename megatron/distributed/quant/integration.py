@@ -387,6 +387,21 @@ def startup_warnings(args: argparse.Namespace, model_chunks: List[torch.nn.Modul
     return notes
 
 
+def memory_report(args: argparse.Namespace, model_chunks: List[torch.nn.Module]) -> Optional[str]:
+    """The startup line of what the quantized layer adds to each GPU's memory for this run's
+    buckets (:func:`.memory.layer_memory`), or None when no bucket is quantized."""
+    from .memory import layer_memory
+
+    rts = _runtimes(model_chunks)
+    numels = [n for rt in rts for n in rt.buffer_numel.values() if n]
+    if not numels:
+        return None
+    groups = rts[0].groups
+    param_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
+    return layer_memory(rts[0].config, numels, groups.dp_size, groups.intra_size,
+                        param_bytes).describe()
+
+
 def strategy_report(args: argparse.Namespace, model_chunks: List[torch.nn.Module],
                     optimizer: Any) -> Optional[str]:
     """The startup report of ``--paro-strategy`` (model-state memory and bytes per link of one

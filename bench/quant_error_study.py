@@ -172,6 +172,7 @@ class VirtualCluster:
             for r, rt in enumerate(self.runtimes):
                 (_, codes), (_, scales) = [e for e in self.vdist.received[r]
                                            if e[0] is rt.groups.intra_group][:2]
+                scales = scales.view(torch.float32)   # they travel as bytes (collectives)
                 q = QuantizedTensor(codes, scales, c.gradient_quantization_bits_intra,
                                     c.gq_group_size_intra, n)
                 hop1.append(dequantize_sum(q, self.d, hadamard=c.hadamard_transform,

@@ -126,8 +126,8 @@ def _entry(rank: int, world: int, port: int, job: bytes, out_dir: str, environ: 
     trace = CollectiveTrace()
     try:
         try:
-            fn, args = pickle.loads(job)
-            with trace:
+            fn, args, traced = pickle.loads(job)
+            with trace if traced else contextlib.nullcontext():
                 res = fn(rank, world, *args)
             healthy = True
         except Exception:  # report instead of hanging the peers' assertions
@@ -138,11 +138,12 @@ def _entry(rank: int, world: int, port: int, job: bytes, out_dir: str, environ: 
         shutdown_process_group(healthy)
 
 
-def run_distributed(world: int, fn, out_dir, *args) -> list:
+def run_distributed(world: int, fn, out_dir, *args, trace: bool = True) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result dict.
 
     Every rank's collectives are traced (tests/collective_trace.py): ranks that issued different
-    collectives on a communicator fail the test, naming where.
+    collectives on a communicator fail the test, naming where. ``trace=False`` for a test that
+    replaces ``torch.distributed``'s functions itself and checks which one is installed.
 
     A rank that raises reports its traceback through its result file, so the test fails with the
     real error instead of the peers hanging in a collective; every rank's error is shown (a peer
@@ -151,7 +152,7 @@ def run_distributed(world: int, fn, out_dir, *args) -> list:
     """
     out_dir = str(out_dir)
     _rank_context()
-    job = pickle.dumps((fn, args))
+    job = pickle.dumps((fn, args, trace))
     ctx = mp.start_processes(_entry, args=(world, free_port(), job, out_dir, dict(os.environ)),
                              nprocs=world, join=False, start_method="forkserver")
     deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -172,7 +173,7 @@ def run_distributed(world: int, fn, out_dir, *args) -> list:
     missing = [r for r, res in enumerate(results) if res is None]
     if errors or missing:
         raise AssertionError("\n".join(errors) or f"ranks {missing} wrote no result")
-    diverged = divergences(_load(out_dir, world, ".trace.pt"))
+    diverged = divergences(_load(out_dir, world, ".trace.pt")) if trace else []
     if diverged:   # collectives pair by issue order: a divergence hangs or mixes data
         raise AssertionError("the ranks issued different collectives on a communicator:\n"
                              + "\n".join(diverged))

@@ -172,3 +172,24 @@ def test_local_ranks_beyond_the_gpus_share_them_only_where_nccl_allows() -> None
         assert "NCCL_MULTI_RANK_GPU_ENABLE=1" in str(info.value)
     with pytest.raises(StartupError, match="sees no CUDA device"):
         place(0, 0, (2, 31, 0), share)
+
+
+def _paro_size_worker(rank: int, world: int) -> Dict[str, Any]:
+    import torch.distributed as dist
+
+    from megatron.distributed.quant.placement import agree_across_ranks
+
+    agree_across_ranks(2, "the PaRO group size", "--paro-group-size")   # the same: passes
+    try:
+        agree_across_ranks(4 if rank < 2 else 2, "the PaRO group size", "--paro-group-size")
+    except ValueError as exc:
+        dist.barrier()
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def test_a_per_rank_setting_that_differs_stops_every_rank(tmp_path: Path) -> None:
+    results = run_distributed(4, _paro_size_worker, tmp_path)
+    assert len({r["error"] for r in results}) == 1, results
+    assert "ranks 0-1: 4; ranks 2-3: 2" in results[0]["error"]
+    assert "--paro-group-size" in results[0]["error"]

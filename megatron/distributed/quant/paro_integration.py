@@ -46,6 +46,7 @@ def wrap_with_engine(config: Any, ddp_config: Any, model_chunks: List[torch.nn.M
     from .paro_comm import build_paro_groups
     from .paro_engine import ParoDataParallel
     from .paro_strategy import Level, PaRoStrategy
+    from .placement import agree_across_ranks
 
     if len(model_chunks) != 1:
         raise ValueError(f"the PaRO engine wraps one model chunk, got {len(model_chunks)} "
@@ -53,6 +54,8 @@ def wrap_with_engine(config: Any, ddp_config: Any, model_chunks: List[torch.nn.M
     params_dtype = getattr(config, "params_dtype", None) or torch.float32
     grad_dtype = apply_grad_accum_dtype(ddp_config, quant_config, params_dtype)
     dp_ranks = torch.distributed.get_process_group_ranks(ps.get_data_parallel_group())
+    # the group size follows each rank's LOCAL_WORLD_SIZE by default: agreed before the groups
+    agree_across_ranks(group_size, "the PaRO group size", "--paro-group-size")
     timeout = quant_config.communicator_timeout
     groups = build_paro_groups(group_size, dp_ranks=dp_ranks, timeout=timeout)
     parsed = PaRoStrategy.from_string(strategy)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .config import QuantizationConfig, TopologyUnknownError, ranks_per_node_from_hosts
 
-__all__ = ["agree_intra_node_size", "placement_warning", "describe_ranks"]
+__all__ = ["agree_intra_node_size", "agree_across_ranks", "placement_warning", "describe_ranks"]
 
 
 def describe_ranks(ranks: Sequence[int]) -> str:
@@ -77,6 +77,23 @@ def agree_intra_node_size(config: QuantizationConfig, dp_group: object,
             "collectives need the same number on every node: launch the same number of ranks "
             "per node, or pass the same --data-parallel-intra-node-size to every rank")
     return next(iter(values)), hostnames  # type: ignore[return-value]
+
+
+def agree_across_ranks(value: object, what: str, flag: str) -> None:
+    """Raise ``ValueError`` on every rank unless every rank of the world passes the same
+    ``value`` (``what`` it is, ``flag`` the way to set it for all): one ``all_gather_object``,
+    so a per-rank setting that differs (from each node's launcher variables) is an error at
+    startup, not a hang in the world-collective group creation that follows."""
+    everyone: List[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    values: Dict[str, List[int]] = {}
+    for rank, v in enumerate(everyone):
+        values.setdefault(repr(v), []).append(rank)
+    if len(values) > 1:
+        said = "; ".join(f"ranks {describe_ranks(r)}: {v}"
+                         for v, r in sorted(values.items(), key=lambda kv: min(kv[1])))
+        raise ValueError(f"the ranks disagree on {what}: {said}; pass the same {flag} to every "
+                         "rank (or launch the same number of ranks per node)")
 
 
 def placement_warning(hostnames: Sequence[str], dp_ranks: Sequence[int],

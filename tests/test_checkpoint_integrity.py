@@ -50,7 +50,7 @@ def _iteration(root: Path, it: int, payload: Dict[str, Any]) -> Path:
 def test_digest_while_writing_equals_the_file_and_manifest_covers_every_file(tmp_path) -> None:
     d = _iteration(tmp_path, 4, {"w": torch.randn(600, 1000)})  # chunks above PARALLEL_MIN
     m = ci.read_manifest(str(d))
-    assert {f.name for f in m.files} == {"model.pt", "extra.bin"}
+    assert {f.name for f in m.files} == {"model.pt", "extra.bin", ci.WRITER_NOTE}
     for f in m.files:
         assert (f.size, f.digest) == ci.digest_file(str(d / f.name), m.algorithm)
     assert m.algorithm == "xxh3_128" and m.iteration == 4
@@ -111,6 +111,62 @@ def test_unreadable_manifest_is_itself_an_error(tmp_path) -> None:
     (d / ci.MANIFEST).write_text("{not json")
     with pytest.raises(ci.CheckpointIntegrityError, match=f"{d / ci.MANIFEST} cannot be read"):
         ci.read_manifest(str(d))
+
+
+def test_a_changed_manifest_blames_itself_not_an_intact_file(tmp_path) -> None:
+    """Issue 32, item 3: one changed byte in manifest.json blamed an intact data file ("does
+    not match its digest", "is truncated") and sent the user to an older checkpoint; an altered
+    algorithm name named neither the manifest nor the checkpoint. The manifest now carries its
+    own digest."""
+    import json
+
+    _iteration(tmp_path, 2, {"w": torch.zeros(3)})
+    d = _iteration(tmp_path, 4, {"w": torch.randn(50, 50)})
+    path = d / ci.MANIFEST
+    original = path.read_text()
+    raw = json.loads(original)
+    entry = raw["files"]["model.pt"]
+    for changed in (original.replace(entry["digest"], "0" + entry["digest"][1:]),
+                    original.replace(f'"size": {entry["size"]}', f'"size": {entry["size"] + 1}'),
+                    original.replace('"xxh3_128"', '"xxh3_129"')):
+        assert changed != original
+        path.write_text(changed)
+        with pytest.raises(ci.CheckpointIntegrityError) as info:
+            ci.read_manifest(str(d))
+        msg = str(info.value)
+        assert f"is damaged: {path} does not match its own digest" in msg, msg
+        assert "model.pt" not in msg and "--no-verify-checkpoint" in msg
+        assert "previous complete checkpoint is iteration 2" in msg
+    # an unknown algorithm in a manifest that is otherwise consistent: named, with the manifest
+    body = {k: v for k, v in raw.items() if k != "self_sha256"}
+    body["algorithm"] = "xxh3_129"
+    path.write_text(json.dumps({**body, "self_sha256": ci._self_digest(body)}))
+    with pytest.raises(ci.CheckpointIntegrityError,
+                       match=f"{d} \\(iteration 4\\) is damaged: {path} names the digest "
+                             "algorithm 'xxh3_129'"):
+        ci.read_manifest(str(d))
+    # a manifest of version 1 (no digest of its own) still reads
+    old = {k: v for k, v in raw.items() if k != "self_sha256"}
+    old["version"] = 1
+    path.write_text(json.dumps(old))
+    assert ci.verify(str(d), ci.read_manifest(str(d))) is None
+
+
+def test_a_missing_manifest_is_refused_where_the_writer_wrote_one(tmp_path) -> None:
+    """Issue 32, item 2: deleting manifest.json turned verification off with a note that the
+    checkpoint predated manifests; a flipped byte then trained on. A checkpoint whose writer
+    wrote a manifest (checkpoint_writer.json) is refused without it, naming the way out."""
+    _iteration(tmp_path, 2, {"w": torch.zeros(3)})
+    d = _iteration(tmp_path, 4, {"w": torch.zeros(3)})
+    assert ci.WRITER_NOTE in {f.name for f in ci.read_manifest(str(d)).files}
+    (d / ci.MANIFEST).unlink()
+    with pytest.raises(ci.CheckpointIntegrityError) as info:
+        ci.require_manifest(str(d))
+    msg = str(info.value)
+    assert f"{d / ci.MANIFEST} is missing, but the checkpoint was written with one" in msg
+    assert "--ckpt-step 2" in msg and "--no-verify-checkpoint" in msg
+    (d / ci.WRITER_NOTE).unlink()          # written before manifests: loads, unverified
+    assert ci.require_manifest(str(d)) is None
 
 
 # ----------------------------------------------------------------------------- training job
@@ -214,6 +270,13 @@ def _job(rank: int, world: int, root: str) -> Dict[str, Any]:
                        it4 / "mp_rank_00_000_dp_000.pt")
     out["torch"]["truncated"] = load(ckpt, damage=truncate)
     out["torch"]["truncated_unverified"] = load(ckpt, verify=False, damage=truncate)
+    no_manifest = partial(lambda p: (p.unlink(), p)[1], it4 / ci.MANIFEST)
+    out["torch"]["manifest_deleted"] = load(ckpt, damage=no_manifest)
+    out["torch"]["manifest_deleted_unverified"] = load(ckpt, verify=False, damage=no_manifest)
+    dist4 = Path(root) / "torch_dist" / "iter_0000004"
+    no_rank1 = partial(lambda p: (p.unlink(), p)[1], dist4 / "rank_state" / "tp00_pp000_dp00001.pt")
+    out["torch_dist"]["rank_state_deleted_unverified"] = load(
+        os.path.join(root, "torch_dist"), verify=False, damage=no_rank1)
     return out
 
 
@@ -223,6 +286,26 @@ def job(tmp_path_factory) -> Dict[str, Any]:
     (root / "out").mkdir()
     results = run_distributed(WORLD, _job, root / "out", str(root))
     return {"root": root, "results": results}
+
+
+def test_a_deleted_manifest_is_refused_on_every_rank_unless_told(job) -> None:
+    """Issue 32, item 2, on a real checkpoint: refused on every rank naming the manifest, the
+    previous checkpoint and --no-verify-checkpoint, which loads it."""
+    for r in job["results"]:
+        msg = r["torch"]["manifest_deleted"].get("error", "")
+        assert "manifest.json is missing, but the checkpoint was written with one" in msg, r
+        assert "--ckpt-step 2" in msg and "--no-verify-checkpoint" in msg
+        assert r["torch"]["manifest_deleted_unverified"]["iteration"] == 4
+
+
+def test_a_missing_rank_state_of_torch_dist_is_refused_without_verification(job) -> None:
+    """Issue 32, item 4: with --no-verify-checkpoint (or no manifest) a missing
+    rank_state/tp00_pp000_dp00001.pt loaded silently: rank 1 took rank 0's RNG state and
+    restarted its LoCo and stochastic-rounding state. Now every rank stops naming the file."""
+    for r in job["results"]:
+        msg = r["torch_dist"]["rank_state_deleted_unverified"].get("error", "")
+        assert "rank_state/tp00_pp000_dp00001.pt is missing: this rank's RNG state" in msg, r
+        assert "--ckpt-step 2" in msg
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

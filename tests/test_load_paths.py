@@ -149,6 +149,55 @@ def test_ckpt_step_needs_load(capsys) -> None:
     assert "--ckpt-step needs --load DIR" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00garbage\x81", b"", b"  \n", b"latest",
+                                     b"-4", b"4.0"])
+def test_a_damaged_tracker_is_one_error_naming_it_and_the_way_out(tmp_path: Path,
+                                                                  content: bytes) -> None:
+    """Issue 32, item 1: random bytes gave a raw UnicodeDecodeError traceback on every rank, an
+    empty or non-numeric tracker a RuntimeError raised outside the path where the ranks agree
+    (a node that does not see the bad file waited in the next collective)."""
+    root = _checkpoint(tmp_path / "ckpt", 2, 4)
+    (root / "latest_checkpointed_iteration.txt").write_bytes(content)
+    with pytest.raises(StartupError) as info:
+        find_checkpoint_to_load(_args(root))
+    msg = str(info.value)
+    assert f"{root / 'latest_checkpointed_iteration.txt'} is damaged" in msg
+    assert "--ckpt-step 4" in msg and "iterations 2, 4" in msg
+    step = _args(root)
+    step.ckpt_step = 2       # the way out named: the tracker is not read
+    assert find_checkpoint_to_load(step).iteration == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "latest_checkpointed_iteration.txt").write_bytes(content)
+    with pytest.raises(StartupError, match="holds no iter_\\* folder: remove"):
+        find_checkpoint_to_load(_args(empty))
+
+
+def _damaged_on_one_rank_worker(rank: int, world: int, root: str) -> dict:
+    from megatron.training import checkpointing
+
+    try:
+        target = checkpointing.agreed_checkpoint_to_load(
+            _args(Path(root) / ("damaged" if rank == 1 else "ckpt")))
+        return {"iteration": None if target is None else target.iteration}
+    except StartupError as exc:
+        return {"error": str(exc)}
+
+
+def test_a_tracker_damaged_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
+    """One node sees a damaged tracker (its copy of a shared filesystem): every rank stops
+    with that rank's error instead of the others waiting in the next collective."""
+    from dist_harness import run_distributed
+
+    _checkpoint(tmp_path / "ckpt", 4, tracker=4)
+    damaged = _checkpoint(tmp_path / "damaged", 4)
+    (damaged / "latest_checkpointed_iteration.txt").write_bytes(b"\x00\x00")
+    (tmp_path / "out").mkdir()
+    results = run_distributed(2, _damaged_on_one_rank_worker, tmp_path / "out", str(tmp_path))
+    assert all("latest_checkpointed_iteration.txt is damaged" in r.get("error", "")
+               for r in results), results
+
+
 def _agree_worker(rank: int, world: int, root: str, rank1_tracker: Optional[int],
                   rank1_fails: bool) -> dict:
     """Every rank resolves --load; on rank 1 the tracker reads another iteration (a stale

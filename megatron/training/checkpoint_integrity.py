@@ -55,7 +55,12 @@ from .errors import StartupError
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "checkpoint-manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+"""2: the manifest carries a digest of itself (``self_sha256``); 1 had none."""
+WRITER_NOTE = "checkpoint_writer.json"
+"""Written beside the manifest (and listed in it) by every save that writes one: a checkpoint
+whose manifest is missing but that has this file lost its manifest; one with neither was
+written before manifests existed."""
 READ_CHUNK = 16 << 20
 """Bytes per read when hashing a file (large enough to amortize the Python call per chunk)."""
 PARALLEL_MIN = 1 << 20
@@ -109,10 +114,20 @@ class Manifest:
     files: Tuple[FileDigest, ...]
 
     def to_json(self) -> Dict[str, Any]:
-        return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
+        body = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
                 "iteration": self.iteration, "algorithm": self.algorithm,
                 "files": {f.name: {"size": f.size, "digest": f.digest}
                           for f in sorted(self.files, key=lambda f: f.name)}}
+        return {**body, "self_sha256": _self_digest(body)}
+
+
+def _self_digest(body: Dict[str, Any]) -> str:
+    """sha256 of the manifest's other fields in a canonical form (hashlib: always there, so a
+    manifest verifies itself before its algorithm is trusted). Why: one changed byte in the
+    manifest blamed an intact data file ("does not match its digest", "is truncated", "is
+    missing") and sent the user back to an older checkpoint."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def new_hasher(algorithm: str = DEFAULT_ALGORITHM) -> Any:
@@ -238,6 +253,10 @@ def write_manifest(directory: str, iteration: int, entries: Iterable[FileDigest]
     ``entries`` are the digests the writers computed; a file nobody claimed is hashed here, so
     the manifest covers the whole directory whatever wrote into it."""
     known = {e.name: e for e in entries}
+    with open(os.path.join(directory, WRITER_NOTE), "w", encoding="utf-8") as f:
+        json.dump({"manifest": MANIFEST, "manifest_version": MANIFEST_VERSION}, f)
+        f.flush()
+        os.fsync(f.fileno())
     missing = [n for n in known if not os.path.isfile(os.path.join(directory, n))]
     if missing:
         raise RuntimeError(f"checkpoint {directory}: files hashed by their writers are gone: "
@@ -267,15 +286,47 @@ def read_manifest(directory: str) -> Optional[Manifest]:
             raw = json.load(f)
         if raw.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"format {raw.get('format')!r}, expected {MANIFEST_FORMAT!r}")
-        if int(raw.get("version", 0)) > MANIFEST_VERSION:
+        version = int(raw.get("version", 0))
+        if version > MANIFEST_VERSION:
             raise ValueError(f"version {raw['version']} is newer than this trainer's "
                              f"{MANIFEST_VERSION}")
+        if version >= 2:
+            body = {k: v for k, v in raw.items() if k != "self_sha256"}
+            if raw.get("self_sha256") != _self_digest(body):
+                raise CheckpointIntegrityError(damaged(
+                    directory, path, "does not match its own digest: the manifest was changed "
+                    "after the save, so it cannot tell which file is intact (no data file was "
+                    "checked against it)", extra="or pass --no-verify-checkpoint to load this "
+                    "checkpoint unverified"))
         files = tuple(FileDigest(name, int(v["size"]), str(v["digest"]))
                       for name, v in raw["files"].items())
-        return Manifest(int(raw["iteration"]), str(raw["algorithm"]), files)
+        algorithm = str(raw["algorithm"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointIntegrityError(damaged(directory, path, f"cannot be read ({exc})")) \
             from None
+    if algorithm not in HASHERS:
+        raise CheckpointIntegrityError(damaged(
+            directory, path, f"names the digest algorithm {algorithm!r}, which this trainer does "
+            f"not know ({', '.join(HASHERS)})", extra="or pass --no-verify-checkpoint to load "
+            "this checkpoint unverified"))
+    return Manifest(int(raw["iteration"]), algorithm, files)
+
+
+def require_manifest(directory: str,
+                     load_flag: Callable[[int], str] = lambda it: f"--ckpt-step {it}"
+                     ) -> Optional[Manifest]:
+    """:func:`read_manifest`, and an error when the manifest is missing from a checkpoint whose
+    writer wrote one (:data:`WRITER_NOTE`): deleting ``manifest.json`` turned verification off
+    with a note that the checkpoint predated manifests, and a damaged file then loaded. None
+    only for a checkpoint written before manifests."""
+    manifest = read_manifest(directory)
+    if manifest is None and os.path.isfile(os.path.join(directory, WRITER_NOTE)):
+        raise CheckpointIntegrityError(damaged(
+            directory, os.path.join(directory, MANIFEST), f"is missing, but the checkpoint was "
+            f"written with one ({WRITER_NOTE} says so): none of its files can be verified",
+            load_flag, extra="or pass --no-verify-checkpoint to load this checkpoint "
+            "unverified"))
+    return manifest
 
 
 def check_file(directory: str, entry: FileDigest, algorithm: str) -> Optional[str]:
@@ -350,9 +401,10 @@ def ckpt_step_flag(iteration: int) -> str:
 
 
 def damaged(directory: str, path: str, problem: str,
-            load_flag: Callable[[int], str] = ckpt_step_flag) -> str:
+            load_flag: Callable[[int], str] = ckpt_step_flag, extra: str = "") -> str:
     """The error for a damaged file: the file, the checkpoint, and the previous checkpoint to
-    resume from instead (``load_flag(N)``: the flags that load iteration N)."""
+    resume from instead (``load_flag(N)``: the flags that load iteration N); ``extra``: another
+    way out, appended."""
     root, name = os.path.split(os.path.normpath(directory))
     m = re.match(r"iter_(\d+)$", name)
     iteration = int(m.group(1)) if m else None
@@ -361,7 +413,7 @@ def damaged(directory: str, path: str, problem: str,
     advice = (f"the previous complete checkpoint is iteration {prev}: load it with "
               f"{load_flag(prev)}" if prev is not None
               else f"there is no earlier complete checkpoint in {root}")
-    return f"{where} is damaged: {path} {problem}; {advice}"
+    return f"{where} is damaged: {path} {problem}; {advice}" + (f", {extra}" if extra else "")
 
 
 READ_ERRORS = (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError,

@@ -78,15 +78,29 @@ def _model_filename() -> str:
 
 
 def read_tracker(root: str) -> Optional[int]:
-    """Iteration named by the tracker file, or None when there is no checkpoint."""
+    """Iteration named by the tracker file, or None when there is no checkpoint.
+
+    A tracker that is not a non-negative number (random bytes, empty, text) is a
+    :class:`StartupError` naming the file and the way out, raised where the ranks agree on what
+    to load (every rank stops together), not a decoding traceback on the ranks that read it."""
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
-    text = open(path, encoding="utf-8").read().strip()
+    with open(path, "rb") as f:
+        raw = f.read(64)
     try:
-        return int(text)
-    except ValueError:
-        raise RuntimeError(f"corrupt checkpoint tracker {path}: {text!r}") from None
+        text = raw.decode("ascii").strip()
+        if text.isdigit():
+            return int(text)
+    except UnicodeDecodeError:
+        pass
+    iterations = checkpoint_integrity.iterations_in(root)
+    way_out = (f"pass --ckpt-step N to load one of the checkpoints there (iterations "
+               f"{', '.join(map(str, iterations[-3:]))}), e.g. --ckpt-step {iterations[-1]}, or "
+               f"rewrite {TRACKER} with that number" if iterations else
+               f"it holds no iter_* folder: remove {TRACKER} to start from scratch")
+    raise StartupError(f"{path} is damaged: it holds {raw[:32]!r}, not an iteration number; "
+                       f"{way_out}")
 
 
 def _write_tracker(root: str, iteration: int) -> None:
@@ -565,17 +579,12 @@ def load_checkpoint(args: argparse.Namespace, model: List[torch.nn.Module], opti
     return iteration, state.get("train_state", {})
 
 
-def _collective_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) \
-        if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
-
-
 def _agreed(problem: Optional[str]) -> None:
     """Raise :class:`StartupError` on every rank when any rank found ``problem`` (so no rank
     is left in a collective its failed peer never joins)."""
-    from .data import raise_if_any_rank_failed
+    from .data import collective_device, raise_if_any_rank_failed
 
-    raise_if_any_rank_failed(problem, _collective_device())
+    raise_if_any_rank_failed(problem, collective_device())
 
 
 def agreed_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
@@ -594,7 +603,9 @@ def agreed_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
     _agreed(problem)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         it = -1 if target is None else target.iteration
-        bounds = torch.tensor([it, -it], dtype=torch.int64, device=_collective_device())
+        from .data import collective_device
+
+        bounds = torch.tensor([it, -it], dtype=torch.int64, device=collective_device())
         torch.distributed.all_reduce(bounds, op=torch.distributed.ReduceOp.MAX)
         newest, oldest = int(bounds[0]), -int(bounds[1])
         if newest != oldest:
@@ -618,7 +629,7 @@ def verify_checkpoint(target: LoadTarget, log: Any) -> None:
     start = time.time()
     manifest, problem = None, None
     try:
-        manifest = checkpoint_integrity.read_manifest(ckpt)
+        manifest = checkpoint_integrity.require_manifest(ckpt, target.load_flag)
         if manifest is not None:
             found = checkpoint_integrity.verify(ckpt, manifest, torch.distributed.get_rank(),
                                                 torch.distributed.get_world_size())

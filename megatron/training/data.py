@@ -293,6 +293,14 @@ def check_data(args: argparse.Namespace, config, request: SplitRequest,
 
 
 # ----------------------------------------------------------------------------- agreement
+def collective_device() -> Any:
+    """Where a small agreement tensor lives: the current GPU on NCCL, else the CPU."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) \
+        if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+
+
 def raise_if_any_rank_failed(problem: Optional[str], device: Any) -> None:
     """Raise :class:`StartupError` on every rank when any rank found a problem.
 

@@ -123,9 +123,14 @@ def _rank_state_path(directory: str, tp_rank: int, pp_rank: int, dp_rank: int) -
                         f"tp{tp_rank:02d}_pp{pp_rank:03d}_dp{dp_rank:05d}.pt")
 
 
-def _per_rank_state(directory: str, layout: Dict[str, int]) -> Tuple[Dict[str, Any], bool]:
+def _per_rank_state(directory: str, layout: Dict[str, int],
+                    saved_args: Any = None) -> Tuple[Dict[str, Any], bool]:
     """This rank's file if the layout is unchanged, else DP rank 0's of the same (TP, PP) rank
-    (Megatron seeds all DP ranks of a (TP, PP) rank alike). Returns (state, same_layout)."""
+    (Megatron seeds all DP ranks of a (TP, PP) rank alike). Returns (state, same_layout).
+
+    With the layout unchanged this rank's own file must be there: without it the rank took DP
+    rank 0's RNG state and restarted its LoCo errors and stochastic-rounding generators, and the
+    resumed run differed with no word (the torch format refuses the same case)."""
     def read(dp_rank: int) -> Dict[str, Any]:
         path = _rank_state_path(directory, layout["tp_rank"], layout["pp_rank"], dp_rank)
         return checkpoint_integrity.torch_load(path, directory, map_location="cpu",
@@ -136,6 +141,18 @@ def _per_rank_state(directory: str, layout: Dict[str, int]) -> Tuple[Dict[str, A
     if own and all(own["layout"].get(k) == layout[k] for k in ("tp", "pp", "dp")):
         return own, True
     first = read(0)
+    saved = {"tp": _get(saved_args, "tensor_model_parallel_size"),
+             "pp": _get(saved_args, "pipeline_model_parallel_size"),
+             "dp": _get(saved_args, "data_parallel_size")}
+    if first:
+        saved = {k: first["layout"].get(k) for k in ("tp", "pp", "dp")}
+    if not own and all(saved[k] == layout[k] for k in ("tp", "pp", "dp")):
+        path = _rank_state_path(directory, layout["tp_rank"], layout["pp_rank"],
+                                layout["dp_rank"])
+        raise checkpoint_integrity.CheckpointIntegrityError(checkpoint_integrity.damaged(
+            directory, path, "is missing: this rank's RNG state, LoCo error buffers and "
+            "stochastic-rounding generators would come from another rank (or restart), and "
+            "the resumed run would differ from the uninterrupted one"))
     if first and all(first["layout"].get(k) == layout[k] for k in ("tp", "pp")):
         return first, False
     return {}, False
@@ -166,8 +183,16 @@ def load(directory: str, args: argparse.Namespace, model: List[torch.nn.Module],
     if load_optim:
         _load_optimizer(optimizer, loaded["optimizer"])
 
+    from .data import collective_device, raise_if_any_rank_failed
+
     layout = run_layout()
-    per_rank, same = _per_rank_state(directory, layout)
+    per_rank, same, problem = {}, False, None
+    try:
+        per_rank, same = _per_rank_state(directory, layout, saved_args)
+    except checkpoint_integrity.CheckpointIntegrityError as exc:
+        problem = str(exc)
+    # every rank stops, not only the one whose file is missing or damaged
+    raise_if_any_rank_failed(problem, collective_device())
     out["same_layout"] = same
     if not same:
         old = per_rank.get("layout") or {}

@@ -172,7 +172,7 @@ def verify_checkpoint(path: str, fmt: str, by_folder: bool = False) -> bool:
     load_flag = ((lambda m: f"--load {os.path.join(root, f'iter_{m:07d}')}") if by_folder
                  else _iteration_flag)
     try:
-        manifest = checkpoint_integrity.read_manifest(path)
+        manifest = checkpoint_integrity.require_manifest(path, load_flag)
         if manifest is None:
             return False
         found = checkpoint_integrity.verify(path, manifest, select=_read_by_converter(fmt))

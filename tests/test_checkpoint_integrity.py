@@ -277,6 +277,13 @@ def _job(rank: int, world: int, root: str) -> Dict[str, Any]:
     no_rank1 = partial(lambda p: (p.unlink(), p)[1], dist4 / "rank_state" / "tp00_pp000_dp00001.pt")
     out["torch_dist"]["rank_state_deleted_unverified"] = load(
         os.path.join(root, "torch_dist"), verify=False, damage=no_rank1)
+    half = partial(lambda p: (os.truncate(p, p.stat().st_size // 2), p)[1], dist4 / "common.pt")
+    out["torch_dist"]["common_truncated_unverified"] = load(
+        os.path.join(root, "torch_dist"), verify=False, damage=half)
+    garbled = partial(lambda p: (p.write_text('{"sharded_backend": '), p)[1],
+                      dist4 / "metadata.json")
+    out["torch_dist"]["metadata_damaged_unverified"] = load(
+        os.path.join(root, "torch_dist"), verify=False, damage=garbled)
     return out
 
 
@@ -306,6 +313,18 @@ def test_a_missing_rank_state_of_torch_dist_is_refused_without_verification(job)
         msg = r["torch_dist"]["rank_state_deleted_unverified"].get("error", "")
         assert "rank_state/tp00_pp000_dp00001.pt is missing: this rank's RNG state" in msg, r
         assert "--ckpt-step 2" in msg
+
+
+def test_torch_dist_common_files_damaged_without_verification_are_named(job) -> None:
+    """Issue 32, item 5: a truncated common.pt or a damaged metadata.json with verification
+    off gave megatron-core's traceback naming no file; now one error naming it, every rank."""
+    for r in job["results"]:
+        for case, name in (("common_truncated_unverified", "common.pt cannot be read: it is "
+                            "truncated or corrupt"),
+                           ("metadata_damaged_unverified", "metadata.json cannot be read")):
+            msg = r["torch_dist"][case].get("error", "")
+            assert f"iter_0000004 (iteration 4) is damaged: " in msg and name in msg, (case, r)
+            assert "--ckpt-step 2" in msg
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -204,8 +204,9 @@ def _agree_worker(rank: int, world: int, root: str, rank1_tracker: Optional[int]
     cache), or the resolution fails."""
     from megatron.training import checkpointing
 
-    if rank == 1 and rank1_tracker is not None:
+    if rank == 1 and rank1_tracker is not None:   # a stale view: the newer folders unseen too
         checkpointing.read_tracker = lambda load: rank1_tracker
+        checkpointing._newer_complete_checkpoints = lambda root, iteration: []
     args = _args(Path(root) / ("missing" if rank == 1 and rank1_fails else "ckpt"))
     if rank == 1 and rank1_fails:
         args.ckpt_step = 4       # --ckpt-step on a --load that does not exist: an error
@@ -263,3 +264,21 @@ def test_torch_format_optimizer_state_in_other_buckets_is_named() -> None:
     with pytest.raises(StartupError, match=r"--ddp-bucket-size or --overlap-grad-reduce"):
         checkpointing._load_optimizer_state(Leaf(), [other])
     checkpointing._load_optimizer_state(Leaf(), [{"no": "param_state"}])   # other optimizers
+
+
+def test_a_tracker_behind_newer_complete_checkpoints_is_refused(tmp_path: Path, capsys) -> None:
+    """Issue 32, item 6: a tracker naming iteration 10 while complete iterations 15 and 20 were
+    there loaded 10, and the run's saves later replaced 15 and 20 without a word."""
+    root = _checkpoint(tmp_path / "ckpt", 10, 15, 20, tracker=10)
+    with pytest.raises(StartupError) as info:
+        find_checkpoint_to_load(_args(root))
+    msg = str(info.value)
+    assert "names iteration 10, but the newer complete checkpoints 15, 20 are there" in msg
+    assert "--ckpt-step 20" in msg and "--ckpt-step 10" in msg
+    chosen = _args(root, save=root)
+    chosen.ckpt_step = 10          # the user's choice: loads, and says what the saves replace
+    assert find_checkpoint_to_load(chosen).iteration == 10
+    assert "saves at those iterations will replace them" in capsys.readouterr().out
+    (root / "iter_0000020" / "manifest.json").unlink()   # an incomplete save is not "newer"
+    (root / "iter_0000015" / "manifest.json").unlink()
+    assert find_checkpoint_to_load(_args(root)).iteration == 10

@@ -382,6 +382,27 @@ def _fresh_start(args: argparse.Namespace, reason: str) -> None:
                  "from iteration 0 (--exit-on-missing-checkpoint makes this an error)")
 
 
+def _newer_complete_checkpoints(root: str, iteration: int) -> List[int]:
+    """Iterations after ``iteration`` under ``root`` whose directory has a manifest (a
+    checkpoint the save completed: the manifest is written before the rename)."""
+    return [i for i in checkpoint_integrity.iterations_in(root) if i > iteration and
+            os.path.isfile(os.path.join(checkpoint_dir(root, i), checkpoint_integrity.MANIFEST))]
+
+
+def _warn_if_saves_replace_newer(args: argparse.Namespace, root: str, iteration: int) -> None:
+    """``--ckpt-step N`` into the ``--save`` directory that holds later complete checkpoints:
+    the user chose N, so it loads, but the saves that replace the later ones are said."""
+    if not args.save or os.path.realpath(args.save) != os.path.realpath(root):
+        return
+    newer = _newer_complete_checkpoints(root, iteration)
+    if newer:
+        from .logging_utils import print_rank_0
+
+        print_rank_0(f"WARNING: resuming from iteration {iteration} in --save {args.save}, which "
+                     f"holds the later checkpoints {', '.join(map(str, newer))}: this run's saves "
+                     "at those iterations will replace them")
+
+
 def _found(names: List[str]) -> str:
     shown = ", ".join(sorted(names)[:5])
     return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
@@ -452,6 +473,7 @@ def find_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
                                + (f" (--load {load} has iterations "
                                   f"{', '.join(map(str, iterations[-5:]))})" if iterations
                                   else f" and --load {load} holds no iter_* folder"))
+        _warn_if_saves_replace_newer(args, load, step)
         return LoadTarget(load, step, checkpoint_dir(load, step))
     iteration = read_tracker(load)
     if iteration is not None:
@@ -459,6 +481,14 @@ def find_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
         if not os.path.isdir(ckpt):
             raise StartupError(f"--load {load}: {TRACKER} names iteration {iteration} but {ckpt} "
                                "does not exist")
+        newer = _newer_complete_checkpoints(load, iteration)
+        if newer:
+            raise StartupError(
+                f"--load {load}: {TRACKER} names iteration {iteration}, but the newer complete "
+                f"checkpoints {', '.join(map(str, newer))} are there too (a tracker restored from "
+                f"a backup, or moved by hand?); this run's saves would replace them. Pass "
+                f"--ckpt-step {newer[-1]} to resume from the newest, or --ckpt-step {iteration} "
+                "to resume from the tracker's")
         return LoadTarget(load, iteration, ckpt)
     if iterations:
         raise StartupError(f"--load {load} has no {TRACKER} but holds iteration folders "

@@ -31,6 +31,7 @@ returns the digests of the files each rank wrote (:mod:`.checkpoint_integrity`).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -165,10 +166,18 @@ def load(directory: str, args: argparse.Namespace, model: List[torch.nn.Module],
     Returns the common state (iteration, train_state, scheduler, args) with the per-rank state
     under ``"rng_state"`` / ``"quantization"`` (absent where it does not apply) and
     ``"same_layout"``."""
+    from .data import collective_device, raise_if_any_rank_failed
+
     dcp = _dist_checkpointing()
-    common = dcp.load_common_state_dict(directory)
+    common, problem = {}, None
+    try:
+        common = read_common_state(dcp, directory)
+        saved_top = _saved_top_keys(dcp, directory)
+    except checkpoint_integrity.CheckpointIntegrityError as exc:
+        problem = str(exc)
+    raise_if_any_rank_failed(problem, collective_device())
     saved_args = common.get("args")
-    load_optim = load_optim and "optimizer" in _saved_top_keys(dcp, directory)
+    load_optim = load_optim and "optimizer" in saved_top
     if load_optim:
         _allocate_optimizer_states(optimizer)
     state = _sharded_state_dict(model, optimizer, is_loading=True, save_optim=load_optim)
@@ -182,8 +191,6 @@ def load(directory: str, args: argparse.Namespace, model: List[torch.nn.Module],
     out["optimizer_loaded"] = load_optim
     if load_optim:
         _load_optimizer(optimizer, loaded["optimizer"])
-
-    from .data import collective_device, raise_if_any_rank_failed
 
     layout = run_layout()
     per_rank, same, problem = {}, False, None
@@ -259,10 +266,38 @@ def _load_one_optimizer(opt: Any, sd: Dict[str, Any]) -> None:
         opt.optimizer.state[p]["step"] = step.detach().clone()
 
 
+def read_common_state(dcp: Any, directory: str) -> Dict[str, Any]:
+    """megatron-core's common state (``common.pt``) of a torch_dist checkpoint, after a check of
+    its ``metadata.json``: a damaged one of either (with ``--no-verify-checkpoint``, or no
+    manifest) is one :class:`~.checkpoint_integrity.CheckpointIntegrityError` naming the file,
+    not megatron-core's traceback naming none."""
+    metadata = os.path.join(directory, "metadata.json")
+    try:
+        with open(metadata, encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, ValueError) as exc:
+        raise checkpoint_integrity.CheckpointIntegrityError(checkpoint_integrity.damaged(
+            directory, metadata, f"cannot be read ({exc})")) from None
+    try:
+        return dcp.load_common_state_dict(directory)
+    except Exception as exc:  # noqa: BLE001 -- torch's zip reader, pickle, megatron-core's own
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
+        raise checkpoint_integrity.CheckpointIntegrityError(checkpoint_integrity.damaged(
+            directory, os.path.join(directory, "common.pt"),
+            f"cannot be read: it is truncated or corrupt ({reason})")) from None
+
+
 def _saved_top_keys(dcp: Any, directory: str) -> set:
     """Top-level keys of the sharded tensors in a checkpoint (to know whether it has optimizer
     state without failing on a missing key)."""
-    return {key.split(".", 1)[0] for key in dcp.load_tensors_metadata(directory)}
+    try:
+        metadata = dcp.load_tensors_metadata(directory)
+    except Exception as exc:  # noqa: BLE001 -- a damaged .metadata: name it
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
+        raise checkpoint_integrity.CheckpointIntegrityError(checkpoint_integrity.damaged(
+            directory, os.path.join(directory, ".metadata"),
+            f"cannot be read: it is truncated or corrupt ({reason})")) from None
+    return {key.split(".", 1)[0] for key in metadata}
 
 
 PER_RANK_ARGS = ("rank", "local_rank")

@@ -25,6 +25,8 @@ most of a tiny run's time.
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import signal
@@ -119,6 +121,27 @@ def test_exit_signal_flags(capsys) -> None:
         with pytest.raises(SystemExit):
             parse_args(base + bad)
         assert why in capsys.readouterr().err
+
+
+def test_a_signal_torchrun_does_not_forward_is_warned_about(monkeypatch) -> None:
+    """Issue 32, item 8: ``kill -USR1`` on torchrun with ``--exit-signal SIGUSR1`` killed
+    torchrun and the workers trained on as orphans. torchrun exports the signals it forwards;
+    the trainer names the flag that adds the one it waits for."""
+    from megatron.training.exit_conditions import ExitConditions, launcher_forwarding_warning
+
+    default = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"   # torchrun's default --signals-to-handle
+    note = launcher_forwarding_warning("SIGUSR1", {"TORCHELASTIC_SIGNALS_TO_HANDLE": default})
+    assert note is not None and "--signals-to-handle SIGHUP,SIGINT,SIGQUIT,SIGTERM,SIGUSR1" in note
+    assert launcher_forwarding_warning("SIGTERM", {"TORCHELASTIC_SIGNALS_TO_HANDLE": default}) \
+        is None
+    assert launcher_forwarding_warning("SIGUSR1", {}) is None          # not under torchrun
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", default)
+    args = argparse.Namespace(exit_signal_handler=True, exit_signal="SIGUSR1")
+    exits = ExitConditions(args, 0.0)
+    try:
+        assert exits.warning == note
+    finally:
+        exits.release()
 
 
 # ----------------------------------------------------------------------------- end to end

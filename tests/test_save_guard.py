@@ -232,8 +232,39 @@ def test_trainer_refuses_busy_or_read_only_save_and_reports_a_full_disk(tmp_path
     assert " free; latest_checkpointed_iteration.txt still names iteration 2, the last " \
            "complete checkpoint" in lines[0]
     assert results["full_tracker"] == "2"  # untouched by the failed save
+    assert results["full_leftovers"] == []  # the failed save's temporary directory is gone
     if real:  # the startup check saw it coming
         assert "less than two checkpoints' worth" in results["full_stdout"]
+
+
+def test_free_space_below_one_checkpoint_is_refused_at_startup(tmp_path: Path,
+                                                               monkeypatch) -> None:
+    """Issue 32, item 7: below one checkpoint of free space the run warned, trained
+    --save-interval iterations and then failed; now it is refused at startup naming the way
+    out, and --allow-low-disk-space turns the refusal into the warning."""
+    from dist_harness import model_parallel_world_of_one
+    from megatron.training.arguments import parse_args
+    from megatron.training.errors import StartupError
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    save = tmp_path / "s"
+    args = parse_args(DRIVER_ARGS + ["--save", str(save)])
+    with model_parallel_world_of_one():
+        guard = save_guard.prepare_save_dir(str(save))
+        try:
+            monkeypatch.setattr(save_guard, "_free_bytes", lambda d: 1000)
+            with pytest.raises(StartupError) as info:
+                guard.check_free_space(args, 1_000_000)
+            msg = str(info.value)
+            assert f"--save {save} has 1000 bytes" in msg and "--allow-low-disk-space" in msg
+            assert "after --save-interval 2 iterations, would fail" in msg
+            args.allow_low_disk_space = True
+            assert "the first save will fail" in guard.check_free_space(args, 1_000_000)
+            monkeypatch.setattr(save_guard, "_free_bytes", lambda d: 10 ** 12)
+            assert guard.check_free_space(args, 1_000_000) is None
+        finally:
+            guard.release()
 
 
 FULL_TMPFS_KB = 2600
@@ -292,6 +323,7 @@ def _driver(busy: str, ro: str, full: str, mode: str) -> None:
     results["full"], results["full_stdout"] = (rc, err), out
     with open(os.path.join(full, "latest_checkpointed_iteration.txt"), encoding="utf-8") as f:
         results["full_tracker"] = f.read()
+    results["full_leftovers"] = [n for n in os.listdir(full) if n.startswith(".tmp_iter_")]
     print(json.dumps(results))
 
 

@@ -298,6 +298,10 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                    help="Do not check the loaded checkpoint's files against the sizes and "
                         "digests in its manifest.json (checked by default: a damaged file stops "
                         "the run naming it).")
+    g.add_argument("--allow-low-disk-space", action="store_true",
+                   help="Start even when --save has less free space than one checkpoint of "
+                        "this run (refused by default: the first save would fail after "
+                        "--save-interval iterations); a WARNING is printed instead.")
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:

@@ -269,8 +269,6 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model: List[torch.
 
     ``--ckpt-format torch`` (default): one ``torch.save`` file per rank; ``torch_dist``:
     megatron-core's dist_checkpointing (:mod:`.dist_checkpoint`), reshardable on load."""
-    from megatron.core import parallel_state as ps
-
     root = args.save
     final = checkpoint_dir(root, iteration)
     tmp = os.path.join(root, f".tmp_iter_{iteration:07d}")
@@ -282,6 +280,22 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model: List[torch.
                 shutil.rmtree(os.path.join(root, name))
         os.makedirs(tmp)
     torch.distributed.barrier()
+
+    try:
+        return _save_into(args, iteration, model, optimizer, scheduler, train_state, root, tmp,
+                          final, rank)
+    except BaseException:
+        # A failed save (no space, no permission, a killed writer) leaves no temporary
+        # directory behind to keep the disk full; the next save would remove it anyway.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _save_into(args: argparse.Namespace, iteration: int, model: List[torch.nn.Module],
+               optimizer: Any, scheduler: Any, train_state: Dict[str, Any], root: str, tmp: str,
+               final: str, rank: int) -> str:
+    """:func:`save_checkpoint`'s writing, into ``tmp``, then the rename to ``final``."""
+    from megatron.core import parallel_state as ps
 
     _sync_params_for_save(model)
     common: Dict[str, Any] = {

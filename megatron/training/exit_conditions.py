@@ -84,6 +84,25 @@ class ExitSignalHandler:
             self._installed = False
 
 
+def launcher_forwarding_warning(sig_name: str, environ: Dict[str, str]) -> Optional[str]:
+    """The startup WARNING when torchrun will not forward ``sig_name`` to the workers, or None.
+
+    torchrun's agent exports ``TORCHELASTIC_SIGNALS_TO_HANDLE`` (its ``--signals-to-handle``)
+    to the workers. A signal outside that list sent to torchrun kills torchrun (exit -10 for
+    SIGUSR1) and the workers train on as orphans to the last iteration: the save the user asked
+    for never happens."""
+    handled = environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    if handled is None:            # not under torchrun: the signal reaches this process
+        return None
+    names = {n.strip() for n in handled.split(",") if n.strip()}
+    if sig_name in names:
+        return None
+    return (f"--exit-signal {sig_name}: this torchrun forwards only {', '.join(sorted(names))} "
+            f"to its workers; {sig_name} sent to torchrun kills torchrun and leaves the workers "
+            f"running without a save. Launch torchrun with --signals-to-handle "
+            f"{','.join(sorted(names | {sig_name}))}, or send {sig_name} to the worker processes")
+
+
 class ExitConditions:
     """The early-exit rules of one run; :meth:`check` is called at every iteration boundary.
 
@@ -98,9 +117,12 @@ class ExitConditions:
         self.minutes = minutes
         self.deadline = None if minutes is None else start_time + 60.0 * float(minutes)
         self.handler: Optional[ExitSignalHandler] = None
+        self.warning: Optional[str] = None
+        """What the trainer warns about at startup (:func:`launcher_forwarding_warning`)."""
         if getattr(args, "exit_signal_handler", False):
             sig = SIGNALS[getattr(args, "exit_signal", None) or "SIGTERM"]
             self.handler = ExitSignalHandler(sig, rank).install()
+            self.warning = launcher_forwarding_warning(sig.name, dict(os.environ))
         self.device = device
         self._all_reduce_max = all_reduce_max
 

@@ -450,10 +450,18 @@ class SaveDirGuard:
 
         mine = rank_checkpoint_bytes(args, local_params, ps.get_data_parallel_rank(),
                                      ps.get_data_parallel_world_size())
-        total = torch.tensor([float(mine)], dtype=torch.float64, device=device)
+        # one all-reduce: the checkpoint's bytes (sum) and the least free space a rank sees (a
+        # node-local --save, or one node's view of a shared one), as -free under SUM's MAX twin
+        free_here = _free_bytes(self.directory)
+        total = torch.tensor([float(mine), -float(free_here if free_here is not None else -1)],
+                             dtype=torch.float64, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
+            least = total.clone()
             dist.all_reduce(total)
-        needed = int(total.item())
+            dist.all_reduce(least, op=dist.ReduceOp.MAX)
+            total[1] = least[1]
+        needed = int(total[0].item())
+        free = None if total[1].item() > 0 else int(-total[1].item())
         how = "estimated from the parameter count and optimizer state"
         latest = _latest_checkpoint_dir(self.directory)
         if latest is not None:
@@ -461,13 +469,20 @@ class SaveDirGuard:
             if measured > 0:
                 needed, how = measured, f"the size of {latest}"
         self.checkpoint_bytes = needed
-        free = _free_bytes(self.directory)
         if free is None or free >= 2 * needed:
             return None
-        msg = (f"WARNING: --save {self.directory} has {free} bytes ({_human(free)}) free; one "
-               f"checkpoint of this run needs about {needed} bytes ({_human(needed)}, {how}): "
-               + ("less than one checkpoint, the first save will fail"
-                  if free < needed else "less than two checkpoints' worth"))
+        below_one = free < needed
+        said = (f"--save {self.directory} has {free} bytes ({_human(free)}) free; one checkpoint "
+                f"of this run needs about {needed} bytes ({_human(needed)}, {how})")
+        if below_one and not getattr(args, "allow_low_disk_space", False):
+            from .errors import StartupError
+
+            raise StartupError(f"{said}: the first save, after --save-interval "
+                               f"{args.save_interval} iterations, would fail. Free space there, "
+                               "choose another --save, or pass --allow-low-disk-space to start "
+                               "anyway")
+        msg = (f"WARNING: {said}: " + ("less than one checkpoint, the first save will fail"
+                                       if below_one else "less than two checkpoints' worth"))
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(msg, flush=True)
         return msg

@@ -569,7 +569,8 @@ def _pretrain(args: argparse.Namespace, forward_step_func, cleanup: Any) -> Dict
             and integration.nobody_to_talk_to()):
         print_rank_0(" > quantized communication off: data-parallel size 1, nothing is sent "
                      "(megatron-core's exact path, bit-identical to the baseline)")
-    for warning in integration.startup_warnings(args, model):
+    for warning in integration.startup_warnings(args, model) + (
+            [exits.warning] if exits.warning else []):
         print_rank_0(f"WARNING: {warning}")
     layer_memory = integration.memory_report(args, model)
     if layer_memory:

@@ -323,7 +323,7 @@ def test_torch_dist_common_files_damaged_without_verification_are_named(job) -> 
                             "truncated or corrupt"),
                            ("metadata_damaged_unverified", "metadata.json cannot be read")):
             msg = r["torch_dist"][case].get("error", "")
-            assert f"iter_0000004 (iteration 4) is damaged: " in msg and name in msg, (case, r)
+            assert "iter_0000004 (iteration 4) is damaged: " in msg and name in msg, (case, r)
             assert "--ckpt-step 2" in msg
 
 

@@ -36,7 +36,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path: Path, run_pretrain) -> No
     assert sorted(p.name for p in ckpt.iterdir()) == [
         "iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]  # no temp dirs
     assert sorted(p.name for p in (ckpt / "iter_0000004").iterdir()) == [
-        "manifest.json", "mp_rank_00_000_dp_000.pt", "mp_rank_00_000_dp_001.pt"]
+        "checkpoint_writer.json", "manifest.json",
+        "mp_rank_00_000_dp_000.pt", "mp_rank_00_000_dp_001.pt"]
 
     res = run_pretrain(ARGS + ["--jsonl-log", str(resumed), "--save", str(ckpt),
                                "--load", str(ckpt)])

@@ -129,7 +129,8 @@ def test_gpt2_style_pipeline_parallel_2_torch_format_exports_gpt2(tmp_path: Path
     directory copied in."""
     ckpt = _train(tmp_path, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"])
     assert sorted(os.listdir(ckpt / "iter_0000003")) == [
-        "manifest.json", "mp_rank_00_000_dp_000.pt", "mp_rank_00_001_dp_000.pt"]
+        "checkpoint_writer.json", "manifest.json",
+        "mp_rank_00_000_dp_000.pt", "mp_rank_00_001_dp_000.pt"]
     tok_dir = tmp_path / "tokenizer"
     _tiny_tokenizer(tok_dir)
     summary = _convert(ckpt, tmp_path / "hf", "--dtype", "fp32", "--tokenizer-dir", str(tok_dir))
@@ -186,7 +187,8 @@ def test_llama_style_gqa_tensor_parallel_2_torch_format(tmp_path: Path) -> None:
     ckpt = _train(tmp_path, LLAMA + ["--tensor-model-parallel-size", "2", "--vocab-size", "125",
                                      "--group-query-attention", "--num-query-groups", "2"])
     assert sorted(os.listdir(ckpt / "iter_0000003")) == [
-        "manifest.json", "mp_rank_00_000_dp_000.pt", "mp_rank_01_000_dp_000.pt"]
+        "checkpoint_writer.json", "manifest.json",
+        "mp_rank_00_000_dp_000.pt", "mp_rank_01_000_dp_000.pt"]
     _convert(ckpt, tmp_path / "hf", "--dtype", "fp32")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["num_key_value_heads"] == 2 and config["num_attention_heads"] == 4

@@ -271,14 +271,17 @@ def test_a_tracker_behind_newer_complete_checkpoints_is_refused(tmp_path: Path, 
     there loaded 10, and the run's saves later replaced 15 and 20 without a word."""
     root = _checkpoint(tmp_path / "ckpt", 10, 15, 20, tracker=10)
     with pytest.raises(StartupError) as info:
-        find_checkpoint_to_load(_args(root))
+        find_checkpoint_to_load(_args(root, save=root))
     msg = str(info.value)
     assert "names iteration 10, but the newer complete checkpoints 15, 20 are there" in msg
-    assert "--ckpt-step 20" in msg and "--ckpt-step 10" in msg
+    assert "saves into --save" in msg and "--ckpt-step 20" in msg and "--ckpt-step 10" in msg
+    # saving elsewhere replaces nothing: the tracker's iteration loads, with a warning
+    assert find_checkpoint_to_load(_args(root, save=tmp_path / "other")).iteration == 10
+    assert "WARNING" in capsys.readouterr().out
     chosen = _args(root, save=root)
     chosen.ckpt_step = 10          # the user's choice: loads, and says what the saves replace
     assert find_checkpoint_to_load(chosen).iteration == 10
     assert "saves at those iterations will replace them" in capsys.readouterr().out
     (root / "iter_0000020" / "manifest.json").unlink()   # an incomplete save is not "newer"
     (root / "iter_0000015" / "manifest.json").unlink()
-    assert find_checkpoint_to_load(_args(root)).iteration == 10
+    assert find_checkpoint_to_load(_args(root, save=root)).iteration == 10

@@ -361,7 +361,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path: Path):
         assert r["iteration"] == 2
         assert r["resumed"] == r["full"], (label, r)  # bit-exact
     assert sorted(p.name for p in (tmp_path / "IIG" / "iter_0000002").iterdir()) == [
-        "manifest.json", *(f"mp_rank_00_000_dp_{d:03d}.pt" for d in range(WORLD))]
+        "checkpoint_writer.json", "manifest.json",
+        *(f"mp_rank_00_000_dp_{d:03d}.pt" for d in range(WORLD))]
 
 
 # ------------------------------------------------------------------------------------------------

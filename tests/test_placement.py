@@ -122,7 +122,7 @@ def test_a_node_split_over_hosts_is_warned_about() -> None:
     hosts = ["a"] * 4 + ["b"] * 4
     assert placement_warning(hosts, list(range(8)), 4) is None            # node-major
     assert placement_warning(["a"] * 8, list(range(8)), 2) is None        # nodes emulated on a host
-    cyclic = ["a", "b"] * 4                                               # srun --distribution=cyclic
+    cyclic = ["a", "b"] * 4                          # srun --distribution=cyclic
     note = placement_warning(cyclic, list(range(8)), 4)
     assert note is not None and "ranks 0-3 on a, b" in note and "ranks 4-7 on a, b" in note
     assert "--data-parallel-intra-node-size" in note and "intra-node" in note

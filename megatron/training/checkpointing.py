@@ -497,12 +497,18 @@ def find_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
                                "does not exist")
         newer = _newer_complete_checkpoints(load, iteration)
         if newer:
-            raise StartupError(
-                f"--load {load}: {TRACKER} names iteration {iteration}, but the newer complete "
-                f"checkpoints {', '.join(map(str, newer))} are there too (a tracker restored from "
-                f"a backup, or moved by hand?); this run's saves would replace them. Pass "
-                f"--ckpt-step {newer[-1]} to resume from the newest, or --ckpt-step {iteration} "
-                "to resume from the tracker's")
+            said = (f"--load {load}: {TRACKER} names iteration {iteration}, but the newer "
+                    f"complete checkpoints {', '.join(map(str, newer))} are there too (a tracker "
+                    "restored from a backup, or moved by hand?)")
+            if args.save and os.path.realpath(args.save) == os.path.realpath(load):
+                raise StartupError(
+                    f"{said}; this run's saves into --save {args.save} would replace them. Pass "
+                    f"--ckpt-step {newer[-1]} to resume from the newest, or --ckpt-step "
+                    f"{iteration} to resume from the tracker's")
+            from .logging_utils import print_rank_0
+
+            print_rank_0(f"WARNING: {said}: loading iteration {iteration} (--ckpt-step "
+                         f"{newer[-1]} loads the newest)")
         return LoadTarget(load, iteration, ckpt)
     if iterations:
         raise StartupError(f"--load {load} has no {TRACKER} but holds iteration folders "

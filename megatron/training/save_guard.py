@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -450,18 +451,17 @@ class SaveDirGuard:
 
         mine = rank_checkpoint_bytes(args, local_params, ps.get_data_parallel_rank(),
                                      ps.get_data_parallel_world_size())
-        # one all-reduce: the checkpoint's bytes (sum) and the least free space a rank sees (a
-        # node-local --save, or one node's view of a shared one), as -free under SUM's MAX twin
+        # the checkpoint's bytes over the ranks, and the least free space a rank sees (a
+        # node-local --save, or one node's view of a shared one; a rank that cannot tell: inf)
         free_here = _free_bytes(self.directory)
-        total = torch.tensor([float(mine), -float(free_here if free_here is not None else -1)],
+        total = torch.tensor([float(mine)], dtype=torch.float64, device=device)
+        least = torch.tensor([float("inf") if free_here is None else float(free_here)],
                              dtype=torch.float64, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            least = total.clone()
             dist.all_reduce(total)
-            dist.all_reduce(least, op=dist.ReduceOp.MAX)
-            total[1] = least[1]
-        needed = int(total[0].item())
-        free = None if total[1].item() > 0 else int(-total[1].item())
+            dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        needed = int(total.item())
+        free = None if math.isinf(least.item()) else int(least.item())
         how = "estimated from the parameter count and optimizer state"
         latest = _latest_checkpoint_dir(self.directory)
         if latest is not None:

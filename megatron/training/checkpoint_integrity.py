@@ -312,8 +312,7 @@ def read_manifest(directory: str) -> Optional[Manifest]:
     return Manifest(int(raw["iteration"]), algorithm, files)
 
 
-def require_manifest(directory: str,
-                     load_flag: Callable[[int], str] = lambda it: f"--ckpt-step {it}"
+def require_manifest(directory: str, load_flag: Optional[Callable[[int], str]] = None
                      ) -> Optional[Manifest]:
     """:func:`read_manifest`, and an error when the manifest is missing from a checkpoint whose
     writer wrote one (:data:`WRITER_NOTE`): deleting ``manifest.json`` turned verification off
@@ -324,7 +323,7 @@ def require_manifest(directory: str,
         raise CheckpointIntegrityError(damaged(
             directory, os.path.join(directory, MANIFEST), f"is missing, but the checkpoint was "
             f"written with one ({WRITER_NOTE} says so): none of its files can be verified",
-            load_flag, extra="or pass --no-verify-checkpoint to load this checkpoint "
+            load_flag or ckpt_step_flag, extra="or pass --no-verify-checkpoint to load this checkpoint "
             "unverified"))
     return manifest
 
@@ -434,8 +433,13 @@ def torch_load(path: str, directory: str, load_flag: Callable[[int], str] = ckpt
         raise CheckpointIntegrityError(damaged(directory, path, "is missing", load_flag)) \
             from None
     except READ_ERRORS as exc:
-        # The first sentence: torch's zip errors go on with generic advice.
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
-        raise CheckpointIntegrityError(damaged(
-            directory, path, f"cannot be read: it is truncated or corrupt ({reason})",
-            load_flag)) from None
+        raise unreadable(directory, path, exc, load_flag) from None
+
+
+def unreadable(directory: str, path: str, exc: BaseException,
+               load_flag: Callable[[int], str] = ckpt_step_flag) -> CheckpointIntegrityError:
+    """The error for a file of ``directory`` its reader could not read (truncated or corrupt),
+    with the reader's first sentence (torch's zip errors go on with generic advice)."""
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
+    return CheckpointIntegrityError(damaged(
+        directory, path, f"cannot be read: it is truncated or corrupt ({reason})", load_flag))

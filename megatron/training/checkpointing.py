@@ -396,6 +396,11 @@ def _fresh_start(args: argparse.Namespace, reason: str) -> None:
                  "from iteration 0 (--exit-on-missing-checkpoint makes this an error)")
 
 
+def _saves_into(args: argparse.Namespace, root: str) -> bool:
+    """Whether this run's ``--save`` is the directory ``root``."""
+    return bool(args.save) and os.path.realpath(args.save) == os.path.realpath(root)
+
+
 def _newer_complete_checkpoints(root: str, iteration: int) -> List[int]:
     """Iterations after ``iteration`` under ``root`` whose directory has a manifest (a
     checkpoint the save completed: the manifest is written before the rename)."""
@@ -406,7 +411,7 @@ def _newer_complete_checkpoints(root: str, iteration: int) -> List[int]:
 def _warn_if_saves_replace_newer(args: argparse.Namespace, root: str, iteration: int) -> None:
     """``--ckpt-step N`` into the ``--save`` directory that holds later complete checkpoints:
     the user chose N, so it loads, but the saves that replace the later ones are said."""
-    if not args.save or os.path.realpath(args.save) != os.path.realpath(root):
+    if not _saves_into(args, root):
         return
     newer = _newer_complete_checkpoints(root, iteration)
     if newer:
@@ -500,7 +505,7 @@ def find_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
             said = (f"--load {load}: {TRACKER} names iteration {iteration}, but the newer "
                     f"complete checkpoints {', '.join(map(str, newer))} are there too (a tracker "
                     "restored from a backup, or moved by hand?)")
-            if args.save and os.path.realpath(args.save) == os.path.realpath(load):
+            if _saves_into(args, load):
                 raise StartupError(
                     f"{said}; this run's saves into --save {args.save} would replace them. Pass "
                     f"--ckpt-step {newer[-1]} to resume from the newest, or --ckpt-step "
@@ -516,7 +521,7 @@ def find_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
                            f"with --ckpt-step N (e.g. --ckpt-step {iterations[-1]})")
     visible = [n for n in os.listdir(load) if not n.startswith(".")]
     hidden = sorted(n for n in os.listdir(load) if n.startswith("."))
-    same_as_save = bool(args.save) and os.path.realpath(load) == os.path.realpath(args.save)
+    same_as_save = _saves_into(args, load)
     if not visible and same_as_save:
         _fresh_start(args, "the directory holds no checkpoint yet"
                      + (f", only {_found(hidden)}" if hidden else ""))

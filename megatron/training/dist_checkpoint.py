@@ -281,10 +281,8 @@ def read_common_state(dcp: Any, directory: str) -> Dict[str, Any]:
     try:
         return dcp.load_common_state_dict(directory)
     except Exception as exc:  # noqa: BLE001 -- torch's zip reader, pickle, megatron-core's own
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
-        raise checkpoint_integrity.CheckpointIntegrityError(checkpoint_integrity.damaged(
-            directory, os.path.join(directory, "common.pt"),
-            f"cannot be read: it is truncated or corrupt ({reason})")) from None
+        raise checkpoint_integrity.unreadable(
+            directory, os.path.join(directory, "common.pt"), exc) from None
 
 
 def _saved_top_keys(dcp: Any, directory: str) -> set:
@@ -293,10 +291,8 @@ def _saved_top_keys(dcp: Any, directory: str) -> set:
     try:
         metadata = dcp.load_tensors_metadata(directory)
     except Exception as exc:  # noqa: BLE001 -- a damaged .metadata: name it
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
-        raise checkpoint_integrity.CheckpointIntegrityError(checkpoint_integrity.damaged(
-            directory, os.path.join(directory, ".metadata"),
-            f"cannot be read: it is truncated or corrupt ({reason})")) from None
+        raise checkpoint_integrity.unreadable(
+            directory, os.path.join(directory, ".metadata"), exc) from None
     return {key.split(".", 1)[0] for key in metadata}
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .config import QuantizationConfig
+from .kernels import QuantizedTensor
 
 __all__ = ["LayerMemory", "layer_memory"]
 
@@ -33,13 +34,8 @@ _SMALL = 1024
 def _error_bytes(cfg: QuantizationConfig, numel: int, group_size: int) -> int:
     """One stored LoCo error buffer of ``numel`` elements at ``--loco-error-bits``."""
     if cfg.loco_error_bits == 8:
-        return _codes(numel, 8, group_size)
+        return QuantizedTensor.wire_bytes(numel, 8, group_size)
     return numel * cfg.loco_error_bits // 8
-
-
-def _codes(numel: int, bits: int, group_size: int) -> int:
-    """Packed codes and fp32 scales of ``numel`` elements."""
-    return numel * bits // 8 + numel // group_size * _FP32
 
 
 @dataclass(frozen=True)
@@ -78,7 +74,7 @@ def _reduce_scatter_peak(cfg: QuantizationConfig, n: int, p: int, d: int) -> int
     bits1, gs1 = ((cfg.gradient_quantization_bits_intra, cfg.gq_group_size_intra) if d > 1
                   else (cfg.gradient_quantization_bits_inter, cfg.gq_group_size_inter))
     one_message1 = d == 1                               # the first hop crosses nodes
-    q1 = _codes(n, bits1, gs1)
+    q1 = QuantizedTensor.wire_bytes(n, bits1, gs1)
     # with LoCo: h and the residual (then the read-back error and the residual), and the new
     # error being stored while the old one is still held
     first = q1 + (2 * n * _FP32 + _error_bytes(cfg, n, gs1) if cfg.loco else 0)
@@ -86,7 +82,8 @@ def _reduce_scatter_peak(cfg: QuantizationConfig, n: int, p: int, d: int) -> int
     if not two_level:
         return max(first, exchange1 + (n // p) * _FP32) + _SMALL
     part = n // d                                       # the middle hop's elements
-    q2 = _codes(part, cfg.gradient_quantization_bits_inter, cfg.gq_group_size_inter)
+    q2 = QuantizedTensor.wire_bytes(part, cfg.gradient_quantization_bits_inter,
+                                    cfg.gq_group_size_inter)
     middle = q1 + q2 + (3 * part * _FP32 + _error_bytes(cfg, part, cfg.gq_group_size_inter)
                         if cfg.loco else 0)             # sum, h2 / residual, error
     exchange2 = q2 * 4 + (n // p) * _FP32               # packed message each way, and the sum

@@ -16,7 +16,7 @@ How the specialisations are found (nothing is re-derived by hand):
 
 1. The flag space: bits from ``config.SUPPORTED_BITS``; group sizes and the Hadamard block from
    the ``QuantizationConfig`` defaults plus every value the recipes in ``examples/`` pass; input
-   dtypes from what the call sites in ``collectives.py`` / ``loco.py`` / ``paro_engine.py`` hand to
+   dtypes from what the call sites in ``collectives.py`` / ``loco.py`` / ``paro/`` hand to
    the kernels (fp32 / bf16 gradient buffers, bf16 / fp32 / fp16 parameters).
 2. For each reachable combination, the *launcher's own* host function in ``triton_kernels.py``
    (``quantize_partitions``, ``dequantize_sum_requantize``, ...) is called on small CPU tensors

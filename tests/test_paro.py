@@ -1,9 +1,9 @@
 """PaRO: strategy parsing, memory / communication model, auto choice, PaRO-CC all-reduce.
 
 Why these tests: the strategy grid and its validity rule are easy to get subtly wrong (the spec
-derives 14 of 27 combinations; paro_strategy), the cost model is what ``--paro-strategy auto``
-will trust (paro_cost), and the hierarchical all-reduce the engine uses for NNN must give exactly
-the flat all-reduce's result while sending what the model says (paro_comm). The distributed
+derives 14 of 27 combinations; paro.strategy), the cost model is what ``--paro-strategy auto``
+will trust (paro.cost), and the hierarchical all-reduce the engine uses for NNN must give exactly
+the flat all-reduce's result while sending what the model says (paro.comm). The distributed
 checks run once, on 4 gloo ranks laid out as 2 groups x 2, then 1 x 4 and 4 x 1.
 """
 
@@ -18,11 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron.distributed.quant import paro_args, paro_comm, paro_cost, paro_strategy
+from megatron.distributed.quant.paro import args as paro_args
+from megatron.distributed.quant.paro import comm as paro_comm
+from megatron.distributed.quant.paro import cost as paro_cost
+from megatron.distributed.quant.paro import strategy as paro_strategy
 from megatron.distributed.quant.config import QuantizationConfig
-from megatron.distributed.quant.paro_cost import (StateBytes, choose_strategy_auto,
+from megatron.distributed.quant.paro.cost import (StateBytes, choose_strategy_auto,
                                                   communication_volume, model_state_memory)
-from megatron.distributed.quant.paro_strategy import (PaRoStrategy, parse_paro_strategy,
+from megatron.distributed.quant.paro.strategy import (PaRoStrategy, parse_paro_strategy,
                                                       resolve_group_size, uses_engine)
 from dist_harness import free_port, init_process_group, shutdown_process_group
 

@@ -1,6 +1,6 @@
 """PaRO engine memory on GPUs, the parts a CPU can check (issue 25, defect 9).
 
-Why these tests: the engine's memory is what its strategies promise (paro_cost), yet some of its
+Why these tests: the engine's memory is what its strategies promise (paro.cost), yet some of its
 bookkeeping scaled with the *model* on every rank, or made device copies of whole states:
 
 * the grad norm made two fp64 copies of the gradient shard every step (16 B per element);
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron.distributed.quant.paro_strategy import VALID_STRATEGIES, Level, PaRoStrategy
+from megatron.distributed.quant.paro.strategy import VALID_STRATEGIES, Level, PaRoStrategy
 
 GRAD_NORM_RTOL = 1e-6
 """Grad norm vs the fp64 reference. Each chunk is an fp32 reduction (as megatron-core's
@@ -110,8 +110,8 @@ class Toy(torch.nn.Module):
 
 def _engine(strategy: str, group_size: int, module: Optional[torch.nn.Module] = None,
             bucket_numel: Optional[int] = None, overlap_param_gather: bool = False):
-    from megatron.distributed.quant.paro_comm import build_paro_groups
-    from megatron.distributed.quant.paro_engine import ParoDataParallel
+    from megatron.distributed.quant.paro.comm import build_paro_groups
+    from megatron.distributed.quant.paro.engine import ParoDataParallel
 
     torch.manual_seed(0)
     module = Toy() if module is None else module
@@ -141,7 +141,7 @@ def _fake_all_gather(engine) -> None:
 @pytest.mark.parametrize("numel,chunk", [(3_000_017, 1 << 18), (1_000, 1 << 24),
                                          (1 << 18, 1 << 16), (1, 7), (0, 5)])
 def test_sum_of_squares_matches_fp64_reference(numel, chunk):
-    from megatron.distributed.quant.paro_optimizer import sum_of_squares
+    from megatron.distributed.quant.paro.optimizer import sum_of_squares
 
     g = torch.Generator().manual_seed(numel)
     # Wide dynamic range: magnitudes from 1e-4 to 1e4, as real gradient shards have.
@@ -157,7 +157,7 @@ def test_sum_of_squares_matches_fp64_reference(numel, chunk):
 
 
 def test_sum_of_squares_keeps_non_finite_and_refuses_bad_chunks():
-    from megatron.distributed.quant.paro_optimizer import sum_of_squares
+    from megatron.distributed.quant.paro.optimizer import sum_of_squares
 
     x = torch.ones(100)
     x[57] = float("nan")
@@ -173,8 +173,8 @@ def test_grad_norm_makes_no_fp64_copy_of_the_shard(strategy, monkeypatch):
     """Rank 3 of 8 (m = 4): the norm of its main_grad shard (the fake all-reduce adds nothing)
     equals the fp64 reference within GRAD_NORM_RTOL, and no fp64 tensor bigger than one scalar
     per chunk -- nor any tensor of the shard's size -- is allocated."""
-    from megatron.distributed.quant import paro_optimizer
-    from megatron.distributed.quant.paro_optimizer import ParoOptimizer
+    from megatron.distributed.quant.paro import optimizer as paro_optimizer
+    from megatron.distributed.quant.paro.optimizer import ParoOptimizer
 
     # Several chunks (raising=False: the measurement below also runs on the code before the fix).
     monkeypatch.setattr(paro_optimizer, "GRAD_NORM_CHUNK_NUMEL", 64, raising=False)
@@ -217,7 +217,7 @@ def test_optimizer_setup_host_bytes_are_per_shard_element(strategy):
     (per-bucket aranges, then their concatenation), the indexed mask and a second copy of the
     master -- 22 B per shard element beyond the state at os = N (= per model element), 25 at
     os = I and 29 at os = G on 8 ranks with m = 4."""
-    from megatron.distributed.quant.paro_optimizer import ParoOptimizer
+    from megatron.distributed.quant.paro.optimizer import ParoOptimizer
 
     with fake_world(8, 3):
         engine = _engine(strategy, 4)
@@ -340,7 +340,7 @@ def test_overlapped_gathers_run_one_bucket_ahead(strategy):
     (on the weights stage) before its own module computes, each backward hook the previous
     bucket's; never more than PARAM_GATHERS_AHEAD in flight, nothing left gathered or in flight
     after the backward. The inline engine starts each gather only when its module is called."""
-    from megatron.distributed.quant.paro_engine import PARAM_GATHERS_AHEAD
+    from megatron.distributed.quant.paro.engine import PARAM_GATHERS_AHEAD
 
     def events_of(overlap: bool) -> List[Tuple[str, int]]:
         with fake_world(8, 3):
@@ -391,7 +391,7 @@ def test_old_save_path_cloned_every_parameter():
 def test_optimizer_state_dict_is_a_host_copy():
     """The optimizer's checkpoint state: equal to its state, not aliasing it, made by copies to
     the host (before: ``.clone()`` where the state lives -- 12 B per shard element on the GPU)."""
-    from megatron.distributed.quant.paro_optimizer import ParoOptimizer
+    from megatron.distributed.quant.paro.optimizer import ParoOptimizer
 
     with fake_world(8, 3):
         engine = _engine("NIG", 4)
@@ -472,7 +472,7 @@ GPT_1B = dict(seq_length=2048, micro_batch_size=1, hidden_size=2048, num_layers=
 def test_activation_estimate_is_the_papers_formula():
     """Korthikanti et al. 2022: sbh(34 + 5as/h) per layer for 16-bit activations and f = 4h;
     selective recomputation drops the 5as/h term, full recomputation keeps the layer inputs."""
-    from megatron.distributed.quant.paro_cost import activation_memory
+    from megatron.distributed.quant.paro.cost import activation_memory
 
     s, b, h, a, L, v = 2048, 2, 1024, 16, 4, 1000
     kw = dict(seq_length=s, micro_batch_size=b, hidden_size=h, num_layers=L,
@@ -506,7 +506,7 @@ def _auto_args(**kw: Any) -> Any:
 def device_memory(monkeypatch):
     """``auto`` on a pretend 8 GB device, 4 micro-batches (no process group, no GPU needed)."""
     import megatron.core.num_microbatches_calculator as nmc
-    from megatron.distributed.quant import paro_integration
+    from megatron.distributed.quant.paro import integration as paro_integration
 
     memory = {"bytes": 8e9}
     monkeypatch.setattr(paro_integration, "_memory_for_auto",
@@ -517,8 +517,8 @@ def device_memory(monkeypatch):
 
 
 def _choose(args: Any) -> Tuple[str, float]:
-    from megatron.distributed.quant import paro_integration
-    from megatron.distributed.quant.paro_cost import StateBytes, model_state_memory
+    from megatron.distributed.quant.paro import integration as paro_integration
+    from megatron.distributed.quant.paro.cost import StateBytes, model_state_memory
 
     note = paro_integration.resolve_auto_strategy(args, 1.3e9)
     mem = model_state_memory(args.paro_strategy, 1.3e9, 16, 8,
@@ -530,8 +530,8 @@ def test_auto_reserves_context_and_activations_by_default(device_memory):
     """No reserve flag, the device's own memory: a tenth of it plus one micro-batch's estimated
     activations stay free, and the chosen strategy's model states fit in the rest (before: 0
     reserved, so auto planned states that filled the GPU)."""
-    from megatron.distributed.quant import paro_integration
-    from megatron.distributed.quant.paro_cost import DEVICE_RESERVE_FRACTION, activation_memory
+    from megatron.distributed.quant.paro import integration as paro_integration
+    from megatron.distributed.quant.paro.cost import DEVICE_RESERVE_FRACTION, activation_memory
 
     args = _auto_args()
     reserved, why = paro_integration.reserved_bytes_for_auto(args, 8e9)
@@ -574,7 +574,7 @@ def test_auto_picks_leaner_strategies_as_the_reserve_grows(device_memory):
 def test_explicit_memory_budget_reserves_nothing_by_default(device_memory):
     """--paro-gpu-memory-gb says what model states may fill: no reserve is taken off it unless
     --paro-reserved-memory-gb says so (the smoke runs' tiny budgets keep working)."""
-    from megatron.distributed.quant import paro_integration
+    from megatron.distributed.quant.paro import integration as paro_integration
 
     assert paro_integration.reserved_bytes_for_auto(_auto_args(paro_gpu_memory_gb=5.0), 5e9)[0] == 0
     assert paro_integration.reserved_bytes_for_auto(
@@ -590,9 +590,9 @@ def test_strategy_report_is_per_rank_with_model_parallelism(monkeypatch):
     import argparse
 
     import megatron.core.num_microbatches_calculator as nmc
-    from megatron.distributed.quant import paro_integration
+    from megatron.distributed.quant.paro import integration as paro_integration
     from megatron.distributed.quant.config import QuantizationConfig
-    from megatron.distributed.quant.paro_cost import format_report, paro_report
+    from megatron.distributed.quant.paro.cost import format_report, paro_report
 
     monkeypatch.setattr(nmc, "get_num_microbatches", lambda: 2)
     chunk = torch.nn.Linear(64, 32)   # 2080 parameters on this rank

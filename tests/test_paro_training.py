@@ -1,6 +1,6 @@
 """PaRO strategies train: every effective strategy reproduces ZeRO-1, with the modelled memory and bytes.
 
-Why these tests: the PaRO engine (megatron/distributed/quant/paro_engine.py) re-implements data
+Why these tests: the PaRO engine (megatron/distributed/quant/paro/engine.py) re-implements data
 parallelism -- parameter gathers and releases, per-micro-step gradient reduce-scatters, the
 boundary sync and the optimizer -- so each strategy could silently train something else, keep
 more memory than the strategy promises or move other bytes than the startup report says. On 4
@@ -10,9 +10,9 @@ DDP + DistributedOptimizer (NNG):
 
 * per-step losses and grad norms (fp32: rel 1e-6; bf16: 1e-4, see FP32_RTOL / BF16_RTOL);
 * the persistent model-state bytes per rank, measured from the storages of the resident
-  tensors, equal ``paro_cost.model_state_memory`` for the padded parameter count (the sum of the
+  tensors, equal ``paro.cost.model_state_memory`` for the padded parameter count (the sum of the
   separately padded buckets);
-* the bytes counted on the intra / inter links in one step equal ``paro_cost.communication_volume``;
+* the bytes counted on the intra / inter links in one step equal ``paro.cost.communication_volume``;
 * gathers, releases and gradient reduce-scatters are per bucket: the peak parameter + gradient
   bytes stay within the persistent bytes plus one bucket in use (plus the tied-embedding bucket),
   well below DDP's full parameters + gradients for IIG / GGG;
@@ -31,9 +31,9 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from megatron.distributed.quant import paro_cost
-from megatron.distributed.quant.paro_cost import StateBytes, communication_volume, model_state_memory
-from megatron.distributed.quant.paro_strategy import VALID_STRATEGIES
+from megatron.distributed.quant.paro import cost as paro_cost
+from megatron.distributed.quant.paro.cost import StateBytes, communication_volume, model_state_memory
+from megatron.distributed.quant.paro.strategy import VALID_STRATEGIES
 from tools.paro_strategy_table import synthetic_batches
 
 WORLD, GROUP = 4, 2
@@ -107,8 +107,8 @@ def _build(args, strategy: str, engine: bool, seed: int = 1234, bucket_numel=Non
 
 def _train(args, model, opt, sched, first_step: int, steps: int, rank: int,
            measure: bool = False) -> Dict[str, Any]:
-    from megatron.distributed.quant.paro_engine import ParoDataParallel
-    from megatron.distributed.quant.paro_optimizer import model_state_bytes
+    from megatron.distributed.quant.paro.engine import ParoDataParallel
+    from megatron.distributed.quant.paro.optimizer import model_state_bytes
     from megatron.training import training as T
 
     it = _batches(rank, first_step, steps)
@@ -432,7 +432,7 @@ def test_auto_and_rejections(monkeypatch):
 def test_engine_rejects_fp16_optimizer():
     from types import SimpleNamespace
 
-    from megatron.distributed.quant.paro_optimizer import ParoOptimizer
+    from megatron.distributed.quant.paro.optimizer import ParoOptimizer
 
     with pytest.raises(NotImplementedError, match="not fp16"):
         ParoOptimizer(SimpleNamespace(), SimpleNamespace(fp16=True, optimizer="adam"))

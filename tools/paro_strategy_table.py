@@ -6,11 +6,11 @@ Usage (CPU, 4 gloo ranks on 127.0.0.1 laid out as 2 groups x 2, about a minute):
 
 Prints a Markdown table (docs/paro.md, "Measured"): per rank, the persistent model-state bytes
 measured from the storages of the engine's resident tensors next to
-``paro_cost.model_state_memory``, the number of buckets (units of gather / release and of the gradient
+``paro.cost.model_state_memory``, the number of buckets (units of gather / release and of the gradient
 reduce-scatter; ``--bucket-numel`` caps their size, default one per transformer layer / top-level
 module) and the peak parameter + gradient bytes during a step, the intra / inter bytes counted in
 one step next to
-``paro_cost.communication_volume``, and the largest relative loss difference to megatron-core's
+``paro.cost.communication_volume``, and the largest relative loss difference to megatron-core's
 DDP + DistributedOptimizer (NNG) over the steps. Same setup as tests/test_paro_training.py.
 ``--quantized`` adds ``--quantized-gradients --quantized-weights`` (SDP4Bit's TLq / qWD inside the
 PaRO groups) for the strategies that support them (os = G); the reference stays unquantized.
@@ -67,7 +67,7 @@ def _worker(rank: int, port: int, steps: int, bf16: bool, quantized: bool, bucke
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD)
     from megatron.core.transformer.module import Float16Module
-    from megatron.distributed.quant.paro_optimizer import model_state_bytes
+    from megatron.distributed.quant.paro.optimizer import model_state_bytes
     from megatron.training import training as T
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_megatron, set_random_seed
@@ -111,13 +111,13 @@ def _worker(rank: int, port: int, steps: int, bf16: bool, quantized: bool, bucke
 
 
 def _strategies(quantized: bool) -> List[str]:
-    from megatron.distributed.quant.paro_strategy import VALID_STRATEGIES
+    from megatron.distributed.quant.paro.strategy import VALID_STRATEGIES
 
     return [s for s in VALID_STRATEGIES if not quantized or s[2] == "G"]
 
 
 def _table(results: Dict[str, Any], bf16: bool, quantized: bool) -> str:
-    from megatron.distributed.quant import paro_cost
+    from megatron.distributed.quant.paro import cost as paro_cost
     from megatron.distributed.quant.config import QuantizationConfig
 
     ref = results["core"]["losses"]

@@ -12,7 +12,7 @@ hooks, checkpoint hooks (:func:`full_model_params`, the quantization state) and 
 strategy every function reduces to plain megatron-core behaviour (bit-identical results): the
 model chunks are plain ``DistributedDataParallel`` objects and every hook below is a no-op for
 them. Heavy modules (megatron-core, the DDP subclasses, the PaRO engine) are imported inside the
-functions that need them; the PaRO-specific building lives in :mod:`.paro_integration`.
+functions that need them; the PaRO-specific building lives in :mod:`.paro.integration`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ __all__ = [
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the quantized-communication flags and the PaRO flags (``--paro-*``)."""
     from .arguments import add_quantization_args
-    from .paro_args import add_paro_args
+    from .paro.args import add_paro_args
 
     add_quantization_args(parser)
     add_paro_args(parser)
@@ -68,7 +68,7 @@ def check_strategy_args(args: argparse.Namespace) -> None:
     """Accept or refuse ``--paro-strategy`` for this run (ValueError with the fix); normalises
     ``args.paro_strategy`` / ``args.paro_group_size``. Needs ``args.quant_config`` and the
     parallel sizes."""
-    from .paro_args import check_paro_args
+    from .paro.args import check_paro_args
 
     check_paro_args(args)
 
@@ -76,7 +76,7 @@ def check_strategy_args(args: argparse.Namespace) -> None:
 def uses_sharded_engine(strategy: Optional[str]) -> bool:
     """True when ``strategy`` (``--paro-strategy``, any spelling) trains on the PaRO engine
     rather than megatron-core's DDP; ``'auto'`` counts (it may pick one), None does not."""
-    from .paro_strategy import uses_engine
+    from .paro.strategy import uses_engine
 
     return uses_engine(strategy)
 
@@ -114,7 +114,7 @@ def _runtimes(model_chunks: List[torch.nn.Module]) -> List[Any]:
 
 def _engine_chunks(model_chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
     """The chunks wrapped by the PaRO engine (none for megatron-core DDP)."""
-    from .paro_integration import is_engine
+    from .paro.integration import is_engine
 
     return [chunk for chunk in model_chunks if is_engine(chunk)]
 
@@ -131,13 +131,13 @@ def wrap_model(config: "TransformerConfig", ddp_config: "DistributedDataParallel
     subclass when enabled). Any other strategy: the PaRO engine over groups of ``group_size``
     data-parallel ranks (quantizing through the same runtime when enabled). ``engine=True``
     forces the engine (e.g. to measure NNN / NNG on it)."""
-    from .paro_strategy import AUTO
+    from .paro.strategy import AUTO
 
     if strategy == AUTO:
         raise ValueError("--paro-strategy auto must be resolved first (resolve_auto_strategy)")
     if not (uses_sharded_engine(strategy) if engine is None else engine):
         return wrap_model_with_ddp(config, ddp_config, model_chunks, quant_config)
-    from .paro_integration import wrap_with_engine
+    from .paro.integration import wrap_with_engine
 
     if strategy is None or group_size is None:
         raise ValueError("the PaRO engine needs a strategy and a group size")
@@ -148,7 +148,7 @@ def resolve_auto_strategy(args: argparse.Namespace, num_params: int) -> Optional
     """``--paro-strategy auto``: choose the strategy (cheapest modelled communication that fits in
     memory), set ``args.paro_strategy`` (and ``--use-distributed-optimizer`` for NNN / NNG) and
     return why; None for any other value. Collective."""
-    from .paro_integration import resolve_auto_strategy as resolve
+    from .paro.integration import resolve_auto_strategy as resolve
 
     return resolve(args, num_params)
 
@@ -201,7 +201,7 @@ def build_optimizer(optimizer_config: Any, model_chunks: List[torch.nn.Module],
     """The optimizer of the wrapped chunks: megatron-core's ``get_megatron_optimizer`` (then
     :func:`on_optimizer_built`), or the PaRO engine's own optimizer for engine chunks."""
     if _engine_chunks(model_chunks):
-        from .paro_integration import build_engine_optimizer
+        from .paro.integration import build_engine_optimizer
 
         return build_engine_optimizer(optimizer_config, model_chunks)
     import dataclasses
@@ -407,7 +407,7 @@ def strategy_report(args: argparse.Namespace, model_chunks: List[torch.nn.Module
     """The startup report of ``--paro-strategy`` (model-state memory and bytes per link of one
     step, from the cost model; for the PaRO engine also the resident bytes it measures), or None
     without a strategy."""
-    from .paro_integration import strategy_report as report
+    from .paro.integration import strategy_report as report
 
     return report(args, model_chunks, optimizer)
 

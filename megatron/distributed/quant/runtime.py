@@ -8,7 +8,7 @@ vocabulary, :meth:`~QuantizationRuntime.reduce_scatter` and
 :meth:`~QuantizationRuntime.all_gather` over a *scope* ('global' = the DP group in two hops,
 'intra' = the node, 'inter' = the ranks of one local index), on flat buffers identified by a
 *key*. Both data-parallel paths call it: megatron-core's bucket groups (:mod:`.ddp`) and the
-PaRO engine (:mod:`.paro_engine`), so LoCo, TLq-HS, qWD/qW, the start iteration, accounting,
+PaRO engine (:mod:`.paro.engine`), so LoCo, TLq-HS, qWD/qW, the start iteration, accounting,
 NaN/Inf skipping, pipelining and overlap behave the same on every strategy. The collectives
 themselves (no state) are :mod:`.collectives`; where they run is :mod:`.streams`.
 """

@@ -11,9 +11,9 @@ and optimizer states (os) -- one partition level:
 A strategy is the three letters in the order p, g, os (``NIG``, ``IIG``, ZeRO-1 = ``NNG``, ...).
 :class:`PaRoStrategy` / :func:`parse_paro_strategy` parse it and apply the validity rule (14 of the
 27 combinations are effective; every rejection says why); :func:`check_trainable` says how the
-trainer runs one (NNN / NNG on megatron-core, the others on :mod:`.paro_engine`). The rest of PaRO:
-the cost model and report in :mod:`.paro_cost`, the PaRO-CC collectives in :mod:`.paro_comm`, the
-flags in :mod:`.paro_args`.
+trainer runs one (NNN / NNG on megatron-core, the others on :mod:`.engine`). The rest of PaRO:
+the cost model and report in :mod:`.cost`, the PaRO-CC collectives in :mod:`.comm`, the
+flags in :mod:`.args`.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def resolve_group_size(world_size: int, group_size: Optional[int] = None,
 MEGATRON_CORE_STRATEGIES: Dict[str, bool] = {"NNN": False, "NNG": True}
 """Strategies megatron-core's DDP / DistributedOptimizer realise directly (value: the
 ``--use-distributed-optimizer`` setting they need). Every other effective strategy is trained by
-the PaRO engine (:mod:`.paro_engine`)."""
+the PaRO engine (:mod:`.engine`)."""
 
 
 def uses_engine(strategy: Optional[str]) -> bool:

@@ -3,9 +3,9 @@
 Spec: ../shared/research/paro.md §4. :func:`build_paro_groups` builds the intra-group (m ranks, the
 fast link) and inter-group (same local index) process groups; :func:`hierarchical_all_reduce` is
 the two-hop all-reduce (NNN's boundary sync); ``_reduce_scatter`` / ``_all_gather`` / ``_count``
-are the one-hop collectives the engine (:mod:`.paro_engine`) issues per scope, each counted in a
-:class:`CommCounter` with the cost model's convention (:func:`.paro_cost.ring_bytes`), so a
-measured step equals :func:`.paro_cost.communication_volume` exactly.
+are the one-hop collectives the engine (:mod:`.engine`) issues per scope, each counted in a
+:class:`CommCounter` with the cost model's convention (:func:`.cost.ring_bytes`), so a
+measured step equals :func:`.cost.communication_volume` exactly.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_flat, reduce_scatter_flat
-from .paro_cost import ring_bytes
-from .paro_strategy import resolve_group_size
+from ..collectives import all_gather_flat, reduce_scatter_flat
+from .cost import ring_bytes
+from .strategy import resolve_group_size
 
 __all__ = ["CommCounter", "build_paro_groups", "hierarchical_all_reduce"]
 
@@ -27,8 +27,8 @@ class CommCounter:
     """Bytes this rank sends, by link, counted with the cost model's convention.
 
     Each recorded collective of a logical tensor of ``numel`` elements among ``ranks`` ranks adds
-    :func:`.paro_cost.ring_bytes` to its link, so a measured step can be compared with
-    :func:`.paro_cost.communication_volume` exactly.
+    :func:`.cost.ring_bytes` to its link, so a measured step can be compared with
+    :func:`.cost.communication_volume` exactly.
     """
 
     def __init__(self) -> None:
@@ -56,7 +56,7 @@ def build_paro_groups(group_size: int, dp_ranks: Optional[Sequence[int]] = None,
     returns a ``TwoLevelGroups`` (``intra_group`` / ``inter_group`` are None for a size-1 side).
     ``timeout``: the run's (every communicator created here takes it).
     """
-    from .topology import build_two_level_groups
+    from ..topology import build_two_level_groups
 
     ranks = list(range(dist.get_world_size())) if dp_ranks is None else list(dp_ranks)
     resolve_group_size(len(ranks), group_size)

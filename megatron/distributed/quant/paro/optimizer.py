@@ -8,8 +8,8 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from .paro_engine import ParoDataParallel
-from .paro_strategy import Level
+from .engine import ParoDataParallel
+from .strategy import Level
 
 __all__ = ["ParoOptimizer", "model_state_bytes", "sum_of_squares", "GRAD_NORM_CHUNK_NUMEL"]
 
@@ -222,7 +222,7 @@ class ParoOptimizer:
 
 def model_state_bytes(engine: ParoDataParallel, optimizer: ParoOptimizer) -> Dict[str, int]:
     """Measured persistent model-state bytes of this rank, by state (compare with
-    :func:`.paro_cost.model_state_memory`)."""
+    :func:`.cost.model_state_memory`)."""
     out = engine.model_state_bytes()
     out["optimizer_states"] = optimizer.state_bytes()
     out["total"] = out["params"] + out["grads"] + out["optimizer_states"]

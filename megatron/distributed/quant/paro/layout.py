@@ -17,7 +17,7 @@ collective on a contiguous slice and nothing is reordered:
 * full -> I: intra reduce-scatter; I -> G: inter reduce-scatter of the I slice;
 * global reduce-scatter (full -> G) = intra RS + inter RS (PaRO-CC, spec §4);
 * G -> I: inter all-gather; I -> full: intra all-gather; global all-gather = inter AG + intra AG;
-* global all-reduce (NNN) = :func:`.paro_comm.hierarchical_all_reduce` (whole buffer).
+* global all-reduce (NNN) = :func:`.comm.hierarchical_all_reduce` (whole buffer).
 
 Byte totals do not depend on the bucketing (ring bytes are linear in the element count).
 """

@@ -1,8 +1,8 @@
-"""The PaRO side of :mod:`.integration`: build the engine, resolve ``auto``, the startup report.
+"""The PaRO side of :mod:`..integration`: build the engine, resolve ``auto``, the startup report.
 
-Only :mod:`.integration` calls this module (the trainer never does). NNN / NNG (and no
+Only :mod:`..integration` calls this module (the trainer never does). NNN / NNG (and no
 ``--paro-strategy``) stay on megatron-core's DDP; every other strategy wraps the model chunk in
-:class:`.paro_engine.ParoDataParallel` and uses :class:`.paro_optimizer.ParoOptimizer`. The
+:class:`.engine.ParoDataParallel` and uses :class:`.optimizer.ParoOptimizer`. The
 functions that need the run's flags take the trainer's ``args`` (``--paro-*``, ``--bf16`` /
 ``--fp16``, ``--accumulate-allreduce-grads-in-fp32``, the parallel sizes).
 """
@@ -15,7 +15,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from .config import QuantizationConfig
+from ..config import QuantizationConfig
 
 __all__ = ["is_engine", "wrap_with_engine", "build_engine_optimizer", "resolve_auto_strategy",
            "reserved_bytes_for_auto", "activation_bytes_estimate", "strategy_report"]
@@ -23,7 +23,7 @@ __all__ = ["is_engine", "wrap_with_engine", "build_engine_optimizer", "resolve_a
 
 def is_engine(chunk: Any) -> bool:
     """True for a model chunk wrapped by the PaRO engine."""
-    from .paro_engine import ParoDataParallel
+    from .engine import ParoDataParallel
 
     return isinstance(chunk, ParoDataParallel)
 
@@ -42,11 +42,11 @@ def wrap_with_engine(config: Any, ddp_config: Any, model_chunks: List[torch.nn.M
     ``weights`` stage one bucket ahead, over a third set)."""
     from megatron.core import parallel_state as ps
 
-    from .grad_accum import apply_grad_accum_dtype
-    from .paro_comm import build_paro_groups
-    from .paro_engine import ParoDataParallel
-    from .paro_strategy import Level, PaRoStrategy
-    from .placement import agree_across_ranks
+    from ..grad_accum import apply_grad_accum_dtype
+    from ..placement import agree_across_ranks
+    from .comm import build_paro_groups
+    from .engine import ParoDataParallel
+    from .strategy import Level, PaRoStrategy
 
     if len(model_chunks) != 1:
         raise ValueError(f"the PaRO engine wraps one model chunk, got {len(model_chunks)} "
@@ -73,14 +73,14 @@ def wrap_with_engine(config: Any, ddp_config: Any, model_chunks: List[torch.nn.M
 
 def build_engine_optimizer(optimizer_config: Any, model_chunks: List[torch.nn.Module]) -> Any:
     """The PaRO engine's optimizer (AdamW / SGD on the engine's flat fp32 shards)."""
-    from .paro_optimizer import ParoOptimizer
+    from .optimizer import ParoOptimizer
 
     return ParoOptimizer(model_chunks[0], optimizer_config)
 
 
 def _state_bytes(args: argparse.Namespace) -> Any:
     """Bytes per element of parameters / gradients as this run stores them (K = 12 for Adam)."""
-    from .paro_cost import StateBytes
+    from .cost import StateBytes
 
     mixed = args.bf16 or args.fp16
     return StateBytes(param=2.0 if mixed else 4.0,
@@ -119,9 +119,9 @@ def _keeps_attention_scores(args: argparse.Namespace) -> bool:
 
 
 def activation_bytes_estimate(args: argparse.Namespace) -> float:
-    """:func:`.paro_cost.activation_memory` of one micro-batch of this run (its shape, precision,
+    """:func:`.cost.activation_memory` of one micro-batch of this run (its shape, precision,
     attention kernel and recomputation flags)."""
-    from .paro_cost import activation_memory
+    from .cost import activation_memory
 
     vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 0
     return activation_memory(
@@ -140,13 +140,13 @@ def reserved_bytes_for_auto(args: argparse.Namespace, memory_bytes: float) -> Tu
     """(bytes of ``memory_bytes`` that ``auto`` keeps free, how that was decided).
 
     ``--paro-reserved-memory-gb`` when given. Else, when the memory is the device's own (no
-    ``--paro-gpu-memory-gb``): :data:`.paro_cost.DEVICE_RESERVE_FRACTION` of it (CUDA context,
+    ``--paro-gpu-memory-gb``): :data:`.cost.DEVICE_RESERVE_FRACTION` of it (CUDA context,
     NCCL buffers, workspaces, fragmentation) plus :func:`activation_bytes_estimate`. Why: the
     reserve was 0, so ``auto`` planned model states that filled the whole GPU and the first
     forward ran out of memory. An explicit ``--paro-gpu-memory-gb`` already says what model states
     may fill, so nothing is taken off it by default.
     """
-    from .paro_cost import DEVICE_RESERVE_FRACTION
+    from .cost import DEVICE_RESERVE_FRACTION
 
     if args.paro_reserved_memory_gb is not None:
         return args.paro_reserved_memory_gb * 1e9, "--paro-reserved-memory-gb"
@@ -167,8 +167,8 @@ def resolve_auto_strategy(args: argparse.Namespace, num_params: int) -> Optional
     Collective (the memory budget is the minimum over the ranks)."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-    from .paro_cost import choose_strategy_auto
-    from .paro_strategy import AUTO, MEGATRON_CORE_STRATEGIES
+    from .cost import choose_strategy_auto
+    from .strategy import AUTO, MEGATRON_CORE_STRATEGIES
 
     if args.paro_strategy != AUTO:
         return None
@@ -191,7 +191,7 @@ def strategy_report(args: argparse.Namespace, model_chunks: List[torch.nn.Module
     cost model; for the engine also the resident bytes it measures), or None without one."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-    from .paro_cost import format_report, paro_report
+    from .cost import format_report, paro_report
 
     if args.paro_strategy is None:
         return None
@@ -211,7 +211,7 @@ def strategy_report(args: argparse.Namespace, model_chunks: List[torch.nn.Module
         text += (f"\n > Ψ is this rank's share of the model (tensor x pipeline parallel = {mp}): "
                  "its data-parallel group holds and moves that")
     if engine:
-        from .paro_optimizer import model_state_bytes
+        from .optimizer import model_state_bytes
 
         mem = model_state_bytes(chunk, optimizer)
         text += (f"\n > PaRO engine, resident model states on rank 0: parameters "

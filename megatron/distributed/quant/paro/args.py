@@ -1,7 +1,7 @@
 """The PaRO flags (``--paro-*``) and their checks against the rest of the command line.
 
 :func:`add_paro_args` registers them (the trainer's parser calls it through
-:func:`.integration.add_arguments`); :func:`check_paro_args` is the one place a ``--paro-strategy``
+:func:`..integration.add_arguments`); :func:`check_paro_args` is the one place a ``--paro-strategy``
 is accepted or refused for training, with the reason and the fix. See docs/paro.md.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from .paro_strategy import (AUTO, Level, PaRoStrategy, check_trainable, resolve_group_size,
-                            uses_engine)
+from .strategy import (AUTO, Level, PaRoStrategy, check_trainable, resolve_group_size,
+                       uses_engine)
 
 __all__ = ["add_paro_args", "check_paro_args"]
 
@@ -58,7 +58,7 @@ def check_paro_args(args: argparse.Namespace) -> None:
     the matching ``--use-distributed-optimizer``); the other 12 on the PaRO engine, which needs
     pure data parallelism, bf16 or fp32, ``--overlap-param-gather`` only where parameters are
     partitioned (p = I / G), ``--ckpt-format torch``,
-    and quantization only where the engine supports it (``paro_engine.quantization_support_error``).
+    and quantization only where the engine supports it (``engine.quantization_support_error``).
     """
     if args.paro_strategy is not None:
         parsed = check_trainable(args.paro_strategy, args.use_distributed_optimizer)
@@ -88,7 +88,7 @@ def check_paro_args(args: argparse.Namespace) -> None:
                      "--paro-strategy auto cannot be combined with quantized communication "
                      "(not every strategy supports it): pass an explicit strategy")
         else:
-            from .paro_engine import quantization_support_error
+            from .engine import quantization_support_error
 
             err = quantization_support_error(args.paro_strategy, quant)
             _require(err is None, err or "")

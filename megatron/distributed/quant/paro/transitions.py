@@ -1,11 +1,11 @@
 """Collectives between the PaRO partition levels of one engine's flat buffers.
 
-A mixin of :class:`~.paro_engine.ParoDataParallel` (it reads the engine's groups, sizes, buckets
+A mixin of :class:`~.engine.ParoDataParallel` (it reads the engine's groups, sizes, buckets
 and counters): exact all-gather / reduce-scatter / all-reduce at the 'intra' or 'inter' scope,
-counted in the cost model's convention (:class:`~.paro_comm.CommCounter`), the PaRO-CC global
+counted in the cost model's convention (:class:`~.comm.CommCounter`), the PaRO-CC global
 ones built from them (spec §4), the level transitions of a whole shard-space tensor bucket by
 bucket, and -- with ``--quantized-gradients`` -- the model's
-:class:`~.runtime.QuantizationRuntime` in place of the exact reduce-scatter (its bytes, as its
+:class:`~..runtime.QuantizationRuntime` in place of the exact reduce-scatter (its bytes, as its
 accounting measured them, added to the same counter).
 """
 
@@ -16,9 +16,9 @@ from typing import Any, Dict, Tuple
 import torch
 import torch.distributed as dist
 
-from .paro_comm import _all_gather, _count, _reduce_scatter
-from .paro_layout import Bucket
-from .paro_strategy import Level
+from .comm import _all_gather, _count, _reduce_scatter
+from .layout import Bucket
+from .strategy import Level
 
 __all__ = ["LevelCollectives"]
 
@@ -136,7 +136,7 @@ class LevelCollectives:
     def _quantized_rs(self, out: torch.Tensor, inp: torch.Tensor, scope: str, b: Bucket,
                       streams: Any = None) -> Tuple[Any, torch.Tensor]:
         """Quantized SUM reduce-scatter of bucket ``b`` at ``scope`` (TLq / TLq-HS, LoCo; the
-        runtime's :meth:`~.runtime.QuantizationRuntime.reduce_scatter`), bytes from its accounting.
+        runtime's :meth:`~..runtime.QuantizationRuntime.reduce_scatter`), bytes from its accounting.
         Returns (the runtime's handle: None unless ``streams`` overlap it, the input it reads,
         which must stay alive until the handle is waited for).
 

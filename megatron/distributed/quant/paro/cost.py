@@ -1,6 +1,6 @@
 """PaRO cost model: per-rank model-state memory, per-step communication, the report, ``auto``.
 
-Spec: ../shared/research/paro.md §3. For a strategy (:mod:`.paro_strategy`) and a model of Ψ
+Spec: ../shared/research/paro.md §3. For a strategy (:mod:`.strategy`) and a model of Ψ
 parameters on n ranks in groups of m:
 
 * :func:`strategy_collectives` -- the collectives of one global step (the spec's pattern table);
@@ -13,10 +13,10 @@ parameters on n ranks in groups of m:
 * :func:`activation_memory` -- an estimate of one micro-batch's activations, which ``auto``
   reserves next to the model states (:data:`DEVICE_RESERVE_FRACTION` on top).
 
-The engine (:mod:`.paro_engine`) counts what it really sends with :class:`.paro_comm.CommCounter`,
+The engine (:mod:`.engine`) counts what it really sends with :class:`.comm.CommCounter`,
 in the same convention, so a measured step equals :func:`communication_volume` exactly.
 
-Byte convention (same as :mod:`.accounting`): per rank, the payload bytes it delivers to the other
+Byte convention (same as :mod:`..accounting`): per rank, the payload bytes it delivers to the other
 ranks of the group. For a reduce-scatter / all-gather of a logical tensor of ``S`` bytes among ``k``
 ranks that is ``(k-1)/k * S`` (what a ring sends); an all-reduce counts twice that. The time model
 is ``intra_bytes / intra_bandwidth + inter_bytes / inter_bandwidth`` (spec §3): compute time is the
@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from .paro_strategy import VALID_STRATEGIES, Level, PaRoStrategy, as_strategy, resolve_group_size
+from .strategy import VALID_STRATEGIES, Level, PaRoStrategy, as_strategy, resolve_group_size
 
 __all__ = [
     "StateBytes", "CollectiveSpec", "MemoryBreakdown", "CommVolume", "strategy_collectives",
@@ -256,7 +256,7 @@ def communication_volume(strategy: Union[PaRoStrategy, str], num_params: float, 
 
     Global collectives are costed as PaRO-CC hierarchical ones (intra hop on the full tensor,
     inter hop on the 1/m slice), which is what the engine's global collectives send
-    (:func:`.paro_comm.hierarchical_all_reduce` for NNN's all-reduce).
+    (:func:`.comm.hierarchical_all_reduce` for NNN's all-reduce).
     """
     s = as_strategy(strategy)
     sb = state_bytes or StateBytes()

@@ -1,22 +1,22 @@
 """PaRO training engine: every partition strategy that megatron-core's DDP cannot express.
 
-Spec: ../shared/research/paro.md; cost model: :mod:`.paro_cost`; PaRO-CC collectives:
-:mod:`.paro_comm`. NNG (ZeRO-1) and NNN (DDP) keep running on megatron-core's
+Spec: ../shared/research/paro.md; cost model: :mod:`.cost`; PaRO-CC collectives:
+:mod:`.comm`. NNG (ZeRO-1) and NNN (DDP) keep running on megatron-core's
 ``DistributedDataParallel`` (+ ``DistributedOptimizer``); this module trains the other twelve
 strategies -- and, for testing, all fourteen -- with our own small data-parallel engine:
 
 * :class:`ParoDataParallel` wraps one model chunk. It flattens the parameters into one buffer and
   keeps parameters, gradients and the optimizer's gradient input at the strategy's partition
-  levels, issuing exactly the collectives of :func:`.paro_cost.strategy_collectives`, and counts
-  their bytes in a :class:`.paro_comm.CommCounter` (so a step can be compared with
-  :func:`.paro_cost.communication_volume`).
-* :class:`~.paro_optimizer.ParoOptimizer` is a flat fp32 AdamW / SGD over this rank's optimizer-state shard, with
+  levels, issuing exactly the collectives of :func:`.cost.strategy_collectives`, and counts
+  their bytes in a :class:`.comm.CommCounter` (so a step can be compared with
+  :func:`.cost.communication_volume`).
+* :class:`~.optimizer.ParoOptimizer` is a flat fp32 AdamW / SGD over this rank's optimizer-state shard, with
   the interface the trainer's ``optimizer_step`` / ``train_step`` and megatron-core's
   ``OptimizerParamScheduler`` use.
 
-Flat layout: :mod:`.paro_layout` (buckets of unit modules, local-major shards, so every PaRO
+Flat layout: :mod:`.layout` (buckets of unit modules, local-major shards, so every PaRO
 transition of a bucket is one plain collective on a contiguous slice); the collectives between
-levels: :mod:`.paro_transitions`; the optimizer: :mod:`.paro_optimizer`.
+levels: :mod:`.transitions`; the optimizer: :mod:`.optimizer`.
 
 Parameters at level I / G live persistently only as their shard; each bucket has its own full
 buffer whose storage exists only while the bucket is gathered (``untyped_storage().resize_(0)``
@@ -37,7 +37,7 @@ persistent figure plus about one bucket's full parameters and gradients (``peak_
 schedule after the last micro-batch) moves the gradients from their level to the optimizer-state
 level and averages them over DP, like megatron-core's DDP.
 
-With a QuantizationConfig the engine owns the model's :class:`~.runtime.QuantizationRuntime` (the
+With a QuantizationConfig the engine owns the model's :class:`~..runtime.QuantizationRuntime` (the
 object megatron-core's bucket groups use) and SDP4Bit runs inside the PaRO groups through it:
 gradient reduce-scatters (one hop for intra / inter, two-level TLq / TLq-HS for global, LoCo, the
 start iteration, NaN/Inf agreement) and the post-step parameter sync as qWD with the codes
@@ -53,12 +53,12 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .paro_comm import CommCounter, _size, hierarchical_all_reduce
-from .paro_layout import Bucket, output_tensors, plan_buckets
-from .paro_strategy import Level, PaRoStrategy
-from .paro_transitions import LevelCollectives
-from .runtime import QuantizationRuntime
-from .streams import CommStreams, used_on_this_stage
+from .comm import CommCounter, _size, hierarchical_all_reduce
+from .layout import Bucket, output_tensors, plan_buckets
+from .strategy import Level, PaRoStrategy
+from .transitions import LevelCollectives
+from ..runtime import QuantizationRuntime
+from ..streams import CommStreams, used_on_this_stage
 
 __all__ = ["ParoDataParallel", "quantization_support_error"]
 
@@ -79,7 +79,7 @@ inline path's peak."""
 def quantization_support_error(strategy: str, quant_config: Any) -> Optional[str]:
     """Why the engine cannot run ``strategy`` with these quantization flags, or None.
 
-    Supported (the model's :class:`~.runtime.QuantizationRuntime`, the same object megatron-core's
+    Supported (the model's :class:`~..runtime.QuantizationRuntime`, the same object megatron-core's
     bucket groups use, runs SDP4Bit's collectives inside the PaRO groups):
 
     * ``--quantized-gradients`` (TLq / TLq-HS, LoCo, ``--gradients-quantization-start-iteration``,
@@ -117,17 +117,17 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
 
     ``module`` is one model chunk (GPTModel or its Float16Module); ``groups`` a
     :class:`~megatron.distributed.quant.topology.TwoLevelGroups` from
-    :func:`.paro_comm.build_paro_groups` (DP rank r = group * m + local). ``grad_dtype`` is the dtype of
+    :func:`.comm.build_paro_groups` (DP rank r = group * m + local). ``grad_dtype`` is the dtype of
     gradient accumulation and reduction (fp32 for bf16 training, like megatron-core's
     ``grad_reduce_in_fp32``). ``bucket_numel`` caps a bucket: a unit module larger than that is
-    split into its children (default: one bucket per unit module, see :func:`.paro_layout._units`). The object
+    split into its children (default: one bucket per unit module, see :func:`.layout._units`). The object
     mimics what megatron-core's schedule and our trainer read from a DDP chunk: ``module``,
     ``config``, ``no_sync``, ``zero_grad_buffer`` and ``finalize_model_grads`` (to be set as
     ``config.finalize_model_grads_func``).
 
     ``grad_groups`` (``--overlap-grad-reduce``): a second set of the same groups, communicators of
     their own. The gradient reduce-scatter of each bucket (g = I / G) then runs on the
-    communication stages (:mod:`.streams`: worker threads on CPU, CUDA streams on a GPU) while
+    communication stages (:mod:`..streams`: worker threads on CPU, CUDA streams on a GPU) while
     the backward pass goes on, and is waited for at the end of the micro-step's backward (at most
     :data:`GRAD_REDUCES_IN_FLIGHT` buckets at once, so their temporary full gradients stay
     bounded). The stages drive only ``grad_groups``; the parameter gathers of the hooks drive
@@ -178,7 +178,7 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
             err = quantization_support_error(strategy.name, self.quant)
             if err:
                 raise NotImplementedError(err)
-            from .collectives import required_padding_multiple_from_config
+            from ..collectives import required_padding_multiple_from_config
 
             unit = math.lcm(unit, required_padding_multiple_from_config(self.quant, self.n, self.m))
         if grad_groups is not None and (grad_groups.dp_size, grad_groups.intra_size) != (

@@ -1,0 +1,11 @@
+"""PaRO (partial redundancy optimizer): partition strategies for parameters, gradients and
+optimizer states, and the data-parallel engine that trains the ones megatron-core cannot.
+
+:mod:`.strategy` (the strategy grammar and validity rule), :mod:`.args` (the ``--paro-*`` flags),
+:mod:`.cost` (cost model, report, ``auto``), :mod:`.comm` (PaRO groups, collectives, byte
+counter), :mod:`.layout` / :mod:`.transitions` (the engine's flat buffers and the collectives
+between partition levels), :mod:`.engine` and the modules it composes (the training engine),
+:mod:`.optimizer` (its optimizer) and :mod:`.integration` (what :mod:`..integration`, the
+trainer's only entry point, builds for a strategy). Nothing is re-exported here: import from the
+module that defines a name.
+"""

@@ -269,13 +269,13 @@ def test_host_state_dict_is_the_old_save_bucket_by_bucket(strategy):
         released = [b.gathered for b in engine.buckets]
         want = _old_save_path(engine)
         gathered_at_once = []
-        inner = engine._gather_bucket
+        inner = engine.param_gathers.gather
 
         def gather(b):
             inner(b)
             gathered_at_once.append(sum(x.gathered for x in engine.buckets))
 
-        engine._gather_bucket = gather
+        engine.param_gathers.gather = gather
         with FreshAllocations() as log:
             got = engine.host_state_dict()
         assert [b.gathered for b in engine.buckets] == released
@@ -317,8 +317,8 @@ def test_load_writes_the_shard_without_gathering_the_model(strategy):
         with old.full_params(writeback=True):
             old.module.load_state_dict(sd, strict=True)
         gathers = []
-        inner = new._gather_bucket
-        new._gather_bucket = lambda b: (gathers.append(b.index), inner(b))
+        inner = new.param_gathers.gather
+        new.param_gathers.gather = lambda b: (gathers.append(b.index), inner(b))
         with FreshAllocations() as log:
             new.load_host_state_dict(sd)
         assert torch.equal(new.param_level_storage(), old.param_level_storage())
@@ -340,30 +340,31 @@ def test_overlapped_gathers_run_one_bucket_ahead(strategy):
     (on the weights stage) before its own module computes, each backward hook the previous
     bucket's; never more than PARAM_GATHERS_AHEAD in flight, nothing left gathered or in flight
     after the backward. The inline engine starts each gather only when its module is called."""
-    from megatron.distributed.quant.paro.engine import PARAM_GATHERS_AHEAD
+    from megatron.distributed.quant.paro.gather import PARAM_GATHERS_AHEAD
 
     def events_of(overlap: bool) -> List[Tuple[str, int]]:
         with fake_world(8, 3):
             engine = _engine(strategy, 4, overlap_param_gather=overlap)
             events: List[Tuple[str, int]] = []
-            start = engine._start_gather
+            start = engine.param_gathers.start
 
             def logged_start(b):
                 events.append(("gather", b.index))
                 handle = start(b)
-                assert len(engine._gathering) <= PARAM_GATHERS_AHEAD
+                assert len(engine.param_gathers.in_flight) <= PARAM_GATHERS_AHEAD
                 return handle
 
-            engine._start_gather = logged_start
+            engine.param_gathers.start = logged_start
             for b in engine.buckets:
                 if len(b.owners) == 1:
                     b.owners[0].register_forward_hook(
                         lambda m, i, o, index=b.index: events.append(("computed", index)))
             tokens = torch.randint(0, 37, (2, 5))
             engine(tokens).float().sum().backward()
-            assert engine._gathering == {} and not any(b.gathered for b in engine.buckets)
+            assert engine.param_gathers.in_flight == {}
+            assert not any(b.gathered for b in engine.buckets)
             if overlap:
-                assert engine._param_stages.kind == "thread"
+                assert engine.param_gathers.stages.kind == "thread"
             return events
 
     overlapped, inline = events_of(True), events_of(False)

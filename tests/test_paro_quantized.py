@@ -157,8 +157,10 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
                 loss, ok, _, _ = _step(args, model, opt, sched, rank, step)
                 assert ok, (label, step)
                 losses.append(loss)
-        stages = getattr(model[0], "_grad_stages", None)
-        gathers = getattr(model[0], "_param_stages", None)
+        reduction = getattr(model[0], "grad_reduction", None)   # PaRO engine chunks only
+        gathering = getattr(model[0], "param_gathers", None)
+        stages = None if reduction is None else reduction.stages
+        gathers = None if gathering is None else gathering.stages
         res: Dict[str, Any] = {"losses": losses, "engine": type(model[0]).__name__,
                                "grad_stages": None if stages is None else stages.kind,
                                "param_stages": None if gathers is None else gathers.kind,

@@ -1,41 +1,27 @@
 """PaRO training engine: every partition strategy that megatron-core's DDP cannot express.
 
-Spec: ../shared/research/paro.md; cost model: :mod:`.cost`; PaRO-CC collectives:
-:mod:`.comm`. NNG (ZeRO-1) and NNN (DDP) keep running on megatron-core's
-``DistributedDataParallel`` (+ ``DistributedOptimizer``); this module trains the other twelve
-strategies -- and, for testing, all fourteen -- with our own small data-parallel engine:
+Spec: ../shared/research/paro.md; cost model: :mod:`.cost`; PaRO-CC collectives: :mod:`.comm`.
+NNG (ZeRO-1) and NNN (DDP) keep running on megatron-core's ``DistributedDataParallel``
+(+ ``DistributedOptimizer``); the engine trains the other twelve strategies -- and, for testing,
+all fourteen. This module decides what one model chunk's engine *holds*:
+:class:`ParoDataParallel` flattens the parameters into buckets (:mod:`.layout`), keeps
+parameters, gradients and the optimizer's gradient input at the strategy's partition levels,
+says where this rank's shard of each level lies, syncs the parameters after the optimizer step
+and accounts its memory. What it *does* during a step lives beside it, one concern per module,
+composed here:
 
-* :class:`ParoDataParallel` wraps one model chunk. It flattens the parameters into one buffer and
-  keeps parameters, gradients and the optimizer's gradient input at the strategy's partition
-  levels, issuing exactly the collectives of :func:`.cost.strategy_collectives`, and counts
-  their bytes in a :class:`.comm.CommCounter` (so a step can be compared with
-  :func:`.cost.communication_volume`).
-* :class:`~.optimizer.ParoOptimizer` is a flat fp32 AdamW / SGD over this rank's optimizer-state shard, with
-  the interface the trainer's ``optimizer_step`` / ``train_step`` and megatron-core's
-  ``OptimizerParamScheduler`` use.
+* :mod:`.gather` -- when a bucket's full parameters exist (gathers, prefetch, release);
+* :mod:`.grad_reduce` -- the gradients' way from the backward pass to the optimizer-state level;
+* :mod:`.hooks` -- the forward / backward hooks that decide when those two act;
+* :mod:`.state` -- the weights to and from a host state dict, for checkpoints;
+* :mod:`.transitions` -- the counted collectives between levels (a mixin of the engine).
 
-Flat layout: :mod:`.layout` (buckets of unit modules, local-major shards, so every PaRO
-transition of a bucket is one plain collective on a contiguous slice); the collectives between
-levels: :mod:`.transitions`; the optimizer: :mod:`.optimizer`.
-
-Parameters at level I / G live persistently only as their shard; each bucket has its own full
-buffer whose storage exists only while the bucket is gathered (``untyped_storage().resize_(0)``
-otherwise, as FSDP does; the parameters are views into it). A forward pre-hook on the bucket's
-owner module gathers it, a forward hook releases it after the (last) owner's forward -- or at the
-next owner's forward when the module returns the parameter to its caller (megatron's
-``skip_bias_add`` bias) -- and a hook on the owner's output gradient gathers it again right before
-its backward; it is released when all its parameters got their gradient. A bucket with several
-owners (tied embeddings) therefore stays gathered from the embedding to the output layer in the
-forward pass and from the output layer to the embedding in the backward pass (still one forward
-and one backward gather per micro-step, as the cost model counts). Gradients arrive through
-per-parameter post-accumulate-grad hooks: level N adds them into a resident flat buffer; levels I /
-G into a temporary full gradient of the bucket, which is reduce-scattered into the persistent shard
-accumulator and freed as soon as the bucket's last gradient arrived; a callback at the end of every
-micro-step's backward finishes any bucket left (same order on every rank). So the *peak* is the
-persistent figure plus about one bucket's full parameters and gradients (``peak_bytes``), and the
-*persistent* memory follows the PaRO formula. ``finalize_model_grads`` (called by megatron-core's
-schedule after the last micro-batch) moves the gradients from their level to the optimizer-state
-level and averages them over DP, like megatron-core's DDP.
+Every collective is one of :func:`.cost.strategy_collectives`, counted in a
+:class:`.comm.CommCounter` (so a step can be compared with :func:`.cost.communication_volume`).
+The *persistent* memory follows the PaRO formula; the *peak* is that plus about one bucket's full
+parameters and gradients (``peak_bytes``). :class:`~.optimizer.ParoOptimizer` is a flat fp32
+AdamW / SGD over this rank's optimizer-state shard, with the interface the trainer's
+``optimizer_step`` / ``train_step`` and megatron-core's ``OptimizerParamScheduler`` use.
 
 With a QuantizationConfig the engine owns the model's :class:`~..runtime.QuantizationRuntime` (the
 object megatron-core's bucket groups use) and SDP4Bit runs inside the PaRO groups through it:
@@ -47,33 +33,22 @@ forwarded hop by hop (:func:`quantization_support_error` lists what is supported
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .comm import CommCounter, _size, hierarchical_all_reduce
-from .layout import Bucket, output_tensors, plan_buckets
+from ..runtime import QuantizationRuntime
+from .comm import CommCounter, _size
+from .gather import ParamGathers
+from .grad_reduce import GradReduction
+from .hooks import MicroStepHooks
+from .layout import Bucket, plan_buckets
+from .state import host_state_dict, load_host_state_dict
 from .strategy import Level, PaRoStrategy
 from .transitions import LevelCollectives
-from ..runtime import QuantizationRuntime
-from ..streams import CommStreams, used_on_this_stage
 
 __all__ = ["ParoDataParallel", "quantization_support_error"]
-
-logger = logging.getLogger(__name__)
-
-GRAD_REDUCES_IN_FLIGHT = 2
-"""Overlapped gradient reduce-scatters (``grad_groups``) started and not yet waited for: the hook
-that starts another first finishes the oldest, so at most this many temporary full bucket
-gradients (g = I / G) are alive beside the one being accumulated."""
-
-PARAM_GATHERS_AHEAD = 1
-"""``param_groups`` (``--overlap-param-gather``, p = I / G): buckets whose parameter gather a
-hook has started ahead of their use (the next bucket in forward order, the previous one in
-backward order) and nobody waited for yet: each is one bucket's full parameters beyond the
-inline path's peak."""
 
 
 def quantization_support_error(strategy: str, quant_config: Any) -> Optional[str]:
@@ -129,8 +104,8 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
     their own. The gradient reduce-scatter of each bucket (g = I / G) then runs on the
     communication stages (:mod:`..streams`: worker threads on CPU, CUDA streams on a GPU) while
     the backward pass goes on, and is waited for at the end of the micro-step's backward (at most
-    :data:`GRAD_REDUCES_IN_FLIGHT` buckets at once, so their temporary full gradients stay
-    bounded). The stages drive only ``grad_groups``; the parameter gathers of the hooks drive
+    :data:`.grad_reduce.GRAD_REDUCES_IN_FLIGHT` buckets at once, so their temporary full
+    gradients stay bounded). The stages drive only ``grad_groups``; the parameter gathers of the hooks drive
     ``groups`` from the main thread: one communicator per stream. The numbers are those of the
     inline path, bit for bit.
 
@@ -138,7 +113,8 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
     parameter gathers of the hooks then run on the ``weights`` stage over it, and each hook
     starts the gather of the bucket it will need next (forward: the next bucket; backward: the
     previous one) before its module computes, so the gather travels while the module runs
-    (:data:`PARAM_GATHERS_AHEAD` buckets ahead at most). Exact copies: the numbers do not change.
+    (:data:`.gather.PARAM_GATHERS_AHEAD` buckets ahead at most). Exact copies: the numbers do
+    not change.
     """
 
     def __init__(self, config: Any, module: torch.nn.Module, strategy: PaRoStrategy, groups: Any,
@@ -196,12 +172,6 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         self.param_groups = param_groups
         """Communicators of the overlapped parameter gathers (None: inline in the hooks, on
         ``groups``)."""
-        self._param_stages: Optional[CommStreams] = None
-        self._gathering: Dict[int, Any] = {}
-        """Bucket index -> handle of its parameter gather started ahead and not waited for."""
-        self._grad_stages: Optional[CommStreams] = None
-        self._pending: List[Tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        """(handle, reduced shard, accumulator slice, input kept alive) per reduce in flight."""
         self.quant_runtime: Optional[QuantizationRuntime] = (
             QuantizationRuntime(self.quant, groups if grad_groups is None else grad_groups)
             if self.quant is not None else None)
@@ -209,6 +179,12 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         use): generators, LoCo, accounting, start iteration, NaN/Inf agreement; the trainer's
         hooks (integration.set_iteration, checkpoints, reports) find it under this name."""
         self.padding_unit = unit
+        self.param_gathers = ParamGathers(self)
+        """Gathers, prefetch and release of the buckets' full parameters (p = I / G)."""
+        self.grad_reduction = GradReduction(self)
+        """Gradient accumulation, the per-bucket reduce-scatters and the boundary sync."""
+        self.hooks = MicroStepHooks(self)
+        """The forward / backward hooks (registered at the end of the constructor)."""
 
         # Buckets: unit modules in module order; a parameter used by several units (or passed to
         # a module at call time, tied embeddings) gets a bucket of its own owned by all of them.
@@ -251,7 +227,7 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
                     a, e = self._local_range(b, p_level)
                     k = self.level_ranks(p_level)
                     b.shard(self.param_shard, k).copy_(b.full[a:e])
-        self.release_params()
+        self.param_gathers.release_all()
 
         # Gradients: persistent full buffer (g = N) or persistent shard accumulator (g = I / G).
         self.grad_buffer: Optional[torch.Tensor] = None
@@ -267,20 +243,7 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         self._track_peak()
         self.main_grad: Optional[torch.Tensor] = None
         """fp32 gradient at the optimizer-state level, DP-averaged (set by finalize_model_grads)."""
-        self._in_backward = False
-        self._pre_backward_done = False
-        for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(self._make_grad_hook(i))
-        self._hook_handles = []
-        self._deferred: List[Bucket] = []
-        if p_level != Level.N:
-            owned: Dict[int, Tuple[torch.nn.Module, List[Bucket]]] = {}
-            for b in self.buckets:
-                for mod in b.owners:
-                    owned.setdefault(id(mod), (mod, []))[1].append(b)
-            for mod, bs in owned.values():
-                self._hook_handles.append(mod.register_forward_pre_hook(self._make_pre_hook(bs)))
-                self._hook_handles.append(mod.register_forward_hook(self._make_post_hook(mod, bs)))
+        self.hooks.register()
 
     # ------------------------------------------------------------------ layout
     def level_ranks(self, level: Level) -> int:
@@ -355,242 +318,6 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         return mask
 
     # ------------------------------------------------------------------ parameters
-    @torch.no_grad()
-    def _gather_bucket(self, b: Bucket) -> None:
-        """Rebuild bucket ``b``'s full parameters from the shards (collective; p = I / G), or
-        wait for the gather a hook started ahead (:meth:`_prefetch`)."""
-        if b.gathered:
-            return
-        handle = self._gathering.pop(b.index, None)
-        if handle is None:
-            handle = self._start_gather(b)
-        if handle is not None:
-            handle.wait()
-        b.gathered = True
-        self._track_peak()
-
-    def _start_gather(self, b: Bucket) -> Any:
-        """Allocate bucket ``b``'s full storage and gather it: inline on ``groups`` (returns
-        None), or on the ``weights`` stage over ``param_groups`` (returns the job; counted here,
-        in the hook's thread, as the inline path counts)."""
-        storage = b.full.untyped_storage()
-        need = b.size * b.full.element_size()
-        if storage.nbytes() != need:
-            storage.resize_(need)
-        p = self.strategy.params
-        shard = b.shard(self.param_shard, self.level_ranks(p))
-        scope = "intra" if p == Level.I else "global"
-        self._count_exact_gather(b.full, scope)
-        if self.param_groups is None:
-            self._exact_gather(b.full, shard, scope)
-            return None
-        if self._param_stages is None:
-            self._param_stages = CommStreams.for_device(b.full.device)
-        full, groups = b.full, self.param_groups
-        # The full buffer was allocated here, on the caller's stream; the stage waits on that
-        # stream before it writes, and the buffer is freed only after the wait (_release_bucket).
-        return self._param_stages.submit(
-            "weights", lambda: self._exact_gather(full, shard, scope, groups))
-
-    def _prefetch(self, index: int) -> None:
-        """Start the gather of bucket ``index`` ahead of its use (``param_groups`` only): not
-        past the ends, not one gathered or in flight, not one whose backward is over, and at
-        most :data:`PARAM_GATHERS_AHEAD` in flight. The order is the buckets' (module order),
-        the same on every rank."""
-        if self.param_groups is None or not 0 <= index < len(self.buckets):
-            return
-        b = self.buckets[index]
-        if b.gathered or b.index in self._gathering or (self._in_backward and b.reduced):
-            return
-        if len(self._gathering) >= PARAM_GATHERS_AHEAD:
-            return
-        self._gathering[b.index] = self._start_gather(b)
-        self._track_peak()
-
-    def _release_bucket(self, b: Bucket) -> None:
-        """Free bucket ``b``'s full parameter storage (p = I / G); the views stay valid. A gather
-        still in flight into it is waited for first (its stage writes the storage)."""
-        handle = self._gathering.pop(b.index, None)
-        if handle is not None:
-            handle.wait()
-            b.gathered = True
-        if self.strategy.params == Level.N or not b.gathered:
-            return
-        b.full.untyped_storage().resize_(0)
-        b.gathered = False
-
-    def gather_params(self) -> None:
-        """Gather every bucket (collective; no-op for p = N)."""
-        for b in self.buckets:
-            self._gather_bucket(b)
-
-    def release_params(self) -> None:
-        """Release every bucket (p = I / G)."""
-        for b in self.buckets:
-            self._release_bucket(b)
-
-    def _release_deferred(self, keep: Sequence[Bucket] = ()) -> None:
-        still = []
-        for b in self._deferred:
-            if any(b is k for k in keep):
-                still.append(b)
-            else:
-                self._release_bucket(b)
-        self._deferred = still
-
-    def _make_pre_hook(self, buckets: List[Bucket]):
-        def pre_hook(module: torch.nn.Module, args: Any) -> None:
-            self._release_deferred(keep=buckets)
-            for b in buckets:
-                self._gather_bucket(b)
-            self._prefetch(max(b.index for b in buckets) + 1)   # travels while this computes
-        return pre_hook
-
-    def _make_post_hook(self, module: torch.nn.Module, buckets: List[Bucket]):
-        def post_hook(mod: torch.nn.Module, args: Any, output: Any) -> None:
-            outs = list(output_tensors(output))
-            if torch.is_grad_enabled():  # regather right before this module's backward
-                tensors = [t for t in outs if t.requires_grad and t.grad_fn is not None]
-                if not tensors:  # no handle on its backward: keep its buckets until then
-                    return
-                hook = self._make_output_grad_hook(buckets)
-                for t in tensors:
-                    t.register_hook(hook)
-            if self._in_backward:  # re-run forward (activation recomputation) inside backward
-                return
-            # A parameter returned for the caller to apply (megatron's skip_bias_add: linear_proj /
-            # linear_fc2 return their bias): release at the next owner's forward instead.
-            returned = {t.untyped_storage().data_ptr() for t in outs}
-            for b in buckets:
-                if b.owners[-1] is module:
-                    if b.full.untyped_storage().data_ptr() in returned:
-                        self._deferred.append(b)
-                    else:
-                        self._release_bucket(b)
-        return post_hook
-
-    def _make_output_grad_hook(self, buckets: List[Bucket]):
-        def hook(grad: torch.Tensor) -> None:
-            self._begin_backward()
-            for b in buckets:
-                if not b.reduced:
-                    self._gather_bucket(b)
-            self._prefetch(min(b.index for b in buckets) - 1)   # the next backward's bucket
-        return hook
-
-    @contextlib.contextmanager
-    def full_params(self, writeback: bool = False) -> Iterator[None]:
-        """Full parameters inside the block (collective); with ``writeback`` the block's changes
-        (e.g. ``load_state_dict``) are copied back into this rank's shard before releasing."""
-        self.gather_params()
-        try:
-            yield
-        finally:
-            if writeback and self.param_shard is not None:
-                p = self.strategy.params
-                k = self.level_ranks(p)
-                for b in self.buckets:
-                    a, e = self._local_range(b, p)
-                    b.shard(self.param_shard, k).copy_(b.full[a:e])
-            self.release_params()
-
-    def _param_keys(self, sd: Dict[str, Any]) -> Dict[int, List[str]]:
-        """Parameter index -> its keys in ``sd``, a ``state_dict(keep_vars=True)`` of the module
-        (the parameter objects themselves: their data is not read while released; several keys
-        for tied weights)."""
-        index = {id(p): i for i, p in enumerate(self.params)}
-        keys_of: Dict[int, List[str]] = {}
-        for key, value in sd.items():
-            if torch.is_tensor(value) and id(value) in index:
-                keys_of.setdefault(index[id(value)], []).append(key)
-        return keys_of
-
-    @torch.no_grad()
-    def host_state_dict(self, keep: bool = True) -> Optional[Dict[str, Any]]:
-        """``self.module.state_dict()`` with every tensor copied to the CPU, for a checkpoint;
-        collective for p = I / G (every rank of the DP group calls it; ``keep=False`` on ranks
-        that do not store the weights: they take part in the gathers and return None).
-
-        Same keys, order, dtypes, shapes and values as the old save path (``state_dict()`` inside
-        :meth:`full_params`, then ``.detach().clone()`` of every tensor), but the buckets are
-        gathered one at a time, copied to the host and released. Why: the old path held every
-        bucket's full parameters *and* a device clone of them at once -- twice the model's
-        parameters on the GPU on top of the shards, at a moment the caching allocator's
-        activation blocks may still be reserved. Now the device holds at most one gathered bucket
-        above the persistent state (none for p = N) and nothing is cloned on it.
-        """
-        sd = self.module.state_dict(keep_vars=True)
-        keys_of = self._param_keys(sd)
-        params = {key for keys in keys_of.values() for key in keys}
-        out: Dict[str, Any] = {}
-        for key, value in sd.items():
-            if key in params:
-                out[key] = None  # filled bucket by bucket below; keeps the key order
-            elif keep:
-                out[key] = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
-        for b in self.buckets:
-            wanted = [i for i in b.params if i in keys_of]
-            if not wanted:
-                continue
-            was_gathered = b.gathered
-            self._gather_bucket(b)
-            if keep:
-                for i in wanted:
-                    for key in keys_of[i]:
-                        out[key] = self.params[i].detach().to("cpu", copy=True)
-            if not was_gathered:
-                self._release_bucket(b)
-        return out if keep else None
-
-    @torch.no_grad()
-    def load_host_state_dict(self, sd: Dict[str, Any]) -> None:
-        """``self.module.load_state_dict(sd, strict=True)`` for a full (host) state dict, written
-        straight into this rank's parameter shard: no gather, no collective.
-
-        Same result as the old load path (``load_state_dict`` inside ``full_params(writeback=
-        True)``: the shard's slice of every parameter, tied weights taking their last key's
-        value, padding untouched), but the old path gathered every bucket at once -- the whole
-        model's parameters on the device on top of the shards, at least what a p = I / G
-        strategy was chosen to avoid. Now each parameter's piece inside the shard is copied from
-        the host tensor and nothing model-sized is allocated."""
-        if self.param_shard is None:           # p = N: the parameters are always full
-            self.module.load_state_dict(sd, strict=True)
-            return
-        current = self.module.state_dict(keep_vars=True)
-        missing = [k for k in current if k not in sd]
-        unexpected = [k for k in sd if k not in current]
-        if missing or unexpected:
-            raise RuntimeError(f"Error(s) in loading state_dict for "
-                               f"{type(self.module).__name__}: missing keys {missing}, "
-                               f"unexpected keys {unexpected}")
-        keys_of = self._param_keys(current)
-        params = {key for keys in keys_of.values() for key in keys}
-        others = {key: sd[key] for key in current if key not in params}
-        for i, keys in keys_of.items():
-            for key in keys:
-                if tuple(sd[key].shape) != tuple(self.slots[i].shape):
-                    raise RuntimeError(
-                        f"size mismatch for {key}: copying a param with shape "
-                        f"{tuple(sd[key].shape)} from checkpoint, the shape in current model is "
-                        f"{tuple(self.slots[i].shape)}")
-        self.module.load_state_dict(others, strict=False)   # buffers, extra state
-        p = self.strategy.params
-        k = self.level_ranks(p)
-        for b in self.buckets:
-            a, e = self._local_range(b, p)
-            shard = b.shard(self.param_shard, k)
-            for i in b.params:
-                slot = self.slots[i]
-                lo = max(slot.offset - b.start, a)           # bucket-local, inside the shard
-                hi = min(slot.offset - b.start + slot.numel, e)
-                if lo >= hi or i not in keys_of:
-                    continue
-                first = lo - (slot.offset - b.start)         # element of the parameter
-                for key in keys_of[i]:                       # tied: the last key wins
-                    shard[lo - a:hi - a].copy_(sd[key].reshape(-1)[first:first + hi - lo])
-            if b.gathered:                  # stale now: the next use gathers the new values
-                self._release_bucket(b)
-
     def param_level_storage(self) -> torch.Tensor:
         """The persistent parameter tensor at the p level (full buffer for N, else the shard)."""
         return self.param_buffer if self.param_shard is None else self.param_shard
@@ -637,133 +364,40 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         else:  # pragma: no cover - excluded by the validity rule
             raise AssertionError(f"os level {o.name} coarser than p level {p.name}")
 
+    @contextlib.contextmanager
+    def full_params(self, writeback: bool = False) -> Iterator[None]:
+        """Full parameters inside the block (collective); with ``writeback`` the block's changes
+        (e.g. ``load_state_dict``) are copied back into this rank's shard before releasing."""
+        self.param_gathers.gather_all()
+        try:
+            yield
+        finally:
+            if writeback and self.param_shard is not None:
+                p = self.strategy.params
+                k = self.level_ranks(p)
+                for b in self.buckets:
+                    a, e = self._local_range(b, p)
+                    b.shard(self.param_shard, k).copy_(b.full[a:e])
+            self.param_gathers.release_all()
+
+    def host_state_dict(self, keep: bool = True) -> Optional[Dict[str, Any]]:
+        """``self.module.state_dict()`` on the host, at most one bucket gathered at a time
+        (collective for p = I / G; ``keep=False``: take part, return None):
+        :func:`.state.host_state_dict`."""
+        return host_state_dict(self, keep)
+
+    def load_host_state_dict(self, sd: Dict[str, Any]) -> None:
+        """``self.module.load_state_dict(sd, strict=True)`` written straight into this rank's
+        parameter shard, no collective: :func:`.state.load_host_state_dict`."""
+        load_host_state_dict(self, sd)
+
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The buckets are gathered and released by the owner modules' forward hooks; the hook on
-        the model output marks the start of this chunk's backward."""
+        the model output marks the start of this chunk's backward (:mod:`.hooks`)."""
         out = self.module(*args, **kwargs)
-        self._release_deferred()
-        if torch.is_grad_enabled():
-            self._pre_backward_done = False
-            for t in output_tensors(out):
-                if t.requires_grad:
-                    t.register_hook(self._pre_backward_hook)
+        self.hooks.after_forward(out)
         return out
-
-    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
-        """Gradient of the model output arrived: the backward of this chunk starts now."""
-        if not self._pre_backward_done:
-            self._pre_backward_done = True
-            self._begin_backward()
-
-    def _begin_backward(self) -> None:
-        if self._in_backward:
-            return
-        self._in_backward = True
-        for b in self.buckets:
-            b.pending, b.reduced = len(b.params), False
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-    def _make_grad_hook(self, index: int):
-        slot = self.slots[index]
-        b = self.buckets[self._bucket_of[index]]
-
-        def hook(param: torch.Tensor) -> None:
-            if param.grad is None:
-                return
-            self._begin_backward()
-            if self.grad_buffer is not None:
-                self.grad_buffer[slot.offset:slot.offset + slot.numel].view(slot.shape).add_(
-                    param.grad)
-            else:
-                if b.tmp_grad is None:  # g = I / G: this bucket's full gradient, this backward
-                    b.tmp_grad = torch.zeros(b.size, dtype=self.grad_dtype, device=param.device)
-                    self._track_peak()
-                o = slot.offset - b.start
-                b.tmp_grad[o:o + slot.numel].view(slot.shape).add_(param.grad)
-            param.grad = None
-            b.pending -= 1
-            if b.pending == 0:  # the bucket's backward is over
-                self._finish_bucket(b)
-
-        return hook
-
-    @torch.no_grad()
-    def _finish_bucket(self, b: Bucket) -> None:
-        """All of ``b``'s gradients of this micro-step are in: reduce-scatter them (g = I / G)
-        into the shard accumulator, free the temporary and release the parameters (p = I / G).
-        With ``grad_groups`` the reduce-scatter is only started here
-        (:meth:`_start_grad_reduce`)."""
-        if b.reduced:
-            return
-        b.reduced = True
-        if self.grad_shard is not None:
-            full = b.tmp_grad
-            if full is None:  # no gradient arrived (unused parameters): contribute zeros
-                full = torch.zeros(b.size, dtype=self.grad_dtype, device=self.grad_shard.device)
-            b.tmp_grad = None
-            k = self.level_ranks(self.strategy.grads)
-            acc = b.shard(self.grad_shard, k)
-            if self.grad_groups is not None:
-                self._start_grad_reduce(b, full, acc)
-            else:
-                if self.strategy.grads == Level.I:
-                    shard = torch.empty_like(acc)
-                    self._rs(shard, full, "intra", b)
-                else:
-                    shard = self._global_rs(full, b)
-                del full
-                acc.add_(shard)
-        self._release_bucket(b)
-
-    def _start_grad_reduce(self, b: Bucket, full: torch.Tensor, acc: torch.Tensor) -> None:
-        """Start bucket ``b``'s gradient reduce-scatter on the stages (``grad_groups``); the sum
-        lands in ``acc`` when :meth:`_finish_grad_reduces` waits for it. Counted here, in the
-        hook's thread, as the inline path counts it."""
-        if self._grad_stages is None:   # the runtime's, when it has one: its timing sees them
-            self._grad_stages = (self.quant_runtime.overlap_streams(full.device)
-                                 if self.quant_runtime is not None
-                                 else CommStreams.for_device(full.device))
-        shard = torch.empty_like(acc)
-        scope = "intra" if self.strategy.grads == Level.I else "global"
-        if self._quantize_gradients_now():
-            handle, keep = self._quantized_rs(shard, full, scope, b, streams=self._grad_stages)
-        else:
-            self._count_exact_reduce(full, scope)   # here, in the hook's thread, as _rs counts
-
-            def reduce() -> None:
-                used_on_this_stage(full)
-                self._exact_reduce(shard, full, scope, self.grad_groups)
-            handle = self._grad_stages.submit("intra", reduce)
-            keep = full
-        self._pending.append((handle, shard, acc, keep))
-        self._track_peak()   # the reduced shard and the kept input count while in flight
-        while len(self._pending) > GRAD_REDUCES_IN_FLIGHT:
-            self._finish_oldest_grad_reduce()
-
-    def _finish_oldest_grad_reduce(self) -> None:
-        handle, shard, acc, _ = self._pending.pop(0)
-        if handle is not None:
-            if self.quant_runtime is not None:   # the wait is the runtime's exposed time
-                self.quant_runtime.timing.wait("grad", handle)
-            else:
-                handle.wait()
-        acc.add_(shard)
-
-    def _finish_grad_reduces(self) -> None:
-        """Wait for every gradient reduce-scatter in flight and add it to its accumulator."""
-        while self._pending:
-            self._finish_oldest_grad_reduce()
-
-    @torch.no_grad()
-    def _end_backward(self) -> None:
-        """End of one micro-step's backward (safety net): every bucket not finished yet is reduced
-        and released, in bucket order, so every rank issues the same collectives."""
-        for b in self.buckets:
-            self._finish_bucket(b)
-        self._finish_grad_reduces()
-        self.release_params()
-        self._in_backward = False
 
     def start_grad_sync(self, *unused: Any) -> None:
         """megatron-core's ``grad_sync_func`` (set with ``--overlap-grad-reduce``): nothing to
@@ -786,29 +420,11 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
     def finalize_model_grads(self, model: Sequence[torch.nn.Module] = (), num_tokens: Any = None,
                              pg_collection: Any = None, force_all_reduce: bool = False) -> None:
         """Gradient sync at the accumulation boundary, g level -> os level (spec §3 phase 3),
-        then the DP average (sum / n, as megatron-core's DDP with per-sample losses)."""
+        then the DP average (sum / n, as megatron-core's DDP with per-sample losses):
+        :meth:`~.grad_reduce.GradReduction.to_optimizer_level`, kept as ``main_grad``."""
         if num_tokens is not None:
             raise NotImplementedError("the PaRO engine does not support calculate_per_token_loss")
-        g, o = self.strategy.grads, self.strategy.optim
-        src = self.grad_buffer if self.grad_buffer is not None else self.grad_shard
-        if (g, o) == (Level.N, Level.N):
-            out = src.clone()
-            hierarchical_all_reduce(out, self.intra_group, self.inter_group, counter=self.counter)
-        elif (g, o) == (Level.N, Level.I):
-            out = self._reduce_to(src, Level.N, Level.I)
-            self._ar(out, "inter")
-        elif (g, o) == (Level.N, Level.G):
-            out = self._reduce_to(src, Level.N, Level.G)
-        elif (g, o) == (Level.I, Level.I):
-            out = src.clone()
-            self._ar(out, "inter")
-        elif (g, o) == (Level.I, Level.G):
-            out = self._reduce_to(src, Level.I, Level.G)
-        else:  # G -> G: already reduced every micro-step
-            out = src.clone()
-        out = out.float()
-        out.mul_(1.0 / self.n)
-        self.main_grad = out
+        self.main_grad = self.grad_reduction.to_optimizer_level()
 
     # ------------------------------------------------------------------ accounting
     def _track_peak(self) -> None:
@@ -824,7 +440,8 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         if self.param_buffer is None:  # p = I / G: the gathered buckets
             params += sum(b.full.untyped_storage().nbytes() for b in self.buckets)
         grads = 0
-        in_flight = [t for _, shard, _, kept in self._pending for t in (shard, kept)]
+        in_flight = [t for _, shard, _, kept in self.grad_reduction.pending
+                     for t in (shard, kept)]
         temporaries = [b.tmp_grad for b in self.buckets] + in_flight
         for t in [self.grad_buffer, self.grad_shard] + temporaries:
             if t is not None:

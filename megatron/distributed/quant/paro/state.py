@@ -1,0 +1,122 @@
+"""The engine's weights to and from a host (CPU) state dict, for checkpoints.
+
+Why a module of its own: the obvious save / load paths (``state_dict()`` or ``load_state_dict``
+inside ``full_params``) gather every bucket at once, the whole model's parameters on the device
+on top of the shards -- at least what a p = I / G strategy was chosen to avoid. These functions
+give the same keys, order, dtypes, shapes and values while gathering at most one bucket at a
+time (save) or nothing at all (load: each parameter's piece of this rank's shard is copied from
+the host tensor). The engine's ``host_state_dict`` / ``load_host_state_dict`` call them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import ParoDataParallel
+
+__all__ = ["host_state_dict", "load_host_state_dict"]
+
+
+def _param_keys(engine: "ParoDataParallel", sd: Dict[str, Any]) -> Dict[int, List[str]]:
+    """Parameter index -> its keys in ``sd``, a ``state_dict(keep_vars=True)`` of the module
+    (the parameter objects themselves: their data is not read while released; several keys
+    for tied weights)."""
+    index = {id(p): i for i, p in enumerate(engine.params)}
+    keys_of: Dict[int, List[str]] = {}
+    for key, value in sd.items():
+        if torch.is_tensor(value) and id(value) in index:
+            keys_of.setdefault(index[id(value)], []).append(key)
+    return keys_of
+
+
+@torch.no_grad()
+def host_state_dict(engine: "ParoDataParallel", keep: bool = True) -> Optional[Dict[str, Any]]:
+    """``engine.module.state_dict()`` with every tensor copied to the CPU, for a checkpoint;
+    collective for p = I / G (every rank of the DP group calls it; ``keep=False`` on ranks
+    that do not store the weights: they take part in the gathers and return None).
+
+    Same keys, order, dtypes, shapes and values as the old save path (``state_dict()`` inside
+    ``full_params``, then ``.detach().clone()`` of every tensor), but the buckets are
+    gathered one at a time, copied to the host and released. Why: the old path held every
+    bucket's full parameters *and* a device clone of them at once -- twice the model's
+    parameters on the GPU on top of the shards, at a moment the caching allocator's
+    activation blocks may still be reserved. Now the device holds at most one gathered bucket
+    above the persistent state (none for p = N) and nothing is cloned on it.
+    """
+    sd = engine.module.state_dict(keep_vars=True)
+    keys_of = _param_keys(engine, sd)
+    params = {key for keys in keys_of.values() for key in keys}
+    out: Dict[str, Any] = {}
+    for key, value in sd.items():
+        if key in params:
+            out[key] = None  # filled bucket by bucket below; keeps the key order
+        elif keep:
+            out[key] = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+    gathers = engine.param_gathers
+    for b in engine.buckets:
+        wanted = [i for i in b.params if i in keys_of]
+        if not wanted:
+            continue
+        was_gathered = b.gathered
+        gathers.gather(b)
+        if keep:
+            for i in wanted:
+                for key in keys_of[i]:
+                    out[key] = engine.params[i].detach().to("cpu", copy=True)
+        if not was_gathered:
+            gathers.release(b)
+    return out if keep else None
+
+
+@torch.no_grad()
+def load_host_state_dict(engine: "ParoDataParallel", sd: Dict[str, Any]) -> None:
+    """``engine.module.load_state_dict(sd, strict=True)`` for a full (host) state dict, written
+    straight into this rank's parameter shard: no gather, no collective.
+
+    Same result as the old load path (``load_state_dict`` inside ``full_params(writeback=
+    True)``: the shard's slice of every parameter, tied weights taking their last key's
+    value, padding untouched), but the old path gathered every bucket at once -- the whole
+    model's parameters on the device on top of the shards, at least what a p = I / G
+    strategy was chosen to avoid. Now each parameter's piece inside the shard is copied from
+    the host tensor and nothing model-sized is allocated."""
+    module = engine.module
+    if engine.param_shard is None:           # p = N: the parameters are always full
+        module.load_state_dict(sd, strict=True)
+        return
+    current = module.state_dict(keep_vars=True)
+    missing = [k for k in current if k not in sd]
+    unexpected = [k for k in sd if k not in current]
+    if missing or unexpected:
+        raise RuntimeError(f"Error(s) in loading state_dict for "
+                           f"{type(module).__name__}: missing keys {missing}, "
+                           f"unexpected keys {unexpected}")
+    keys_of = _param_keys(engine, current)
+    params = {key for keys in keys_of.values() for key in keys}
+    others = {key: sd[key] for key in current if key not in params}
+    for i, keys in keys_of.items():
+        for key in keys:
+            if tuple(sd[key].shape) != tuple(engine.slots[i].shape):
+                raise RuntimeError(
+                    f"size mismatch for {key}: copying a param with shape "
+                    f"{tuple(sd[key].shape)} from checkpoint, the shape in current model is "
+                    f"{tuple(engine.slots[i].shape)}")
+    module.load_state_dict(others, strict=False)   # buffers, extra state
+    p = engine.strategy.params
+    k = engine.level_ranks(p)
+    for b in engine.buckets:
+        a, e = engine._local_range(b, p)
+        shard = b.shard(engine.param_shard, k)
+        for i in b.params:
+            slot = engine.slots[i]
+            lo = max(slot.offset - b.start, a)           # bucket-local, inside the shard
+            hi = min(slot.offset - b.start + slot.numel, e)
+            if lo >= hi or i not in keys_of:
+                continue
+            first = lo - (slot.offset - b.start)         # element of the parameter
+            for key in keys_of[i]:                       # tied: the last key wins
+                shard[lo - a:hi - a].copy_(sd[key].reshape(-1)[first:first + hi - lo])
+        if b.gathered:                  # stale now: the next use gathers the new values
+            engine.param_gathers.release(b)

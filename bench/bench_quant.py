@@ -27,6 +27,9 @@ drawn from a CUDA generator and the non-finite count read back (two host round t
 which the trainer never pays).
 ``--compare-kernels FILE`` also benchmarks another version of ``triton_kernels.py`` (for example
 a previous commit's, from ``git show``) in the same process, against the same copy bandwidth.
+The file is loaded as a module of the kernels package: a version from before the jit kernels
+moved to ``triton_jit.py`` holds its own kernels, a later one imports the current
+``triton_jit.py`` (so it compares launchers only).
 """
 
 from __future__ import annotations

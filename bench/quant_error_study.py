@@ -55,8 +55,9 @@ for _p in (str(ROOT), str(ROOT / "bench")):
 
 import torch  # noqa: E402
 
-from megatron.distributed.quant.collectives import (  # noqa: E402
-    required_padding_multiple_from_config, swizzle_order)
+from megatron.distributed.quant.collectives.common import (  # noqa: E402
+    required_padding_multiple_from_config)
+from megatron.distributed.quant.collectives.gradients import swizzle_order  # noqa: E402
 from megatron.distributed.quant.config import QuantizationConfig  # noqa: E402
 from megatron.distributed.quant.kernels import QuantizedTensor, dequantize_sum  # noqa: E402
 from megatron.distributed.quant.runtime import QuantizationRuntime  # noqa: E402
@@ -146,8 +147,8 @@ class VirtualCluster:
         self.multiple = required_padding_multiple_from_config(self.cfg, self.p, d)
 
     def pad(self, flat: torch.Tensor) -> torch.Tensor:
-        """Zero-padded to the bucket multiple the quantized collectives need (mcore_compat's
-        PaddedParamAndGradBuffer pads each bucket the same way)."""
+        """Zero-padded to the bucket multiple the quantized collectives need
+        (mcore_compat.ddp_buckets' PaddedParamAndGradBuffer pads each bucket the same way)."""
         n = -(-flat.numel() // self.multiple) * self.multiple
         return torch.nn.functional.pad(flat, (0, n - flat.numel()))
 

@@ -16,7 +16,7 @@ How the specialisations are found (nothing is re-derived by hand):
 
 1. The flag space: bits from ``config.SUPPORTED_BITS``; group sizes and the Hadamard block from
    the ``QuantizationConfig`` defaults plus every value the recipes in ``examples/`` pass; input
-   dtypes from what the call sites in ``collectives.py`` / ``loco.py`` / ``paro/`` hand to
+   dtypes from what the call sites in ``collectives/`` / ``loco.py`` / ``paro/`` hand to
    the kernels (fp32 / bf16 gradient buffers, bf16 / fp32 / fp16 parameters).
 2. For each reachable combination, the *launcher's own* host function in ``triton_kernels.py``
    (``quantize_partitions``, ``dequantize_sum_requantize``, ...) is called on small CPU tensors
@@ -28,8 +28,9 @@ How the specialisations are found (nothing is re-derived by hand):
    such as ``enable_fp_fusion=False``) the JIT would compile on a GPU, then compiled with
    ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``.
 
-Every ``@triton.jit`` function of the module that no other jit function calls is an entry kernel;
-one that no scenario launches is an error (a new kernel must be added to the scenarios here).
+Every ``@triton.jit`` function of ``triton_jit.py`` that no other jit function calls is an entry
+kernel; one that no scenario launches is an error (a new kernel must be added to the scenarios
+here).
 
 Results are cached per (kernel source hash incl. its jit callees, specialisation, target, options,
 Triton version, cache-invalidating env vars) under ``--cache-dir`` (default
@@ -147,11 +148,12 @@ def _typical_generator(T) -> Any:
 def scenarios(space: FlagSpace) -> List[Scenario]:
     """Every launcher call reachable from the flags, grouped by the call site that makes it.
 
-    Call sites (megatron/distributed/quant/): collectives.two_level_reduce_scatter (TLq / TLq-HS:
-    hop 1 ``quantize_partitions`` into D*M destination slots, middle ``dequantize_sum_requantize``
-    over D sources, final ``dequantize_sum`` over M (or D) sources into the fp32 grad shard; with
-    LoCo the middle hop is ``dequantize_sum`` + ``quantize`` + ``dequantize`` instead and
-    loco.py stores 8-bit error buffers); collectives.quantized_all_gather (qWD:
+    Call sites (megatron/distributed/quant/): collectives.gradients.two_level_reduce_scatter (TLq /
+    TLq-HS: hop 1 ``quantize_partitions`` into D*M destination slots, middle
+    ``dequantize_sum_requantize`` over D sources, final ``dequantize_sum`` over M (or D) sources
+    into the fp32 grad shard; with LoCo the middle hop is ``dequantize_sum`` + ``quantize`` +
+    ``dequantize`` instead and loco.py stores 8-bit error buffers);
+    collectives.weights.quantized_all_gather (qWD:
     ``quantize_difference`` + ``dequantize_add``; qW: ``quantize`` + ``dequantize`` into the
     param buffer, and the PaRO engine's sync_params through the runtime: fp32 optimizer-state
     shard vs the param dtype). Every trainer call site passes ``check_finite=False`` (finiteness
@@ -301,30 +303,36 @@ class _Recorder:
 
 
 def kernels_module():
-    """Import the Triton kernels compiled for real (not the CPU interpreter)."""
+    """Import the Triton launchers (``triton_kernels.py``), with the jit functions of
+    ``triton_jit.py`` compiled for real (not the CPU interpreter)."""
     from triton.runtime.jit import JITFunction
 
+    from megatron.distributed.quant.kernels import triton_jit as J
     from megatron.distributed.quant.kernels import triton_kernels as T
 
-    fns = [v for v in vars(T).values() if hasattr(v, "src") and hasattr(v, "params")]
+    fns = [v for v in vars(J).values() if hasattr(v, "src") and hasattr(v, "params")]
     if not fns or not all(isinstance(v, JITFunction) for v in fns):
         raise AotError("the Triton kernels were imported under TRITON_INTERPRET=1 (interpreter "
                        "functions cannot be compiled): run this tool in a fresh process without it")
     return T
 
 
-def entry_kernels(T) -> Dict[str, Any]:
-    """Name -> JITFunction for every jit function of the module that no other jit function calls."""
+def entry_kernels() -> Dict[str, Any]:
+    """Name -> JITFunction for every jit function of ``triton_jit.py`` that no other jit function
+    calls."""
     from triton.runtime.jit import JITFunction
 
-    fns = {n: v for n, v in vars(T).items() if isinstance(v, JITFunction)}
+    from megatron.distributed.quant.kernels import triton_jit as J
+
+    fns = {n: v for n, v in vars(J).items() if isinstance(v, JITFunction)}
     return {n: v for n, v in fns.items()
             if not any(re.search(rf"\b{re.escape(n)}\s*\(", w.src) for m, w in fns.items() if m != n)}
 
 
 def capture(T, scens: Sequence[Scenario]) -> List[Launch]:
-    """Run every scenario through the launcher with the entry kernels swapped for recorders."""
-    entries = entry_kernels(T)
+    """Run every scenario through the launchers ``T`` with the entry kernels swapped for
+    recorders (the launchers look them up as module globals of ``T`` at every launch)."""
+    entries = entry_kernels()
     sink: List[Launch] = []
     current: List[Scenario] = [scens[0]] if scens else []
     try:
@@ -775,7 +783,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    # Must precede the first import of triton_kernels: under the interpreter nothing compiles.
+    # Must precede the first import of triton_jit: under the interpreter nothing compiles.
     if os.environ.pop("TRITON_INTERPRET", None) not in (None, "", "0"):
         print("triton_aot: note: ignoring TRITON_INTERPRET (this tool compiles for real)",
               file=sys.stderr)

@@ -33,12 +33,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 
-from megatron.distributed.quant import collectives, runtime, topology
+from megatron.distributed.quant import runtime, topology
+from megatron.distributed.quant.collectives import common, gradients, weights
 from megatron.distributed.quant.topology import TwoLevelGroups, build_two_level_groups
 
 __all__ = ["VirtualGroup", "VirtualDist", "installed", "build_virtual_groups"]
 
-PATCHED_MODULES: Tuple[ModuleType, ...] = (collectives, topology, runtime)
+PATCHED_MODULES: Tuple[ModuleType, ...] = (common, gradients, weights, topology, runtime)
 """Product modules whose ``dist`` attribute the virtual world replaces (all of their
 ``torch.distributed`` calls on the study's paths)."""
 

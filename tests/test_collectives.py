@@ -13,9 +13,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.distributed.quant.accounting import CommAccounting
-from megatron.distributed.quant.collectives import (PendingCollective, quantized_all_gather,
-                                                    required_padding_multiple, swizzle_order,
-                                                    two_level_reduce_scatter)
+from megatron.distributed.quant.collectives.common import (PendingCollective,
+                                                           required_padding_multiple)
+from megatron.distributed.quant.collectives.gradients import (swizzle_order,
+                                                              two_level_reduce_scatter)
+from megatron.distributed.quant.collectives.weights import quantized_all_gather
 from megatron.distributed.quant.kernels import NonFiniteError, hadamard_transform, inverse_hadamard_transform
 from megatron.distributed.quant.topology import (TwoLevelGroups, build_two_level_groups,
                                                  build_two_level_groups_for_all)

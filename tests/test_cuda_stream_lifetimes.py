@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fake_cuda import FakeCuda, StreamAllocationCheck
-from megatron.distributed.quant import collectives
+from megatron.distributed.quant.collectives import common, gradients, weights
 from megatron.distributed.quant.loco import LoCoErrorFeedback
 from megatron.distributed.quant.streams import STAGES, CommStreams
 from megatron.distributed.quant.topology import TwoLevelGroups
@@ -73,6 +73,12 @@ class LoopbackDist:
     all_gather_into_tensor = all_gather_single
 
 
+def _install_transport(monkeypatch, transport: LoopbackDist) -> None:
+    """``transport`` as ``dist`` of every collectives module that looks it up."""
+    for module in (common, gradients, weights):
+        monkeypatch.setattr(module, "dist", transport)
+
+
 def _groups_2x2() -> TwoLevelGroups:
     return TwoLevelGroups(dp_group=_Group(4), intra_group=_Group(2), inter_group=_Group(2),
                           dp_size=4, dp_rank=0, intra_size=2, inter_size=2, node=0, local=0,
@@ -86,7 +92,7 @@ def fake_world(monkeypatch):
     fake.install(monkeypatch)
     check = StreamAllocationCheck(fake)
     transport = LoopbackDist(check)
-    monkeypatch.setattr(collectives, "dist", transport)
+    _install_transport(monkeypatch, transport)
     return fake, check, transport
 
 
@@ -109,7 +115,7 @@ def _reduce_scatter(streams: CommStreams, *, pipeline: int, loco: bool, hadamard
     for b in range(buckets):
         x = torch.randn(4 * 2 * GS * 2, generator=gen)
         out = torch.empty(x.numel() // 4)
-        handles.append(collectives.two_level_reduce_scatter(
+        handles.append(gradients.two_level_reduce_scatter(
             x, out, groups, bits_intra=8, group_size_intra=GS, bits_inter=4,
             group_size_inter=GS, hadamard=hadamard, generator=gen, async_op=True,
             nonfinite_flag=flag, pipeline=pipeline, streams=streams,
@@ -139,10 +145,10 @@ def test_weight_gather_reads_only_its_own_stage(fake_world) -> None:
     shard = torch.randn(2 * GS, dtype=torch.bfloat16)
     ref = torch.randn(4 * 2 * GS, dtype=torch.bfloat16)
     with check:
-        collectives.quantized_all_gather(shard, ref, ref, _Group(4), bits=4, group_size=GS,
-                                         generator=torch.Generator().manual_seed(1),
-                                         nonfinite_flag=torch.zeros(1, dtype=torch.int32), async_op=True,
-                                         streams=streams).wait()
+        weights.quantized_all_gather(shard, ref, ref, _Group(4), bits=4, group_size=GS,
+                                     generator=torch.Generator().manual_seed(1),
+                                     nonfinite_flag=torch.zeros(1, dtype=torch.int32), async_op=True,
+                                     streams=streams).wait()
     assert ("all_gather", "weights") in transport.calls and check.hazards() == []
 
 
@@ -150,7 +156,7 @@ def test_the_check_catches_an_unprotected_cross_stage_read(fake_world, monkeypat
     """The check itself can fail: with the stage's ``record_stream`` hand-over disabled (the
     code before the fix), the middle hop's codes are flagged."""
     fake, check, _ = fake_world
-    monkeypatch.setattr(collectives, "used_on_this_stage", lambda *tensors: None)
+    monkeypatch.setattr(gradients, "used_on_this_stage", lambda *tensors: None)
     with check:
         _reduce_scatter(_cuda_streams(), pipeline=2, loco=False,
                         hadamard=False)
@@ -167,17 +173,17 @@ def test_first_hop_codes_are_freed_once_sent(fake_world, monkeypatch, pipeline: 
     import weakref
 
     codes = []
-    real = collectives.quantize_partitions
+    real = gradients.quantize_partitions
 
     def spy(*args, **kwargs):
         q = real(*args, **kwargs)
         codes.append(weakref.ref(q.codes))
         return q
 
-    monkeypatch.setattr(collectives, "quantize_partitions", spy)
+    monkeypatch.setattr(gradients, "quantize_partitions", spy)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4 * 2 * GS * 2 * pipeline, generator=gen)
-    handle = collectives.two_level_reduce_scatter(
+    handle = gradients.two_level_reduce_scatter(
         x, torch.empty(x.numel() // 4), _groups_2x2(), bits_intra=8, group_size_intra=GS,
         bits_inter=4, group_size_inter=GS, hadamard=True, generator=gen, async_op=True,
         nonfinite_flag=torch.zeros(1, dtype=torch.int32), pipeline=pipeline,
@@ -287,7 +293,7 @@ def test_inter_node_hops_send_codes_and_scales_as_one_message(fake_world, monkey
         for b in range(2):
             x = torch.randn(4 * 2 * GS * 2, generator=gen)
             outs.append(torch.empty(x.numel() // 4))
-            collectives.two_level_reduce_scatter(
+            gradients.two_level_reduce_scatter(
                 x, outs[-1], _groups_2x2(), bits_intra=8, group_size_intra=GS, bits_inter=4,
                 group_size_inter=GS, hadamard=True, generator=gen, pipeline=pipeline,
                 nonfinite_flag=torch.zeros(1, dtype=torch.int32), async_op=True,
@@ -299,7 +305,7 @@ def test_inter_node_hops_send_codes_and_scales_as_one_message(fake_world, monkey
                  for stage in ("intra", "inter")}
     chunks = 2 * pipeline                          # 2 buckets
     assert per_stage == {"intra": 2 * (2 if loco else chunks), "inter": chunks}
-    monkeypatch.setattr(collectives, "_one_message", lambda link: False)
+    monkeypatch.setattr(gradients, "_one_message", lambda link: False)
     two_messages = shards()
     assert transport.calls.count(("all_to_all", "inter")) == 2 * chunks
     assert all(torch.equal(a, b) for a, b in zip(packed, two_messages))
@@ -316,7 +322,7 @@ def test_weight_gather_messages_follow_the_links(fake_world, links, gathers: int
         shard = torch.randn(2 * GS, generator=torch.Generator().manual_seed(2)).bfloat16()
         ref = torch.zeros(4 * 2 * GS, dtype=torch.bfloat16)
         out = torch.empty_like(ref)
-        collectives.quantized_all_gather(
+        weights.quantized_all_gather(
             shard, ref, out, _Group(4), bits=4, group_size=GS,
             generator=torch.Generator().manual_seed(1),
             link_of_peer=None if link_list is None else link_list.__getitem__,
@@ -355,14 +361,15 @@ def test_a_poisoned_group_passes_nccls_nan_check(fake_world, monkeypatch,
     gradient and the weights still reach every rank as non-finite, and the flag counts them."""
     fake, check, _ = fake_world
     transport = NanCheckingDist(check)
-    monkeypatch.setattr(collectives, "dist", transport)
-    monkeypatch.setattr(collectives, "_one_message", lambda link: one_message)
+    _install_transport(monkeypatch, transport)
+    for module in (gradients, weights):
+        monkeypatch.setattr(module, "_one_message", lambda link: one_message)
     x = torch.randn(4 * 2 * GS * 2, generator=torch.Generator().manual_seed(0))
     x[5] = float("nan")
     x[3 * GS] = float("inf")
     out = torch.empty(x.numel() // 4)
     flag = torch.zeros(1, dtype=torch.int32)
-    collectives.two_level_reduce_scatter(
+    gradients.two_level_reduce_scatter(
         x, out, _groups_2x2(), bits_intra=8, group_size_intra=GS, bits_inter=4,
         group_size_inter=GS, hadamard=True, generator=torch.Generator().manual_seed(1),
         nonfinite_flag=flag, pipeline=2,
@@ -372,7 +379,7 @@ def test_a_poisoned_group_passes_nccls_nan_check(fake_world, monkeypatch,
     shard[7] = float("nan")
     ref = torch.zeros(4 * 2 * GS)
     gathered = torch.empty_like(ref)
-    collectives.quantized_all_gather(
+    weights.quantized_all_gather(
         shard, ref, gathered, _Group(4), bits=4, group_size=GS,
         generator=torch.Generator().manual_seed(1), link_of_peer=lambda r: "intra",
         nonfinite_flag=flag)
@@ -387,7 +394,7 @@ def test_cpu_stages_need_no_hand_over(monkeypatch) -> None:
     calls = []
     monkeypatch.setenv("QUANT_KERNELS", "torch")
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: calls.append(s))
-    monkeypatch.setattr(collectives, "dist", LoopbackDist(StreamAllocationCheck(FakeCuda())))
+    _install_transport(monkeypatch, LoopbackDist(StreamAllocationCheck(FakeCuda())))
     _reduce_scatter(CommStreams("thread"), pipeline=2, loco=False, hadamard=False)
     _reduce_scatter(CommStreams("inline"), pipeline=1, loco=True, hadamard=True)
     assert calls == []

@@ -73,8 +73,8 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
             streamed = _train(rank, nan_step=1)
         # the same run with the stages' record_stream hand-over disabled (the code before the
         # fix of review item 1): the check must see the middle hop's codes
-        from megatron.distributed.quant import collectives
-        mp.setattr(collectives, "used_on_this_stage", lambda *tensors: None)
+        from megatron.distributed.quant.collectives import gradients
+        mp.setattr(gradients, "used_on_this_stage", lambda *tensors: None)
         with unprotected:
             _train(rank, nan_step=1)
     finally:

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from dist_harness import model_parallel_world_of_one
-from megatron.training.arguments import ArgumentError, parse_args, validate_args
+from megatron.training.arguments import parse_args
+from megatron.training.arguments_validation import ArgumentError, validate_args
 from megatron.training.fusions import apply_optimizer_fusions, fusion_plan, resolve_fusions
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -178,7 +179,7 @@ def test_fused_adamw_and_foreach_ops_match_the_unfused_step(monkeypatch) -> None
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mcore_optimizer
 
-    from megatron.distributed.quant import mcore_compat
+    from megatron.distributed.quant.mcore_compat import ops as mcore_compat_ops
 
     for module, name in ((clip_grads, "l2_norm_impl"), (clip_grads, "multi_tensor_scale_impl"),
                          (mcore_optimizer, "multi_tensor_scale_impl")):
@@ -196,7 +197,7 @@ def test_fused_adamw_and_foreach_ops_match_the_unfused_step(monkeypatch) -> None
     plain_opt = torch.optim.AdamW(twins, lr=1e-2)
     changed = apply_optimizer_fusions(_plan("cuda", NOTHING), Leaf(fused_opt))
     assert changed == ["adam:fused", "multi-tensor:foreach"]
-    assert clip_grads.l2_norm_impl is mcore_compat.foreach_multi_tensor_l2_norm
+    assert clip_grads.l2_norm_impl is mcore_compat_ops.foreach_multi_tensor_l2_norm
     for _ in range(3):
         for p, t, g in zip(params, twins, grads):
             p.grad, t.grad = g.clone(), g.clone()
@@ -219,11 +220,11 @@ def test_fused_adamw_and_foreach_ops_match_the_unfused_step(monkeypatch) -> None
 
     # the _foreach replacements against an fp64 norm and megatron-core's own scale
     tensors = [torch.randn(1000), torch.randn(37, 5)]
-    ours, _ = mcore_compat.foreach_multi_tensor_l2_norm(0, None, [tensors], False)
+    ours, _ = mcore_compat_ops.foreach_multi_tensor_l2_norm(0, None, [tensors], False)
     ref = torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in tensors]).double())
     assert ours.shape == (1,) and abs(ours.item() - ref.item()) <= 1e-5 * ref.item()
     a, b = [t.clone() for t in tensors], [torch.empty_like(t) for t in tensors]
-    mcore_compat.foreach_multi_tensor_scale(0, None, [a, b], 0.5)
+    mcore_compat_ops.foreach_multi_tensor_scale(0, None, [a, b], 0.5)
     mcore_utils.local_multi_tensor_scale(0, None, [a, a], 0.5)      # in place, megatron-core's
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -235,9 +236,9 @@ def test_foreach_scale_makes_its_products_a_group_at_a_time(monkeypatch) -> None
     per-tensor loop, and a scale of 1 makes none."""
     from megatron.core import utils as mcore_utils
 
-    from megatron.distributed.quant import mcore_compat
+    from megatron.distributed.quant.mcore_compat import ops as mcore_compat_ops
 
-    monkeypatch.setattr(mcore_compat, "FOREACH_SCALE_GROUP_NUMEL", 1000)
+    monkeypatch.setattr(mcore_compat_ops, "FOREACH_SCALE_GROUP_NUMEL", 1000)
     groups = []
     real_mul = torch._foreach_mul
     monkeypatch.setattr(torch, "_foreach_mul",
@@ -247,7 +248,7 @@ def test_foreach_scale_makes_its_products_a_group_at_a_time(monkeypatch) -> None
         groups.clear()
         ours = [torch.empty(t.shape, dtype=torch.float16) for t in src]
         want = [torch.empty(t.shape, dtype=torch.float16) for t in src]
-        mcore_compat.foreach_multi_tensor_scale(0, None, [src, ours], scale)
+        mcore_compat_ops.foreach_multi_tensor_scale(0, None, [src, ours], scale)
         mcore_utils.local_multi_tensor_scale(0, None, [src, want], scale)
         assert all(torch.equal(x, y) for x, y in zip(ours, want))
         # a group holds whole tensors up to the bound (a larger tensor alone)

@@ -201,7 +201,8 @@ def max_scaled_grad(ddp) -> float:
 def main_param_shards(opt, ddp) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """(own shard of the bf16 param buffer, fp32 master values at the same positions) per bucket,
     only at positions this rank's main params cover (read through megatron-core's range maps)."""
-    from megatron.distributed.quant.mcore_compat import leaf_optimizers, model_param_range_map
+    from megatron.distributed.quant.mcore_compat.optimizer import (leaf_optimizers,
+                                                                   model_param_range_map)
 
     pairs = []
     for leaf in leaf_optimizers(opt):
@@ -217,7 +218,8 @@ def main_param_shards(opt, ddp) -> List[Tuple[torch.Tensor, torch.Tensor]]:
 
 def full_masters(opt, ddp) -> torch.Tensor:
     """All fp32 master weights in module order (each rank fills its range, then a SUM)."""
-    from megatron.distributed.quant.mcore_compat import leaf_optimizers, model_param_range_map
+    from megatron.distributed.quant.mcore_compat.optimizer import (leaf_optimizers,
+                                                                   model_param_range_map)
 
     full = {p: torch.zeros(p.numel(), dtype=torch.float32) for p in ddp.module.parameters()}
     for leaf in leaf_optimizers(opt):

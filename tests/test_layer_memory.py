@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from megatron.distributed.quant import collectives
+from megatron.distributed.quant.collectives import common, gradients
 from megatron.distributed.quant.config import QuantizationConfig
 from megatron.distributed.quant.loco import LoCoErrorFeedback
 from megatron.distributed.quant.memory import layer_memory
@@ -93,7 +93,9 @@ def _groups(d: int, m: int) -> TwoLevelGroups:
 def _measure(monkeypatch, d: int, m: int, loco: bool, hadamard: bool,
              pipeline: int) -> Tuple[Dict[str, int], int, QuantizationConfig]:
     monkeypatch.setenv("QUANT_KERNELS", "cpp")
-    monkeypatch.setattr(collectives, "dist", Loopback())
+    transport = Loopback()
+    for module in (common, gradients):   # where the reduce-scatter looks ``dist`` up
+        monkeypatch.setattr(module, "dist", transport)
     cfg = QuantizationConfig(quantized_gradients=True, loco=loco, hadamard_transform=hadamard,
                              gq_group_size_intra=GS, gq_group_size_inter=GS,
                              gradient_alltoall_pipeline=pipeline)
@@ -105,7 +107,7 @@ def _measure(monkeypatch, d: int, m: int, loco: bool, hadamard: bool,
     for _ in range(2):   # the second call reads back the stored errors
         mode = LiveBytes()
         with mode:
-            collectives.two_level_reduce_scatter(
+            gradients.two_level_reduce_scatter(
                 x, out, _groups(d, m), bits_intra=8, group_size_intra=GS, bits_inter=4,
                 group_size_inter=GS, hadamard=hadamard, generator=torch.Generator().manual_seed(1),
                 nonfinite_flag=torch.zeros(1, dtype=torch.int32), error_feedback=ef,

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.distributed.quant.collectives import required_padding_multiple, two_level_reduce_scatter
+from megatron.distributed.quant.collectives.common import required_padding_multiple
+from megatron.distributed.quant.collectives.gradients import two_level_reduce_scatter
 from megatron.distributed.quant.config import QuantizationConfig
 from megatron.distributed.quant.loco import LoCoErrorFeedback
 from megatron.distributed.quant.topology import build_two_level_groups

@@ -1,4 +1,4 @@
-"""Contract tests of megatron/distributed/quant/mcore_compat.py: one per megatron-core touch point.
+"""Contract tests of megatron/distributed/quant/mcore_compat/: one per megatron-core touch point.
 
 Why: everything we take from megatron-core's private names (or its undocumented behaviour) goes
 through mcore_compat. Each test below pins one thing we rely on, and is named after it, so a
@@ -25,6 +25,11 @@ import torch.distributed as dist
 
 from dist_harness import model_parallel_world_of_one
 from megatron.distributed.quant import mcore_compat as mc
+from megatron.distributed.quant.mcore_compat import data as mc_data
+from megatron.distributed.quant.mcore_compat import ddp_buckets as mc_buckets
+from megatron.distributed.quant.mcore_compat import ops as mc_ops
+from megatron.distributed.quant.mcore_compat import optimizer as mc_optimizer
+from megatron.distributed.quant.mcore_compat import process_globals as mc_globals
 from megatron.training import cpu_mode
 
 PAD = 384  # lcm(P=1, 384) = 384; megatron-core alone pads this model's buckets to 128 and 256
@@ -62,7 +67,7 @@ def _build(pad: int = 0, optimizer: bool = True) -> Tuple[Any, Any]:
                                          overlap_param_gather=True, bucket_size=40,
                                          grad_reduce_in_fp32=True)
     if pad:
-        with mc.ddp_buffer_class(pad):
+        with mc_buckets.ddp_buffer_class(pad):
             ddp = DistributedDataParallel(cfg, ddpc, Tiny())
     else:
         ddp = DistributedDataParallel(cfg, ddpc, Tiny())
@@ -118,7 +123,7 @@ def test_version_check_rejects_other_megatron_core_versions(monkeypatch) -> None
         with pytest.raises(ImportError, match=re.escape(bad)) as exc:
             mc.check_version(bad)
         assert mc.SUPPORTED_SPEC in str(exc.value)
-    # The import itself runs the check: load the module file afresh under a fake version.
+    # The import itself runs the check: load the package's __init__ afresh under a fake version.
     from megatron.core import package_info
 
     monkeypatch.setattr(package_info, "__version__", "0.17.0")
@@ -144,7 +149,7 @@ def test_tp_random_rng_state_functions_have_the_signatures_we_replace() -> None:
     for method in (tracker.fork, tracker.add):
         assert {"_get_cuda_rng_state", "_set_cuda_rng_state"} <= _names(method), method
     orig = (tp_random._get_cuda_rng_state, tp_random._set_cuda_rng_state)
-    undo = mc.patch_tp_rng_state(cpu_mode._cpu_get_rng_state, cpu_mode._cpu_set_rng_state)
+    undo = mc_globals.patch_tp_rng_state(cpu_mode._cpu_get_rng_state, cpu_mode._cpu_set_rng_state)
     assert tp_random._get_cuda_rng_state is cpu_mode._cpu_get_rng_state
     assert tp_random._set_cuda_rng_state is cpu_mode._cpu_set_rng_state
     undo()
@@ -154,10 +159,10 @@ def test_tp_random_rng_state_functions_have_the_signatures_we_replace() -> None:
 def test_tp_random_cpu_state_warning_text_and_logger() -> None:
     import megatron.core.tensor_parallel.random as tp_random
 
-    assert tp_random.__name__ == mc.TP_RNG_LOGGER
+    assert tp_random.__name__ == mc_globals.TP_RNG_LOGGER
     source = inspect.getsource(tp_random)
-    assert f"'{mc.TP_RNG_CPU_STATE_WARNING}'" in source or \
-        f'"{mc.TP_RNG_CPU_STATE_WARNING}"' in source
+    assert f"'{mc_globals.TP_RNG_CPU_STATE_WARNING}'" in source or \
+        f'"{mc_globals.TP_RNG_CPU_STATE_WARNING}"' in source
     assert "logging.getLogger(__name__).warning" in source
 
 
@@ -165,7 +170,7 @@ def test_jit_fuser_is_a_module_global_read_at_decoration() -> None:
     import megatron.core.jit as mcore_jit
 
     before = mcore_jit.jit_fuser
-    undo = mc.suspend_jit_fuser()
+    undo = mc_globals.suspend_jit_fuser()
 
     def f(x: Any) -> Any:
         return x
@@ -193,14 +198,14 @@ def test_index_reader_reads_an_index_written_by_megatron_core(tmp_path) -> None:
 
     docs = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
     prefix = _write_index(tmp_path, docs)
-    s = mc.read_index_summary(prefix + ".idx")
+    s = mc_data.read_index_summary(prefix + ".idx")
     assert (s.sequence_count, s.first_document, s.last_document) == (4, 0, 4)
     assert s.dtype is np.uint16 and s.dtype_size == 2
     assert s.data_bytes == os.path.getsize(prefix + ".bin") == 2 * sum(map(len, docs))
     ds = IndexedDataset(prefix)  # .index is the same private reader, with byte-offset pointers
-    assert mc.index_token_count(ds, np.arange(1, 3)) == 2 + 4  # contiguous: two pointers
-    assert mc.index_token_count(ds, np.array([0, 3])) == 3 + 1  # otherwise summed
-    assert mc.index_token_count(ds, np.array([], dtype=np.int64)) == 0
+    assert mc_data.index_token_count(ds, np.arange(1, 3)) == 2 + 4  # contiguous: two pointers
+    assert mc_data.index_token_count(ds, np.array([0, 3])) == 3 + 1  # otherwise summed
+    assert mc_data.index_token_count(ds, np.array([], dtype=np.int64)) == 0
 
 
 def test_build_megatron_dataset_splits_hands_each_split_its_document_range(tmp_path) -> None:
@@ -212,12 +217,12 @@ def test_build_megatron_dataset_splits_hands_each_split_its_document_range(tmp_p
                               reset_position_ids=False,
                               reset_attention_mask=False, eod_mask_loss=False,
                               path_to_cache=str(tmp_path / "cache"), mmap_bin_files=True)
-    parts = mc.dataset_split_parts(prefix, config)
+    parts = mc_data.dataset_split_parts(prefix, config)
     assert [(int(p.indices[0]), int(p.indices[-1]) + 1) for p in parts] == \
         [(0, 80), (80, 95), (95, 100)]
     assert all(len(p.dataset) == 100 for p in parts)  # the file's IndexedDataset
     config.split_matrix = [config.split_matrix[0], None, None]  # a None bookend: not built
-    parts = mc.dataset_split_parts(prefix, config)
+    parts = mc_data.dataset_split_parts(prefix, config)
     assert parts[1] is None and parts[2] is None and len(parts[0].indices) == 80
 
 
@@ -256,7 +261,7 @@ def test_num_microbatches_calculator_init_asserts_and_destroy_is_safe() -> None:
     try:
         with pytest.raises(AssertionError):  # why reinit destroys first
             nmc.init_num_microbatches_calculator(**kw)
-        mc.reinit_num_microbatches_calculator(**dict(kw, global_batch_size=16))
+        mc_globals.reinit_num_microbatches_calculator(**dict(kw, global_batch_size=16))
         assert nmc.get_num_microbatches() == 8
     finally:
         nmc.destroy_num_microbatches_calculator()
@@ -267,9 +272,9 @@ def test_distributed_optimizer_init_optimizer_states_with_dummy_values(world1) -
 
     assert callable(getattr(DistributedOptimizer, "_init_optimizer_states_with_dummy_values"))
     _, opt = _build()
-    (leaf,) = mc.leaf_optimizers(opt)
+    (leaf,) = mc_optimizer.leaf_optimizers(opt)
     assert len(leaf.optimizer.state) == 0
-    mc.init_optimizer_states_with_dummy_values(leaf)
+    mc_optimizer.init_optimizer_states_with_dummy_values(leaf)
     states = list(leaf.optimizer.state.values())
     assert states and all({"exp_avg", "exp_avg_sq", "step"} <= set(s) for s in states)
 
@@ -279,15 +284,17 @@ def test_ddp_looks_up_param_and_grad_buffer_as_a_module_global(world1) -> None:
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.distributed import distributed_data_parallel as ddp_module
 
-    assert mc.ParamAndGradBuffer is ddp_module._ParamAndGradBuffer
+    assert mc_buckets.ParamAndGradBuffer is ddp_module._ParamAndGradBuffer
     assert "_ParamAndGradBuffer" in _names(DistributedDataParallel.__init__)
     ddp, _ = _build(PAD, optimizer=False)
-    assert ddp.buffers and all(isinstance(b, mc.PaddedParamAndGradBuffer) for b in ddp.buffers)
-    assert ddp_module._ParamAndGradBuffer is mc.ParamAndGradBuffer  # restored after __init__
+    assert ddp.buffers and all(isinstance(b, mc_buckets.PaddedParamAndGradBuffer)
+                               for b in ddp.buffers)
+    # restored after __init__
+    assert ddp_module._ParamAndGradBuffer is mc_buckets.ParamAndGradBuffer
     with pytest.raises(ZeroDivisionError):
-        with mc.ddp_buffer_class(PAD):
+        with mc_buckets.ddp_buffer_class(PAD):
             raise ZeroDivisionError
-    assert ddp_module._ParamAndGradBuffer is mc.ParamAndGradBuffer  # restored on error too
+    assert ddp_module._ParamAndGradBuffer is mc_buckets.ParamAndGradBuffer  # restored on error too
 
 
 def test_bucket_padding_closure_reads_data_parallel_world_size(world1) -> None:
@@ -301,21 +308,21 @@ def test_bucket_padding_closure_reads_data_parallel_world_size(world1) -> None:
 
 # ---------------------------------------------------------------------------------- bucket groups
 def test_bucket_group_class_swap_keeps_megatron_cores_objects(world1) -> None:
-    class Mine(mc.ParamAndGradBucketGroup):
+    class Mine(mc_buckets.ParamAndGradBucketGroup):
         pass
 
     ddp, _ = _build(optimizer=False)
     group = ddp.bucket_groups[0]
-    assert mc.adopt_bucket_group(group, Mine) is group and type(group) is Mine
+    assert mc_buckets.adopt_bucket_group(group, Mine) is group and type(group) is Mine
     assert any(g is group for g in ddp.param_to_bucket_group.values())
     with pytest.raises(TypeError):
-        mc.adopt_bucket_group(object(), Mine)
+        mc_buckets.adopt_bucket_group(object(), Mine)
     with pytest.raises(TypeError):
-        mc.adopt_bucket_group(ddp.bucket_groups[-1], object)
+        mc_buckets.adopt_bucket_group(ddp.bucket_groups[-1], object)
 
 
 def test_start_grad_sync_preamble_is_megatron_cores(world1) -> None:
-    source = _statements(inspect.getsource(mc.ParamAndGradBucketGroup.start_grad_sync))
+    source = _statements(inspect.getsource(mc_buckets.ParamAndGradBucketGroup.start_grad_sync))
     assert _contains_in_order(source, [
         "if self.is_first_batch and self.grad_reduce_handle is not None:", "return",
         "assert (", "self.grad_reduce_handle is None",
@@ -329,20 +336,20 @@ def test_start_grad_sync_preamble_is_megatron_cores(world1) -> None:
     ddp, _ = _build(optimizer=False)
     group = ddp.bucket_groups[0]
     group.is_first_batch, group.grad_reduce_handle = True, _Handle()
-    assert mc.grad_sync_is_noop(group) and not mc.grad_sync_preamble(group)
+    assert mc_buckets.grad_sync_is_noop(group) and not mc_buckets.grad_sync_preamble(group)
     group.grad_reduce_handle = None
     bucket = group.buckets[0]
     bucket.grad_data.fill_(2.0)
     bucket.gradient_scaling_factor = 0.25
-    assert mc.grad_sync_preamble(group)
+    assert mc_buckets.grad_sync_preamble(group)
     assert torch.all(bucket.grad_data == 0.5)
     group.is_first_batch, group.grad_reduce_handle = False, _Handle()
     with pytest.raises(AssertionError, match="outstanding"):
-        mc.grad_sync_preamble(group)
+        mc_buckets.grad_sync_preamble(group)
 
 
 def test_start_param_sync_preamble_is_megatron_cores(world1) -> None:
-    source = _statements(inspect.getsource(mc.ParamAndGradBucketGroup.start_param_sync))
+    source = _statements(inspect.getsource(mc_buckets.ParamAndGradBucketGroup.start_param_sync))
     assert _contains_in_order(source, [
         "assert self.ddp_config.use_distributed_optimizer", "if force_sync:",
         "if self.param_gather_handle is not None:", "self.param_gather_handle.wait()",
@@ -352,14 +359,14 @@ def test_start_param_sync_preamble_is_megatron_cores(world1) -> None:
     group = ddp.bucket_groups[0]
     handle = _Handle()
     group.param_gather_handle = handle
-    assert mc.param_sync_is_wait_only(group, True)
-    assert not mc.param_sync_preamble(group, force_sync=True)
+    assert mc_buckets.param_sync_is_wait_only(group, True)
+    assert not mc_buckets.param_sync_preamble(group, force_sync=True)
     assert handle.waits == 1 and group.param_gather_handle is None
-    assert mc.param_sync_preamble(group, force_sync=True)
-    assert mc.param_sync_preamble(group, force_sync=False)
+    assert mc_buckets.param_sync_preamble(group, force_sync=True)
+    assert mc_buckets.param_sync_preamble(group, force_sync=False)
     group.param_gather_handle = _Handle()
     with pytest.raises(AssertionError):
-        mc.param_sync_preamble(group, force_sync=False)
+        mc_buckets.param_sync_preamble(group, force_sync=False)
 
 
 def test_finish_grad_sync_waits_on_grad_reduce_handle(world1) -> None:
@@ -369,7 +376,7 @@ def test_finish_grad_sync_waits_on_grad_reduce_handle(world1) -> None:
     for first_batch in (True, False):  # first batch: start_grad_sync is a no-op with a handle
         handle.waits = 0
         group.is_first_batch = first_batch
-        mc.set_grad_reduce_handle(group, handle)
+        mc_buckets.set_grad_reduce_handle(group, handle)
         group.finish_grad_sync()
         assert handle.waits == 1 and group.grad_reduce_handle is None
 
@@ -378,7 +385,7 @@ def test_finish_param_sync_waits_on_param_gather_handle(world1) -> None:
     ddp, _ = _build(optimizer=False)
     group = ddp.bucket_groups[0]
     handle = _Handle()
-    mc.set_param_gather_handle(group, handle)
+    mc_buckets.set_param_gather_handle(group, handle)
     assert group.param_gather_dispatched
     group.finish_param_sync(skip_next_bucket_dispatch=True)
     assert handle.waits == 1 and group.param_gather_handle is None
@@ -387,27 +394,27 @@ def test_finish_param_sync_waits_on_param_gather_handle(world1) -> None:
 def test_bucket_shards_are_megatron_cores_cached_views(world1) -> None:
     ddp, _ = _build(optimizer=False)
     group = ddp.bucket_groups[0]
-    assert mc.dp_instance_size(group) == 1 and mc.dp_instance_rank(group) == 0
-    assert dist.get_process_group_ranks(mc.dp_instance_group(group)) == [0]
-    grad = mc.bucket_grad_shard(group, 0)
+    assert mc_buckets.dp_instance_size(group) == 1 and mc_buckets.dp_instance_rank(group) == 0
+    assert dist.get_process_group_ranks(mc_buckets.dp_instance_group(group)) == [0]
+    grad = mc_buckets.bucket_grad_shard(group, 0)
     assert grad is group.cached_grad_buffer_shard_list[0][0]
     assert grad.data_ptr() == group.buckets[0].grad_data.data_ptr()
-    assert mc.bucket_grad_shard(group, 0) is grad
-    param = mc.bucket_param_shard(group, 0)
+    assert mc_buckets.bucket_grad_shard(group, 0) is grad
+    param = mc_buckets.bucket_param_shard(group, 0)
     assert param is group.cached_param_buffer_shard_list[0][0]
     assert param.data_ptr() == group.buckets[0].param_data.data_ptr()
-    assert mc.shard_buffer is mc._mcore_pgb_module.shard_buffer
+    assert mc_buckets.shard_buffer is mc_buckets._mcore_pgb_module.shard_buffer
 
 
 def test_bucket_collectives_are_param_and_grad_buffer_module_globals() -> None:
-    pgb = mc._mcore_pgb_module
-    grad_names = _names(mc.ParamAndGradBucketGroup.start_grad_sync)
-    param_names = _names(mc.ParamAndGradBucketGroup.start_param_sync)
+    pgb = mc_buckets._mcore_pgb_module
+    grad_names = _names(mc_buckets.ParamAndGradBucketGroup.start_grad_sync)
+    param_names = _names(mc_buckets.ParamAndGradBucketGroup.start_param_sync)
     assert {"dist_reduce_scatter_func", "_coalescing_manager"} <= grad_names
     assert "_coalescing_manager" in param_names
     before = (pgb.dist_reduce_scatter_func, pgb._coalescing_manager)
     rs, cm = (lambda *a, **k: None), (lambda *a, **k: None)
-    undo = mc.patch_bucket_collectives(reduce_scatter=rs, coalescing_manager=cm)
+    undo = mc_buckets.patch_bucket_collectives(reduce_scatter=rs, coalescing_manager=cm)
     assert (pgb.dist_reduce_scatter_func, pgb._coalescing_manager) == (rs, cm)
     undo()
     assert (pgb.dist_reduce_scatter_func, pgb._coalescing_manager) == before
@@ -422,13 +429,14 @@ def test_distributed_optimizer_step_calls_copy_main_params_to_model_params(world
     assert "_copy_main_params_to_model_params" in \
         _names(MixedPrecisionOptimizer.step_with_ready_grads)
     ddp, opt = _build()
-    leaves = mc.leaf_optimizers(opt)
+    leaves = mc_optimizer.leaf_optimizers(opt)
     assert leaves and all(isinstance(leaf, DistributedOptimizer) for leaf in leaves)
     calls: List[int] = []
     for leaf in leaves:
-        assert mc.wrap_copy_main_params_to_model_params(leaf, lambda: calls.append(1))
-        assert mc.wrap_copy_main_params_to_model_params(leaf, lambda: calls.append(2))  # no-op
-    assert not mc.wrap_copy_main_params_to_model_params(object(), lambda: None)
+        assert mc_optimizer.wrap_copy_main_params_to_model_params(leaf, lambda: calls.append(1))
+        assert mc_optimizer.wrap_copy_main_params_to_model_params(
+            leaf, lambda: calls.append(2))  # no-op
+    assert not mc_optimizer.wrap_copy_main_params_to_model_params(object(), lambda: None)
     ddp.zero_grad_buffer()
     opt.zero_grad()
     ddp(torch.ones(2, 10)).sum().backward()
@@ -441,13 +449,13 @@ def test_optimizer_step_looks_up_prepare_grads_on_the_instance(world1) -> None:
     ddp, opt = _build()
     calls: List[str] = []
     opt.prepare_grads = lambda: calls.append("orig") or True  # the original finds inf ...
-    mc.wrap_prepare_grads(opt, lambda: calls.append("extra") or False)
-    mc.wrap_prepare_grads(opt, lambda: calls.append("twice") or False)  # idempotent
+    mc_optimizer.wrap_prepare_grads(opt, lambda: calls.append("extra") or False)
+    mc_optimizer.wrap_prepare_grads(opt, lambda: calls.append("twice") or False)  # idempotent
     assert opt.step() == (False, None, None)
     assert calls == ["orig", "extra"]  # ... and extra still runs (it may hold a collective)
     calls.clear()
     opt.prepare_grads = lambda: calls.append("orig") or False
-    mc.wrap_prepare_grads(opt, lambda: calls.append("extra") or True)
+    mc_optimizer.wrap_prepare_grads(opt, lambda: calls.append("extra") or True)
     assert opt.step() == (False, None, None) and calls == ["orig", "extra"]
 
 
@@ -456,8 +464,8 @@ def test_step_looks_up_step_with_ready_grads_on_the_instance(world1) -> None:
     successful step only, once however often the wrapper is installed."""
     ddp, opt = _build()
     calls: List[str] = []
-    mc.wrap_step_with_ready_grads(opt, lambda: calls.append("after"))
-    mc.wrap_step_with_ready_grads(opt, lambda: calls.append("twice"))  # idempotent
+    mc_optimizer.wrap_step_with_ready_grads(opt, lambda: calls.append("after"))
+    mc_optimizer.wrap_step_with_ready_grads(opt, lambda: calls.append("twice"))  # idempotent
     ddp.zero_grad_buffer()
     opt.zero_grad()
     ddp(torch.ones(2, 10)).sum().backward()
@@ -470,7 +478,7 @@ def test_step_looks_up_step_with_ready_grads_on_the_instance(world1) -> None:
 
 
 def test_bucket_groups_are_in_reverse_forward_order_and_pre_hook_skips_dispatch(world1) -> None:
-    """What :func:`mc.dispatch_param_gathers_after_step` relies on: group i's
+    """What :func:`mc_buckets.dispatch_param_gathers_after_step` relies on: group i's
     ``next_param_gather_bucket_group`` is group i-1 (forward order = reversed list), and
     ``finish_param_sync`` chain-dispatches unless the chunk's
     ``overlap_param_gather_with_optimizer_step`` attribute is set."""
@@ -485,12 +493,12 @@ def test_bucket_groups_are_in_reverse_forward_order_and_pre_hook_skips_dispatch(
     order: List[int] = []
     for i, g in enumerate(groups):
         g.param_gather_dispatched = False
-        g.start_param_sync = (lambda i=i, g=g: order.append(i) or mc.set_param_gather_handle(
-            g, _Handle()))
-    mc.dispatch_param_gathers_after_step(ddp)
+        g.start_param_sync = (lambda i=i, g=g: order.append(i)
+                              or mc_buckets.set_param_gather_handle(g, _Handle()))
+    mc_buckets.dispatch_param_gathers_after_step(ddp)
     assert order == list(reversed(range(len(groups))))
     assert ddp.overlap_param_gather_with_optimizer_step is True
-    mc.dispatch_param_gathers_after_step(ddp)  # already dispatched: nothing more
+    mc_buckets.dispatch_param_gathers_after_step(ddp)  # already dispatched: nothing more
     assert order == list(reversed(range(len(groups))))
 
 
@@ -500,18 +508,19 @@ def test_precision_aware_optimizer_flag_and_chained_optimizers(world1) -> None:
     assert hasattr(OptimizerConfig(), "use_precision_aware_optimizer_no_fp8_or_ds_fp8")
     _, opt = _build()
     assert isinstance(opt, ChainedOptimizer) and hasattr(opt, "chained_optimizers")
-    assert not any(mc.writes_model_params_in_step(leaf) for leaf in mc.leaf_optimizers(opt))
+    assert not any(mc_optimizer.writes_model_params_in_step(leaf)
+                   for leaf in mc_optimizer.leaf_optimizers(opt))
     fake = types.SimpleNamespace(config=types.SimpleNamespace(
         use_precision_aware_optimizer_no_fp8_or_ds_fp8=True))
-    assert mc.writes_model_params_in_step(fake)
-    assert not mc.writes_model_params_in_step(object())
+    assert mc_optimizer.writes_model_params_in_step(fake)
+    assert not mc_optimizer.writes_model_params_in_step(object())
 
 
 def test_distributed_optimizer_model_param_range_map(world1) -> None:
     ddp, opt = _build()
-    (leaf,) = mc.leaf_optimizers(opt)
+    (leaf,) = mc_optimizer.leaf_optimizers(opt)
     for param in ddp.module.parameters():
-        ranges = mc.model_param_range_map(leaf, param)
+        ranges = mc_optimizer.model_param_range_map(leaf, param)
         assert {"param", "gbuf_world_in_bucket"} <= set(ranges)
         assert (ranges["param"].start, ranges["param"].end) == (0, param.numel())  # P = 1
         assert ranges["gbuf_world_in_bucket"].size == param.numel()
@@ -523,10 +532,10 @@ def test_torch_dist_results_queue_is_the_global_megatron_core_reads(monkeypatch)
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     monkeypatch.setattr(filesystem_async, "_results_queue", None)
-    assert mc.torch_dist_results_queue() is None
+    assert mc_globals.torch_dist_results_queue() is None
     installed = object()
-    mc.set_torch_dist_results_queue(installed)
-    assert mc.torch_dist_results_queue() is installed
+    mc_globals.set_torch_dist_results_queue(installed)
+    assert mc_globals.torch_dist_results_queue() is installed
     assert filesystem_async._get_write_results_queue() is installed
 
 
@@ -540,11 +549,11 @@ def test_foreach_multi_tensor_ops_replace_megatron_cores_fallback(monkeypatch) -
                          (mcore_optimizer, "multi_tensor_scale_impl")):
         monkeypatch.setattr(module, name, getattr(module, name))
     before = clip_grads.l2_norm_impl
-    undo = mc.install_foreach_multi_tensor_ops()
-    assert clip_grads.l2_norm_impl is mc.foreach_multi_tensor_l2_norm
-    assert mcore_optimizer.multi_tensor_scale_impl is mc.foreach_multi_tensor_scale
-    mc.install_foreach_multi_tensor_ops()()          # already installed: its undo is a no-op
-    assert clip_grads.l2_norm_impl is mc.foreach_multi_tensor_l2_norm
+    undo = mc_ops.install_foreach_multi_tensor_ops()
+    assert clip_grads.l2_norm_impl is mc_ops.foreach_multi_tensor_l2_norm
+    assert mcore_optimizer.multi_tensor_scale_impl is mc_ops.foreach_multi_tensor_scale
+    mc_ops.install_foreach_multi_tensor_ops()()          # already installed: its undo is a no-op
+    assert clip_grads.l2_norm_impl is mc_ops.foreach_multi_tensor_l2_norm
     grads = [torch.full((3,), 2.0), torch.full((4,), 2.0)]
     norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, None, [grads], False)
     assert norm.item() == pytest.approx(2.0 * 7 ** 0.5)

@@ -58,7 +58,7 @@ SKIPPED_STEP = {"both_overlaps": None,
 
 def _scenarios(rank: int, world: int) -> Dict[str, Any]:
     from megatron.distributed.quant import integration
-    from megatron.distributed.quant.collectives import pipeline_bounds
+    from megatron.distributed.quant.collectives.gradients import pipeline_bounds
 
     res: Dict[str, Any] = {}
     for recipe, qkw in RECIPES.items():

@@ -28,9 +28,9 @@ from dist_harness import free_port
 WRAPPER = r'''
 import os, sys, time, traceback
 sys.path.insert(0, {repo!r})
-from megatron.distributed.quant import collectives
+from megatron.distributed.quant.collectives import gradients
 
-real = collectives.quantize_partitions
+real = gradients.quantize_partitions
 calls = {{"n": 0}}
 
 def failing(*args, **kwargs):
@@ -39,7 +39,7 @@ def failing(*args, **kwargs):
         raise RuntimeError("injected: CUDA out of memory in the first quantization")
     return real(*args, **kwargs)
 
-collectives.quantize_partitions = failing
+gradients.quantize_partitions = failing
 import pretrain_gpt
 try:
     status = pretrain_gpt.main(sys.argv[1:])

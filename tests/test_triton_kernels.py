@@ -25,6 +25,7 @@ from megatron.distributed.quant import kernels as K  # noqa: E402
 from megatron.distributed.quant.kernels import reference as R  # noqa: E402
 
 try:
+    from megatron.distributed.quant.kernels import triton_jit as J  # noqa: E402
     from megatron.distributed.quant.kernels import triton_kernels as T  # noqa: E402
 except Exception as exc:  # pragma: no cover - broken triton install
     pytest.skip(f"triton kernels cannot be imported: {exc!r}", allow_module_level=True)
@@ -32,8 +33,10 @@ except Exception as exc:  # pragma: no cover - broken triton install
 if not _CUDA:
     from triton.runtime.interpreter import InterpretedFunction
 
-    if not isinstance(T._quantize_kernel, InterpretedFunction):
+    if not isinstance(J._quantize_kernel, InterpretedFunction):
         # another test module imported the kernels before TRITON_INTERPRET was set: rebuild them
+        # (the jit functions first, then the launchers that import them)
+        J = importlib.reload(J)
         T = importlib.reload(T)
         K._TRITON_MOD = T
 
@@ -356,7 +359,7 @@ def _noise_probe_kernel(base_ptr, out_ptr, seed, R: tl.constexpr, GP: tl.constex
     """Writes the kernels' own noise (_uniform_tile) for R rows of GP elements per program."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     base = tl.load(base_ptr + rows)
-    u = T._uniform_tile(seed, base, R, GP, ALIGNED)
+    u = J._uniform_tile(seed, base, R, GP, ALIGNED)
     tl.store(out_ptr + rows[:, None] * GP + tl.arange(0, GP)[None, :], u)
 
 

@@ -14,7 +14,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "bench")]
 
 import virtual_cuda_ranks as V  # noqa: E402
 from fake_cuda import FakeCuda, StreamAllocationCheck  # noqa: E402
-from megatron.distributed.quant import collectives  # noqa: E402
+from megatron.distributed.quant.collectives import gradients  # noqa: E402
 from megatron.distributed.quant.streams import STAGES  # noqa: E402
 
 
@@ -77,6 +77,6 @@ def test_fake_cuda_harness_catches_the_middle_hop_use_after_free(monkeypatch) ->
     """With the stages' ``record_stream`` hand-over disabled (the code of review item 1), the
     harness run flags the middle hop's codes: made on ``intra``, read on ``inter``."""
     check = _fake_cuda(monkeypatch, 4)
-    monkeypatch.setattr(collectives, "used_on_this_stage", lambda *tensors: None)
+    monkeypatch.setattr(gradients, "used_on_this_stage", lambda *tensors: None)
     V.run_layout(2, 2, ["cpu"], 8192, 2, seed=5, streamed=True, rank_context=lambda: check)
     assert ("intra", "inter") in set(check.hazards())

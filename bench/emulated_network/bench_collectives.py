@@ -62,7 +62,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def padded_numel(numel: int, dp_size: int, intra_size: int, args: argparse.Namespace) -> int:
-    from megatron.distributed.quant.collectives import required_padding_multiple
+    from megatron.distributed.quant.collectives.common import required_padding_multiple
     mult = required_padding_multiple(dp_size, intra_size, args.gq_group_size_intra,
                                      args.gq_group_size_inter, weight_group_size=args.wq_group_size)
     return -(-numel // mult) * mult
@@ -82,8 +82,9 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     args = parse_args(argv)
     import torch
     import torch.distributed as dist
-    from megatron.distributed.quant import collectives
-    from megatron.distributed.quant.collectives import quantized_all_gather, two_level_reduce_scatter
+    from megatron.distributed.quant.collectives import gradients, weights
+    from megatron.distributed.quant.collectives.gradients import two_level_reduce_scatter
+    from megatron.distributed.quant.collectives.weights import quantized_all_gather
     from megatron.distributed.quant.topology import build_two_level_groups
 
     torch.set_num_threads(args.threads)
@@ -128,12 +129,13 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     dist.reduce_scatter_tensor(exact, grad)
 
     results: Dict[str, Dict] = {}
-    one_message = collectives._one_message
+    one_message = gradients._one_message   # collectives.common's, looked up by both paths
     for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
         if variant not in VARIANTS:
             raise SystemExit(f"unknown variant {variant!r}; choose from {VARIANTS}")
-        collectives._one_message = (lambda link: False) if variant == "sdp4bit-two-messages" \
-            else one_message
+        for path in (gradients, weights):
+            path._one_message = (lambda link: False) if variant == "sdp4bit-two-messages" \
+                else one_message
         for _ in range(args.warmup):
             step(variant)
         dist.barrier()

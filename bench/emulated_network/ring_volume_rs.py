@@ -18,7 +18,7 @@ gradients; bf16 gradients, ``--grad-reduce-in-bf16``, halve them):
 
 Neither changes megatron-core's source: :func:`install` rebinds
 ``torch.distributed.reduce_scatter_tensor``/``reduce_scatter_single``/``_reduce_scatter_base``
-and, through ``mcore_compat.patch_bucket_collectives``, megatron-core's
+and, through ``mcore_compat.ddp_buckets.patch_bucket_collectives``, megatron-core's
 ``dist_reduce_scatter_func`` (bound at import time to ``torch.distributed.reduce_scatter_tensor``).
 Calls on non-gloo groups, and reduce ops other than SUM/AVG, go to the original function.
 
@@ -299,12 +299,12 @@ def install(algo: str, async_mode: str = "thread") -> Callable:
         _ORIG["_coalescing_manager"] = dist._coalescing_manager
         dist._coalescing_manager = _make_tracking_cm(_ORIG["_coalescing_manager"])
     # megatron-core's bucket groups bound both names at import: re-point them (through the
-    # compat seam, megatron/distributed/quant/mcore_compat.py).
-    from megatron.distributed.quant import mcore_compat
+    # compat seam, megatron/distributed/quant/mcore_compat/ddp_buckets.py).
+    from megatron.distributed.quant.mcore_compat.ddp_buckets import patch_bucket_collectives
 
     if _UNDO:
         _UNDO.pop()()
-    _UNDO.append(mcore_compat.patch_bucket_collectives(
+    _UNDO.append(patch_bucket_collectives(
         reduce_scatter=fn, coalescing_manager=_make_tracking_cm(_ORIG["_coalescing_manager"])))
     STATS["algo"] = algo
     STATS["async_mode"] = async_mode

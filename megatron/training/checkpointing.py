@@ -199,14 +199,15 @@ def _optimizer_state(optimizer: Any) -> List[Dict[str, Any]]:
 
 
 def _load_optimizer_state(optimizer: Any, states: List[Dict[str, Any]]) -> None:
-    from megatron.distributed.quant import mcore_compat
+    from megatron.distributed.quant.mcore_compat.optimizer import (optimizer_bucket_layout,
+                                                                   saved_bucket_layout)
 
     subs = _sub_optimizers(optimizer)
     if len(subs) != len(states):
         raise RuntimeError(f"checkpoint has {len(states)} optimizer(s), model has {len(subs)}")
     for opt, sd in zip(subs, states):
-        saved = mcore_compat.saved_bucket_layout(sd.get("param_state"))
-        current = mcore_compat.optimizer_bucket_layout(opt)
+        saved = saved_bucket_layout(sd.get("param_state"))
+        current = optimizer_bucket_layout(opt)
         if saved is not None and current is not None and saved != current:
             raise StartupError(
                 "the checkpoint's distributed-optimizer state is laid out in other gradient "

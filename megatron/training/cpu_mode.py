@@ -32,7 +32,8 @@ on exit, :func:`enable_cpu_mode` enters once for the rest of the process):
    first call) are skipped, see :data:`_SKIP_MODULE_PREFIXES`.
 
 2. The RNG tracker's CUDA state getter/setter (private ``tensor_parallel.random`` globals,
-   replaced through :func:`megatron.distributed.quant.mcore_compat.patch_tp_rng_state`) become
+   replaced through
+   :func:`megatron.distributed.quant.mcore_compat.process_globals.patch_tp_rng_state`) become
    CPU-generator versions, so ``get_cuda_rng_tracker().fork()`` (dropout in TP regions) forks the
    CPU generator exactly as it would fork the CUDA one, and ``model_parallel_cuda_manual_seed``
    works.
@@ -45,9 +46,9 @@ on exit, :func:`enable_cpu_mode` enters once for the rest of the process):
    Any other caller gets the original behaviour.
 
 4. Megatron-core's JIT fuser (``megatron.core.jit.jit_fuser``) is switched to a no-op
-   decorator (``mcore_compat.suspend_jit_fuser``): the bias-GELU/SwiGLU fusions otherwise go
-   through ``torch.compile``, which needs a C++ toolchain on CPU and buys nothing for tiny CPU
-   runs.  (Only affects modules imported while CPU mode is on -- they keep their undecorated
+   decorator (``mcore_compat.process_globals.suspend_jit_fuser``): the bias-GELU/SwiGLU
+   fusions otherwise go through ``torch.compile``, which needs a C++ toolchain on CPU and buys
+   nothing for tiny CPU runs.  (Only affects modules imported while CPU mode is on -- they keep their undecorated
    functions after it is left; the trainer also disables the fusion flags.)
 
 5. A logging filter on ``megatron.core.tensor_parallel.random`` drops the per-forward warning
@@ -398,20 +399,20 @@ def _patch_tensor_method(name: str, fn: Callable) -> Undo:
 def _apply_patches() -> List[Undo]:
     """Apply patches 1-5 (the proxying itself is :func:`_proxy_loaded_modules`); returns the
     undos in application order. On a failure part-way, what was applied is undone first."""
-    from megatron.distributed.quant import mcore_compat
+    from megatron.distributed.quant.mcore_compat import process_globals as mcore_globals
 
     undo: List[Undo] = []
     try:
         undo.append(_unproxy_modules)
-        undo.append(mcore_compat.suspend_jit_fuser())
+        undo.append(mcore_globals.suspend_jit_fuser())
         for name in _PRELOAD_MODULES:
             try:
                 importlib.import_module(name)
             except ImportError:  # optional pieces of megatron-core
                 pass
-        undo.append(mcore_compat.patch_tp_rng_state(_cpu_get_rng_state, _cpu_set_rng_state))
-        logger = logging.getLogger(mcore_compat.TP_RNG_LOGGER)
-        log_filter = _DropCpuRngWarning(mcore_compat.TP_RNG_CPU_STATE_WARNING)
+        undo.append(mcore_globals.patch_tp_rng_state(_cpu_get_rng_state, _cpu_set_rng_state))
+        logger = logging.getLogger(mcore_globals.TP_RNG_LOGGER)
+        log_filter = _DropCpuRngWarning(mcore_globals.TP_RNG_CPU_STATE_WARNING)
         logger.addFilter(log_filter)
         undo.append(lambda: logger.removeFilter(log_filter))
         undo.append(_patch_tensor_method("type", _tensor_type))

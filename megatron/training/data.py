@@ -14,7 +14,7 @@ Why checks of our own before megatron-core builds anything (megatron-core 0.16.1
   (``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``, run on a stand-in dataset
   class that only records the indices it is handed), so the check counts exactly the documents
   the real build will use.  Every megatron-core private touch point (the split code, the index
-  reader) goes through :mod:`megatron.distributed.quant.mcore_compat`.
+  reader) goes through :mod:`megatron.distributed.quant.mcore_compat.data`.
 * a ``.bin`` that does not match its ``.idx`` (a truncated copy, files from two preprocessing
   runs) is not detected by megatron-core: it fails much later in a DataLoader worker, or reads
   garbage.  The ``.bin``'s size is compared with what the ``.idx`` (read with megatron-core's
@@ -119,7 +119,7 @@ def check_indexed_files(prefix: str) -> IndexedFileInfo:
     last entries are read (every rank does this; the arrays can be gigabytes).
     """
     from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
-    from megatron.distributed.quant.mcore_compat import read_index_summary
+    from megatron.distributed.quant.mcore_compat.data import read_index_summary
 
     idx_path, bin_path = get_idx_path(prefix), get_bin_path(prefix)
     for path in (idx_path, bin_path):
@@ -162,7 +162,7 @@ def split_parts(prefix: str, config) -> List[Optional[Any]]:
     is not built (weight 0 in ``--split``, or not used by the run).  No barrier: every rank
     runs this on its own.
     """
-    from megatron.distributed.quant.mcore_compat import dataset_split_parts
+    from megatron.distributed.quant.mcore_compat.data import dataset_split_parts
 
     return dataset_split_parts(prefix, config)
 
@@ -174,7 +174,7 @@ def split_tokens(indexed_dataset: Any, indices: Sequence[int]) -> int:
     consecutive documents, so two pointers give the count without reading every length (what
     every rank would otherwise do for every file); anything else is summed.
     """
-    from megatron.distributed.quant.mcore_compat import index_token_count
+    from megatron.distributed.quant.mcore_compat.data import index_token_count
 
     return index_token_count(indexed_dataset, indices)
 

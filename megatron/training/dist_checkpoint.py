@@ -226,7 +226,8 @@ def _allocate_optimizer_states(optimizer: Any) -> None:
     writes is then overwritten by the load (master weights and moments, step from the param
     groups)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.distributed.quant.mcore_compat import init_optimizer_states_with_dummy_values
+    from megatron.distributed.quant.mcore_compat.optimizer import \
+        init_optimizer_states_with_dummy_values
 
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:

@@ -247,12 +247,13 @@ def apply_optimizer_fusions(plan: FusionPlan, optimizer: Any) -> List[str]:
       made on the device, as fused needs); after a load, host ``step`` tensors move to their
       parameter's device.
     * ``torch-foreach``: megatron-core's grad-norm / scale fallbacks become ``_foreach`` ops
-      (:func:`~megatron.distributed.quant.mcore_compat.install_foreach_multi_tensor_ops`)."""
-    from megatron.distributed.quant import mcore_compat
+      (:func:`~megatron.distributed.quant.mcore_compat.ops.install_foreach_multi_tensor_ops`)."""
+    from megatron.distributed.quant.mcore_compat.ops import install_foreach_multi_tensor_ops
+    from megatron.distributed.quant.mcore_compat.optimizer import leaf_optimizers
 
     changed: List[str] = []
     if plan.optimizer == "torch-fused":
-        for leaf in mcore_compat.leaf_optimizers(optimizer):
+        for leaf in leaf_optimizers(optimizer):
             inner = getattr(leaf, "optimizer", None)
             if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
                 for group in inner.param_groups:
@@ -262,6 +263,6 @@ def apply_optimizer_fusions(plan: FusionPlan, optimizer: Any) -> List[str]:
                     if _steps_to_param_devices(inner, group):
                         changed.append("adam:step-to-device")
     if plan.multi_tensor == "torch-foreach":
-        mcore_compat.install_foreach_multi_tensor_ops()
+        install_foreach_multi_tensor_ops()
         changed.append("multi-tensor:foreach")
     return changed

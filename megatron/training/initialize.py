@@ -146,7 +146,8 @@ def set_random_seed(seed: int, device: str) -> None:
 def init_num_microbatches(args: argparse.Namespace) -> None:
     """megatron-core's global num-microbatches calculator (constant batch size); replaces one a
     previous initialization in this process left."""
-    from megatron.distributed.quant.mcore_compat import reinit_num_microbatches_calculator
+    from megatron.distributed.quant.mcore_compat.process_globals import \
+        reinit_num_microbatches_calculator
 
     reinit_num_microbatches_calculator(
         rank=args.rank, rampup_batch_size=None, global_batch_size=args.global_batch_size,

@@ -613,9 +613,10 @@ def guard_torch_dist_writer_queue() -> bool:
     when the rank dies.  Idempotent; returns whether the queue is ours."""
     if not sys.platform.startswith("linux"):
         return False
-    from megatron.distributed.quant import mcore_compat
+    from megatron.distributed.quant.mcore_compat.process_globals import (
+        set_torch_dist_results_queue, torch_dist_results_queue)
 
-    if mcore_compat.torch_dist_results_queue() is not None:
+    if torch_dist_results_queue() is not None:
         return bool(_writer_managers)
     import multiprocessing as mp
     from multiprocessing.managers import SyncManager
@@ -623,7 +624,7 @@ def guard_torch_dist_writer_queue() -> bool:
     manager = SyncManager(ctx=mp.get_context("spawn"))
     manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
     _writer_managers.append(manager)
-    mcore_compat.set_torch_dist_results_queue(manager.Queue())
+    set_torch_dist_results_queue(manager.Queue())
     return True
 
 

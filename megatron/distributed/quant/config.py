@@ -127,7 +127,8 @@ class QuantizationConfig:
     gradient_alltoall_pipeline: int = 1
     """Pipeline chunks per bucket (the reference's name): the exchanges of a bucket's two-level
     reduce-scatter run in this many chunks, so the intra-node hop of chunk y+1 overlaps the
-    inter-node hop of chunk y. Numerics do not depend on it (collectives.pipeline_bounds)."""
+    inter-node hop of chunk y. Numerics do not depend on it
+    (collectives.gradients.pipeline_bounds)."""
     data_parallel_intra_node_size: Optional[int] = None
     """Data-parallel ranks per node for two-level grouping; None = LOCAL_WORLD_SIZE // TP."""
     distributed_timeout_minutes: Optional[int] = None

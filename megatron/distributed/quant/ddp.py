@@ -4,8 +4,8 @@ What is overridden, and why (everything else is megatron-core's own code; every 
 megatron-core private name or behaviour goes through :mod:`.mcore_compat`, with a contract test
 each):
 
-* Buckets are built by :class:`~.mcore_compat.PaddedParamAndGradBuffer`, which only changes bucket
-  *padding* so that every DP shard of a bucket holds whole quantization groups.
+* Buckets are built by :class:`~.mcore_compat.ddp_buckets.PaddedParamAndGradBuffer`, which only
+  changes bucket *padding* so that every DP shard of a bucket holds whole quantization groups.
 * :class:`QuantizedBucketGroup` (subclass of megatron-core's bucket group; the instances DDP built
   are adopted after ``DistributedDataParallel.__init__``) overrides ``start_grad_sync``
   (quantized two-level reduce-scatter, TLq/TLq-HS, LoCo) and ``start_param_sync`` (qWD / qW
@@ -15,7 +15,7 @@ each):
   ``--overlap-param-gather`` (or ``--gradient-alltoall-pipeline`` > 1) the collectives run on the
   runtime's communication stages (:mod:`.streams`) behind that handle; otherwise inline.
 * :class:`QuantizedDistributedDataParallel` (subclass of ``DistributedDataParallel``) builds the
-  buffers through the padded class (:func:`~.mcore_compat.ddp_buffer_class`, only during
+  buffers through the padded class (:func:`~.mcore_compat.ddp_buckets.ddp_buffer_class`, only during
   ``super().__init__``), then adopts the bucket groups and attaches the runtime.
 * :func:`install_optimizer_hooks` wraps two methods of the megatron-core optimizer instance:
   the copy of main params into the model params (take a copy of this rank's shard of the
@@ -43,8 +43,10 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer import TransformerConfig
 
-from . import mcore_compat as mc
-from .collectives import PendingCollective, required_padding_multiple_from_config
+from .mcore_compat import ddp_buckets
+from .mcore_compat.optimizer import (leaf_optimizers, wrap_copy_main_params_to_model_params,
+                                     wrap_prepare_grads, writes_model_params_in_step)
+from .collectives.common import PendingCollective, required_padding_multiple_from_config
 from .config import QuantizationConfig
 from .runtime import QuantizationRuntime, build_runtime
 
@@ -60,28 +62,28 @@ _CHUNK_BUCKET_STRIDE = 10_000
 # bucket group: quantized reduce-scatter / all-gather
 # ------------------------------------------------------------------------------------------------
 
-class QuantizedBucketGroup(mc.ParamAndGradBucketGroup):
+class QuantizedBucketGroup(ddp_buckets.ParamAndGradBucketGroup):
     """Bucket group whose collectives go through the quantized path when it applies.
 
     Instances are created by megatron-core and converted with :meth:`convert`
-    (:func:`~.mcore_compat.adopt_bucket_group` + extra attributes): megatron-core's bookkeeping
-    (ready counts, handles, ``next_param_gather_bucket_group``) stays untouched. Each bucket is
-    one buffer of the model's :class:`~.runtime.QuantizationRuntime`, which does the
+    (:func:`~.mcore_compat.ddp_buckets.adopt_bucket_group` + extra attributes): megatron-core's
+    bookkeeping (ready counts, handles, ``next_param_gather_bucket_group``) stays untouched. Each
+    bucket is one buffer of the model's :class:`~.runtime.QuantizationRuntime`, which does the
     communication; this class only decides when, on which tensors, and stores the handle.
     """
 
     runtime: QuantizationRuntime
 
     @classmethod
-    def convert(cls, group: mc.ParamAndGradBucketGroup, runtime: QuantizationRuntime,
+    def convert(cls, group: ddp_buckets.ParamAndGradBucketGroup, runtime: QuantizationRuntime,
                 key_prefix: str, bucket_index_base: int) -> "QuantizedBucketGroup":
         if group.ddp_config.num_distributed_optimizer_instances != 1:
             raise ValueError("quantized communication supports num_distributed_optimizer_instances=1")
-        members = list(dist.get_process_group_ranks(mc.dp_instance_group(group)))
+        members = list(dist.get_process_group_ranks(ddp_buckets.dp_instance_group(group)))
         if members != list(runtime.groups.dp_ranks):
             raise ValueError(f"bucket group's DP group {members} does not match the two-level "
                              f"groups' {runtime.groups.dp_ranks}")
-        mc.adopt_bucket_group(group, cls)
+        ddp_buckets.adopt_bucket_group(group, cls)
         group.runtime = runtime
         group._key_prefix = key_prefix
         group._bucket_index_base = bucket_index_base
@@ -99,17 +101,17 @@ class QuantizedBucketGroup(mc.ParamAndGradBucketGroup):
         return self._bucket_index_base + idx
 
     def _grad_shard(self, idx: int) -> torch.Tensor:
-        return mc.bucket_grad_shard(self, idx)
+        return ddp_buckets.bucket_grad_shard(self, idx)
 
     def _param_shard(self, idx: int) -> torch.Tensor:
-        return mc.bucket_param_shard(self, idx)
+        return ddp_buckets.bucket_param_shard(self, idx)
 
     # -- gradients ----------------------------------------------------------------------------
     def start_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
         """Quantized two-level reduce-scatter of every bucket (TLq[-HS], LoCo), else mcore's."""
         rt = self.runtime
         if force_all_reduce or not rt.quantize_gradients_now:
-            if mc.grad_sync_is_noop(self):
+            if ddp_buckets.grad_sync_is_noop(self):
                 return
             if not force_all_reduce:
                 for bucket in self.buckets:
@@ -118,7 +120,7 @@ class QuantizedBucketGroup(mc.ParamAndGradBucketGroup):
             super().start_grad_sync(force_all_reduce=force_all_reduce)
             return
 
-        if not mc.grad_sync_preamble(self):  # megatron-core's checks and pre-scaling
+        if not ddp_buckets.grad_sync_preamble(self):  # megatron-core's checks and pre-scaling
             return
 
         overlap = bool(self.ddp_config.overlap_grad_reduce)
@@ -138,12 +140,13 @@ class QuantizedBucketGroup(mc.ParamAndGradBucketGroup):
         def finish() -> None:
             if average:  # megatron-core uses ReduceOp.AVG; the quantized collective returns SUM
                 for idx in range(len(self.buckets)):
-                    self._grad_shard(idx).div_(mc.dp_instance_size(self))
+                    self._grad_shard(idx).div_(ddp_buckets.dp_instance_size(self))
 
         handle = PendingCollective.combine(pending, timing=rt.timing, kind="grad", finish=finish)
         if not overlap:
             handle.wait()
-        mc.set_grad_reduce_handle(self, handle if overlap else None)  # finish_grad_sync waits
+        # finish_grad_sync waits
+        ddp_buckets.set_grad_reduce_handle(self, handle if overlap else None)
 
     # -- weights ------------------------------------------------------------------------------
     def snapshot_reference_shards(self) -> None:
@@ -161,14 +164,14 @@ class QuantizedBucketGroup(mc.ParamAndGradBucketGroup):
         """Quantized all-gather (qWD / qW) of every bucket, else megatron-core's exact one."""
         rt = self.runtime
         if not rt.quantize_weights:
-            if not mc.param_sync_is_wait_only(self, force_sync):
+            if not ddp_buckets.param_sync_is_wait_only(self, force_sync):
                 for bucket in self.buckets:
                     rt.record_exact(WEIGHT_EXACT, "weight", bucket.param_data.numel(),
                                     bucket.param_data.element_size())
             super().start_param_sync(force_sync=force_sync)
             return
 
-        if not mc.param_sync_preamble(self, force_sync):  # a forced sync that only waited
+        if not ddp_buckets.param_sync_preamble(self, force_sync):  # a forced sync that only waited
             return
 
         if rt.weights_as_difference and not self._reference_hook_installed:
@@ -204,7 +207,7 @@ class QuantizedBucketGroup(mc.ParamAndGradBucketGroup):
         handle = PendingCollective.combine(pending, timing=rt.timing, kind="weight")
         if not overlap:
             handle.wait()
-        mc.set_param_gather_handle(self, handle if overlap else None)
+        ddp_buckets.set_param_gather_handle(self, handle if overlap else None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -255,7 +258,7 @@ class QuantizedDistributedDataParallel(DistributedDataParallel):
             runtime = build_runtime(quant_config)
         pad = required_padding_multiple_from_config(runtime.config, runtime.groups.dp_size,
                                                     runtime.groups.intra_size)
-        with mc.ddp_buffer_class(pad):
+        with ddp_buckets.ddp_buffer_class(pad):
             super().__init__(config=config, ddp_config=ddp_config, module=module,
                              disable_bucketing=disable_bucketing, **kwargs)
         self.quant_runtime = runtime
@@ -299,16 +302,16 @@ def install_optimizer_hooks(optimizer: Any, model_chunks: Sequence[torch.nn.Modu
         for bg in groups:
             bg.snapshot_reference_shards()
 
-    for opt in mc.leaf_optimizers(optimizer):
-        if mc.writes_model_params_in_step(opt) and any(
+    for opt in leaf_optimizers(optimizer):
+        if writes_model_params_in_step(opt) and any(
                 rt.quantize_weights and rt.weights_as_difference for rt in runtimes):
             # That optimizer writes the model params itself inside step(), before our snapshot.
             raise ValueError("qWD (--quantized-weights, mode diff) does not support megatron-core's "
                              "precision-aware optimizer")
-        mc.wrap_copy_main_params_to_model_params(opt, snapshot)
+        wrap_copy_main_params_to_model_params(opt, snapshot)
 
     if groups:
         device = groups[0].buckets[0].grad_data.device
         # One agreement (and host sync) per runtime, every one of them (a list, not any()).
-        mc.wrap_prepare_grads(optimizer, lambda: any([rt.agree_nonfinite(device)
-                                                      for rt in runtimes]))
+        wrap_prepare_grads(optimizer, lambda: any([rt.agree_nonfinite(device)
+                                                   for rt in runtimes]))

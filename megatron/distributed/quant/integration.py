@@ -85,11 +85,11 @@ def wait_param_gathers_in_flight(model_chunks: List[torch.nn.Module]) -> None:
     """Wait for the weight all-gathers still in flight (end of training: with
     ``--overlap-param-gather-with-optimizer-step`` the last step leaves them running, and the
     process group must not be destroyed under them). Starts none."""
-    from . import mcore_compat as mc
+    from .mcore_compat import ddp_buckets
 
     for chunk in model_chunks:
         if hasattr(chunk, "bucket_groups"):
-            mc.wait_param_gathers_in_flight(chunk)
+            ddp_buckets.wait_param_gathers_in_flight(chunk)
 
 
 def weight_quantization_dtype_error(quant_config: QuantizationConfig,
@@ -231,13 +231,14 @@ def install_gather_after_step(optimizer: Any, model_chunks: List[torch.nn.Module
     unchanged: the same gathers run with the same per-bucket generators. The error monitor
     (``--quantization-error-interval``) then samples the weight update of iteration N at
     iteration N, where without the flag the gather, and so the sample, falls in iteration N+1."""
-    from . import mcore_compat as mc
+    from .mcore_compat.ddp_buckets import dispatch_param_gathers_after_step
+    from .mcore_compat.optimizer import wrap_step_with_ready_grads
 
     def dispatch() -> None:
         for chunk in model_chunks:
-            mc.dispatch_param_gathers_after_step(chunk)
+            dispatch_param_gathers_after_step(chunk)
 
-    mc.wrap_step_with_ready_grads(optimizer, dispatch)
+    wrap_step_with_ready_grads(optimizer, dispatch)
 
 
 def on_optimizer_built(optimizer: Any, model_chunks: List[torch.nn.Module],

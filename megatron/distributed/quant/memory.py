@@ -5,9 +5,9 @@ Why: the user sizes ``--ddp-bucket-size`` (megatron-core's default is 40M elemen
 
 * **transient**, while a bucket's gradient reduce-scatter runs on the intra stage: the codes
   sent and received on each hop and, with LoCo, the compensated gradient ``h`` and the residual
-  ``h - sent`` in fp32 -- two bucket-sized fp32 buffers, at most (collectives.quantize_first; it
-  was five before). A stage runs one job at a time, so this is one bucket's, not one per bucket
-  in flight (a queued job holds only the caller's own buffers).
+  ``h - sent`` in fp32 -- two bucket-sized fp32 buffers, at most (quantize_first in
+  collectives.gradients; it was five before). A stage runs one job at a time, so this is one
+  bucket's, not one per bucket in flight (a queued job holds only the caller's own buffers).
 * **persistent**: LoCo's error buffers (``e1`` per bucket, ``e2`` per bucket / D) at
   ``--loco-error-bits``, and qWD's reference shard of each bucket (the rank's shard of the last
   reconstructed weights, taken when the optimizer updates it).
@@ -64,9 +64,9 @@ def _size(nbytes: int) -> str:
 
 def _reduce_scatter_peak(cfg: QuantizationConfig, n: int, p: int, d: int) -> int:
     """Peak temporaries of one bucket's two-level (or one-hop) reduce-scatter, phase by phase
-    (collectives.two_level_reduce_scatter): the first quantization, the first exchange (codes
-    sent, received, and a packed message each way on a hop that sends one), the middle
-    requantization, the second exchange."""
+    (collectives.gradients.two_level_reduce_scatter): the first quantization, the first
+    exchange (codes sent, received, and a packed message each way on a hop that sends one), the
+    middle requantization, the second exchange."""
     m = p // d
     if p == 1 or not cfg.quantized_gradients:
         return 0

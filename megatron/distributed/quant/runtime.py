@@ -24,8 +24,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from .accounting import CommAccounting
-from .collectives import (PendingCollective, gather_layout, quantized_all_gather,
-                          reduce_scatter_flat, two_level_reduce_scatter)
+from .collectives.common import PendingCollective, reduce_scatter_flat
+from .collectives.gradients import two_level_reduce_scatter
+from .collectives.weights import gather_layout, quantized_all_gather
 from .config import QuantizationConfig
 from .loco import LoCoErrorFeedback
 from .placement import agree_intra_node_size, placement_warning

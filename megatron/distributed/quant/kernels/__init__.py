@@ -3,7 +3,8 @@
 Three backends implement the same public ops:
 
 * ``torch``  — the PyTorch reference (:mod:`.reference`), any device; the numerical definition.
-* ``triton`` — Triton kernels (:mod:`.triton_kernels`), used for CUDA tensors.
+* ``triton`` — Triton kernels (:mod:`.triton_kernels`, the launchers of :mod:`.triton_jit`),
+  used for CUDA tensors.
 * ``cpp``    — fused single-pass C++ CPU kernels (:mod:`.cpu_kernels`), compiled at first use
   with ``torch.utils.cpp_extension`` (needs a C++ compiler and ``ninja``) and cached per machine.
 

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..collectives import all_gather_flat, reduce_scatter_flat
+from ..collectives.common import all_gather_flat, reduce_scatter_flat
 from .cost import ring_bytes
 from .strategy import resolve_group_size
 

@@ -154,7 +154,7 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
             err = quantization_support_error(strategy.name, self.quant)
             if err:
                 raise NotImplementedError(err)
-            from ..collectives import required_padding_multiple_from_config
+            from ..collectives.common import required_padding_multiple_from_config
 
             unit = math.lcm(unit, required_padding_multiple_from_config(self.quant, self.n, self.m))
         if grad_groups is not None and (grad_groups.dp_size, grad_groups.intra_size) != (

@@ -1,0 +1,340 @@
+"""The ``@triton.jit`` functions of the Triton backend: device code only, no launches.
+
+Why a module of its own: these functions are what Triton compiles (and what
+``bench/triton_aot.py`` compiles ahead of time for real GPUs); their Python launchers -- block
+sizes, seeds, argument checks, output allocation -- are :mod:`.triton_kernels`. Every kernel
+reproduces :mod:`.reference`'s fp32 operation sequence, so round-to-nearest output is
+bit-identical and stochastic rounding matches in distribution (Philox instead of
+``torch.rand``).  Details that matter for bit parity:
+
+* ``qmax / amax`` and ``1 / inv`` use ``div_rn`` (Triton's ``/`` is an approximate division on
+  NVIDIA GPUs); the launchers pass ``enable_fp_fusion=False`` so ``acc + code*scale`` is not
+  contracted into an FMA (torch does not fuse either).
+* fp32 -> bf16 rounding is done by bit manipulation (round-to-nearest-even), because the Triton
+  CPU interpreter's own bf16 cast truncates; the final cast of an exactly representable value is
+  then exact on every backend.
+* The 2^k-point Hadamard transform is the same butterfly as ``reference._fwht_rows``: stages with
+  stride 1, 2, 4, ..., each computing exactly ``(a + b, a - b)`` (as two-element sums, see
+  ``_bfly_stage``).
+* The random stream is indexed by the *input* element index, so a permuted output layout does
+  not change which ``u`` an element gets.  Element i's ``u`` is output i % 4 of Philox(seed,
+  counter i // 4) (``tl.randint4x`` with :data:`PHILOX_ROUNDS`): all four outputs of each
+  Philox call are used.
+
+The entry kernels (``_quantize_kernel``, ``_dsum_requant_kernel``, ``_dsum_kernel``,
+``_dequant_add_kernel``) are the jit functions no other jit function calls; the quantize kernel
+counts non-finite inputs into an int32 counter with ``atomic_add`` (``CHECK``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+PHILOX_ROUNDS = tl.constexpr(7)
+"""Rounds of the Philox4x32 generator behind stochastic rounding. Philox4x32 passes TestU01's
+BigCrush from 7 rounds (Salmon et al., SC'11, "Crush-resistant"); Triton's default of 10 is a
+safety margin for general use. The rounds are the arithmetic that bounds the stochastic kernels
+(about 25 integer operations per element at 10 rounds, near the GPU's integer throughput at
+70 % of memory bandwidth), and rounding noise needs far less than BigCrush: 7 rounds cut them by
+30 %. The statistics tests (tests/test_triton_kernels.py) hold for this setting."""
+
+
+# ------------------------------------------------------------------------------------------------
+# jit helpers
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _bfly_stage(x, R: tl.constexpr, HB: tl.constexpr, H: tl.constexpr):
+    """One butterfly stage with stride H on x [R, HB]: (a, b) -> (a + b, a - b).
+
+    Both results are two-element sums over the pair axis of the reshaped tile (a + b, and
+    a + (-b), which IEEE defines as a - b: bit-identical to the reference's butterfly). A sum
+    over an axis stays in the tile's own layout (in registers, or one warp shuffle when the pair
+    is on two threads), where permute / split / join made Triton move the tile through shared
+    memory at every stage: for the recipe's 8-bit hop 1 on sm_90, 4 -> 1 layout conversions,
+    25 -> 1 barriers, 230 -> 70 shuffles, 122 -> 86 registers (bench/triton_aot.py)."""
+    if H < HB:
+        y = tl.reshape(x, (R, HB // (2 * H), 2, H))
+        half = tl.arange(0, 2)[None, None, :, None]
+        s = tl.sum(y, axis=2)                                  # a + b
+        d = tl.sum(tl.where(half == 0, y, -y), axis=2)         # a + (-b), exactly a - b
+        y = tl.where(half == 0, s[:, :, None, :], d[:, :, None, :])
+        x = tl.reshape(y, (R, HB))
+    return x
+
+
+@triton.jit
+def _fwht(x, R: tl.constexpr, HB: tl.constexpr):
+    """Unnormalised Sylvester FWHT on each row of x [R, HB] (HB <= 1024)."""
+    x = _bfly_stage(x, R, HB, 1)
+    x = _bfly_stage(x, R, HB, 2)
+    x = _bfly_stage(x, R, HB, 4)
+    x = _bfly_stage(x, R, HB, 8)
+    x = _bfly_stage(x, R, HB, 16)
+    x = _bfly_stage(x, R, HB, 32)
+    x = _bfly_stage(x, R, HB, 64)
+    x = _bfly_stage(x, R, HB, 128)
+    x = _bfly_stage(x, R, HB, 256)
+    x = _bfly_stage(x, R, HB, 512)
+    return x
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> nearest-even bf16 value, returned as fp32 (NaN passes through)."""
+    b = x.to(tl.uint32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    y = r.to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, y)
+
+
+@triton.jit
+def _round_to(x, DT: tl.constexpr):
+    """Round fp32 x to dtype DT (bf16 / fp16 / fp32) and widen back to fp32."""
+    if DT == tl.bfloat16:
+        x = _round_bf16(x)
+    elif DT == tl.float16:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _uniform_tile(seed, rand_base, R: tl.constexpr, GP: tl.constexpr, ALIGNED: tl.constexpr):
+    """Stochastic-rounding noise u in [0, 1) for a tile [R, GP] whose row r holds the random-stream
+    elements rand_base[r] + 0..GP-1 (int32).
+
+    Element i of the stream gets output i % 4 of the Philox call at counter i // 4: a pure
+    function of (seed, i), so pipeline chunks and permuted layouts draw the same u as the whole
+    call, with one Philox call per four elements (``tl.rand`` draws one per element and uses one
+    of its four outputs).  ALIGNED (every row base and GP multiples of 4): GP / 4 calls per row,
+    their outputs interleaved; else each element computes its own call and picks its lane."""
+    if ALIGNED:
+        ctr = (rand_base // 4)[:, None] + tl.arange(0, GP // 4)[None, :]
+        r0, r1, r2, r3 = tl.randint4x(seed, ctr, PHILOX_ROUNDS)
+        # join(join(r0, r2), join(r1, r3))[k, q, p] = r_(2q + p), i.e. element 4k + 2q + p
+        r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (R, GP))
+    else:
+        i = rand_base[:, None] + tl.arange(0, GP)[None, :]
+        r0, r1, r2, r3 = tl.randint4x(seed, i // 4, PHILOX_ROUNDS)
+        lane = i % 4
+        r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+    return tl.random.uint_to_uniform_float(r)
+
+
+@triton.jit
+def _quant_tile(x, rand_base, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr,
+                R: tl.constexpr, GP: tl.constexpr, ALIGNED: tl.constexpr):
+    """x fp32 [R, GP] (one group per row, padding = 0) -> (int32 codes [R, GP], fp32 scales [R]).
+    Row r's elements are random-stream elements rand_base[r] + 0.. (see _uniform_tile)."""
+    a = tl.abs(x)
+    a = tl.where(a == a, a, float("inf"))          # NaN groups -> amax = inf -> scale NaN
+    amax = tl.max(a, axis=1)
+    inv = tl.math.div_rn(tl.full(amax.shape, QMAX, tl.float32), amax)
+    ok = (inv < float("inf")) & (inv > 0.0)     # amax 0/tiny -> inf, amax Inf -> 0
+    inv_safe = tl.where(ok, inv, 0.0)
+    bad = tl.where(amax < float("inf"), 0.0, float("nan"))
+    scale = tl.where(ok, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), inv_safe), bad)
+    v = x * inv_safe[:, None]
+    v = tl.where(ok[:, None], v, 0.0)
+    lo = tl.floor(v)
+    frac = v - lo
+    if STOCHASTIC:
+        u = _uniform_tile(seed, rand_base, R, GP, ALIGNED)
+        q = lo + tl.where(u < frac, 1.0, 0.0)
+    else:
+        q = lo + tl.where(frac >= 0.5, 1.0, 0.0)
+    q = tl.minimum(tl.maximum(q, -QMAX - 1.0), QMAX * 1.0)
+    return q.to(tl.int32), scale
+
+
+@triton.jit
+def _store_packed(codes_ptr, q, og, R: tl.constexpr, GS: tl.constexpr, GP: tl.constexpr,
+                  BITS: tl.constexpr, gmask):
+    """Pack int32 codes q [R, GP] (MSB-first) and store group rows at output group index og [R]."""
+    BPG: tl.constexpr = GS * BITS // 8               # bytes per group
+    base = og.to(tl.int64) * BPG
+    if BITS == 8:
+        cols = tl.arange(0, GP)
+        byte = q & 0xFF
+    elif BITS == 4:
+        cols = tl.arange(0, GP // 2)
+        hi, lo = tl.split(tl.reshape(q, (R, GP // 2, 2)))
+        byte = ((hi & 0xF) << 4) | (lo & 0xF)
+    else:
+        cols = tl.arange(0, GP // 4)
+        ev, od = tl.split(tl.reshape(q, (R, GP // 4, 2, 2)))   # [R, GP/4, 2]: 4i+2k, 4i+2k+1
+        e0, e2 = tl.split(ev)
+        e1, e3 = tl.split(od)
+        byte = ((e0 & 3) << 6) | ((e1 & 3) << 4) | ((e2 & 3) << 2) | (e3 & 3)
+    m = gmask[:, None] & (cols[None, :] < BPG)
+    tl.store(codes_ptr + base[:, None] + cols[None, :], byte.to(tl.uint8), mask=m)
+
+
+@triton.jit
+def _load_deq(codes_ptr, scales_ptr, idx, mask, BITS: tl.constexpr, GS: tl.constexpr):
+    """Dequantize elements at flat indices idx (int64) of a packed tensor -> fp32."""
+    PER: tl.constexpr = 8 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    SIGN: tl.constexpr = 1 << (BITS - 1)
+    byte = tl.load(codes_ptr + idx // PER, mask=mask, other=0).to(tl.int32)
+    shift = ((PER - 1) - (idx % PER)).to(tl.int32) * BITS
+    c = (byte >> shift) & MASK
+    c = (c ^ SIGN) - SIGN
+    s = tl.load(scales_ptr + idx // GS, mask=mask, other=0.0)
+    return c.to(tl.float32) * s
+
+
+@triton.jit
+def _load_deq_rows(codes_ptr, scales_ptr, first, gmask, R: tl.constexpr, GP: tl.constexpr,
+                   GS: tl.constexpr, BITS: tl.constexpr):
+    """Dequantize R whole groups -> fp32 [R, GP]: row r is the group starting at flat index
+    first[r] (int64, a multiple of GS).  Same values as _load_deq, but each row's packed bytes
+    are loaded once as a contiguous run (4- and 2-bit codes are split in registers instead of
+    every element loading its own byte) and there is one scale load per group."""
+    SIGN: tl.constexpr = 1 << (BITS - 1)
+    PER: tl.constexpr = 8 // BITS
+    eb = tl.arange(0, GP // PER)
+    mb = gmask[:, None] & (eb[None, :] < GS // PER)
+    byte = tl.load(codes_ptr + (first // PER)[:, None] + eb[None, :], mask=mb,
+                   other=0).to(tl.int32)
+    if BITS == 8:
+        c = byte
+    elif BITS == 4:                             # element 2i in the high nibble
+        c = tl.reshape(tl.join(byte >> 4, byte & 0xF), (R, GP))
+    else:                                       # element 4i in the highest two bits
+        # join(join(c0, c2), join(c1, c3))[i, q, p] = c_(2q + p): element 4i + 2q + p
+        c = tl.reshape(tl.join(tl.join(byte >> 6, (byte >> 2) & 3),
+                               tl.join((byte >> 4) & 3, byte & 3)), (R, GP))
+    c = (c ^ SIGN) - SIGN
+    s = tl.load(scales_ptr + first // GS, mask=gmask, other=0.0)
+    return c.to(tl.float32) * s[:, None]
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["seed"])  # a fresh seed per launch: never a new compile
+def _quantize_kernel(x_ptr, ref_ptr, codes_ptr, scales_ptr, slot_ptr, nonfinite_ptr, seed,
+                     num_groups, groups_per_part,
+                     GS: tl.constexpr, GP: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
+                     STOCHASTIC: tl.constexpr, HADAMARD: tl.constexpr, HB: tl.constexpr,
+                     DIFF: tl.constexpr, PERMUTE: tl.constexpr, CHECK: tl.constexpr,
+                     ALIGNED: tl.constexpr):
+    """[new - ref ->] [FWHT ->] absmax -> round -> pack -> store at (permuted) group slot."""
+    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+    pid = tl.program_id(0)
+    g = pid.to(tl.int64) * R + tl.arange(0, R)
+    gmask = g < num_groups
+    e = tl.arange(0, GP)
+    m = gmask[:, None] & (e[None, :] < GS)
+    offs = g[:, None] * GS + e[None, :]
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    if DIFF:
+        r = tl.load(ref_ptr + offs, mask=m, other=0.0)
+        RT: tl.constexpr = ref_ptr.dtype.element_ty
+        xn = _round_to(x.to(tl.float32), RT)        # new cast to the reference dtype
+        x = _round_to(xn - r.to(tl.float32), RT)     # subtraction rounded to the reference dtype
+    else:
+        x = x.to(tl.float32)
+    if CHECK:
+        bad = tl.sum(tl.where(m & ((x != x) | (tl.abs(x) == float("inf"))), 1, 0))
+        tl.atomic_add(nonfinite_ptr, bad)
+    if HADAMARD:
+        x = tl.reshape(_fwht(tl.reshape(x, (R * GP // HB, HB)), R * GP // HB, HB), (R, GP))
+    q, scale = _quant_tile(x, (g * GS).to(tl.int32), seed, QMAX, STOCHASTIC, R, GP, ALIGNED)
+    if PERMUTE:
+        part = g // groups_per_part
+        slot = tl.load(slot_ptr + part, mask=gmask, other=0).to(tl.int64)
+        og = slot * groups_per_part + (g % groups_per_part)
+    else:
+        og = g
+    tl.store(scales_ptr + og, scale, mask=gmask)
+    _store_packed(codes_ptr, q, og, R, GS, GP, BITS, gmask)
+
+
+@triton.jit(do_not_specialize=["seed"])  # a fresh seed per launch: never a new compile
+def _dsum_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, seed,
+                         n, num_groups_out, part_len, part_stride, base, S: tl.constexpr,
+                         GS_IN: tl.constexpr, BITS_IN: tl.constexpr,
+                         GS: tl.constexpr, GP: tl.constexpr, R: tl.constexpr,
+                         BITS: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr):
+    """Sum the dequantized source chunks (order 0..S-1, fp32) and requantize per output group.
+    The noise of output element i is that of element (i // part_len) * part_stride + base +
+    i % part_len of the whole call (reference.NoiseIndex; part_len = n, base = 0: identity).
+    S is a compile-time constant so the S source loads are unrolled and issued together."""
+    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+    pid = tl.program_id(0)
+    g = pid.to(tl.int64) * R + tl.arange(0, R)
+    gmask = g < num_groups_out
+    e = tl.arange(0, GP)
+    m = gmask[:, None] & (e[None, :] < GS)
+    acc = tl.zeros((R, GP), dtype=tl.float32)
+    first = g * GS                              # a row never straddles a part (NoiseIndex.check)
+    src = first                                 # int64 running offset: no int32 overflow
+    for _s in tl.static_range(S):
+        if GS_IN == GS:                         # output groups are input groups: a scale per row
+            acc = acc + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, R, GP, GS, BITS_IN)
+        else:
+            acc = acc + _load_deq(codes_ptr, scales_ptr, src[:, None] + e[None, :], m, BITS_IN,
+                                  GS_IN)
+        src = src + n
+    noise_base = (first // part_len) * part_stride + base + first % part_len
+    q, scale = _quant_tile(acc, noise_base.to(tl.int32), seed, QMAX, STOCHASTIC, R, GP, ALIGNED)
+    tl.store(out_scales_ptr + g, scale, mask=gmask)
+    _store_packed(out_codes_ptr, q, g, R, GS, GP, BITS, gmask)
+
+
+@triton.jit
+def _dsum_kernel(codes_ptr, scales_ptr, out_ptr, out_stride, scale, n, S: tl.constexpr,
+                 GS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                 HADAMARD: tl.constexpr, HB: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 ROWS: tl.constexpr):
+    """Dequantize + fp32 sum over sources [-> inverse FWHT] [* scale] -> strided out (any float).
+    S (sources) is a compile-time constant: the S loads are unrolled and issued together. ROWS
+    (GS a power of two dividing BLOCK): the block is BLOCK // GS whole groups, loaded as rows
+    (packed bytes once, one scale per group); else every element loads its own byte and scale."""
+    pid = tl.program_id(0)
+    idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = idx < n
+    if ROWS:
+        RB: tl.constexpr = BLOCK // GS
+        first = (pid.to(tl.int64) * RB + tl.arange(0, RB)) * GS
+        gmask = first < n                       # n is a multiple of GS: rows are whole or out
+        acc2 = tl.zeros((RB, GS), dtype=tl.float32)
+        src = first                             # int64 running offset: no int32 overflow
+        for _s in tl.static_range(S):
+            acc2 = acc2 + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, RB, GS, GS, BITS)
+            src = src + n
+        acc = tl.reshape(acc2, (BLOCK,))
+    else:
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        src = idx                               # int64 running offset: no int32 overflow
+        for _s in tl.static_range(S):
+            acc = acc + _load_deq(codes_ptr, scales_ptr, src, m, BITS, GS)
+            src = src + n
+    if HADAMARD:
+        acc = tl.reshape(_fwht(tl.reshape(acc, (BLOCK // HB, HB)), BLOCK // HB, HB), (BLOCK,))
+        acc = acc * (1.0 / HB)
+    if HAS_SCALE:
+        acc = acc * scale
+    OT: tl.constexpr = out_ptr.dtype.element_ty
+    acc = _round_to(acc, OT)
+    tl.store(out_ptr + idx * out_stride, acc.to(OT), mask=m)
+
+
+@triton.jit
+def _dequant_add_kernel(codes_ptr, scales_ptr, ref_ptr, out_ptr, n,
+                        GS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = dt(dt(code*scale) + ref) with dt = ref dtype (out may alias ref)."""
+    pid = tl.program_id(0)
+    idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = idx < n
+    RT: tl.constexpr = ref_ptr.dtype.element_ty
+    d = _round_to(_load_deq(codes_ptr, scales_ptr, idx, m, BITS, GS), RT)
+    r = tl.load(ref_ptr + idx, mask=m, other=0.0).to(tl.float32)
+    y = _round_to(d + r, RT)
+    tl.store(out_ptr + idx, y.to(RT), mask=m)
+

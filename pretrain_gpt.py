@@ -26,7 +26,7 @@ from megatron.training.arguments import parse_args  # noqa: E402
 
 def dry_run(args) -> None:
     """Print the parsed args, the QuantizationConfig and the built configs as JSON lines."""
-    from megatron.training.training import config_summary
+    from megatron.training.config_builders import config_summary
 
     print("DRY_RUN_ARGS " + json.dumps(vars(args), default=str), flush=True)
     print("DRY_RUN_QUANT " + json.dumps(args.quant_config.to_dict(), default=str), flush=True)

@@ -414,7 +414,8 @@ def count_parameters(shapes: Sequence[str]) -> List[Dict[str, Any]]:
     from megatron.training import cpu_mode
     from megatron.training.arguments import padded_vocab_size, parse_args
     from megatron.training.initialize import initialize_megatron
-    from megatron.training.training import build_transformer_config, model_provider
+    from megatron.training.config_builders import build_transformer_config
+    from megatron.training.training_components import model_provider
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")

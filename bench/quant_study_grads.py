@@ -69,7 +69,8 @@ class GptGradients:
         from megatron.training.arguments import padded_vocab_size, parse_args
         from megatron.training.initialize import initialize_megatron
         from megatron.training.tokenizer import build_tokenizer
-        from megatron.training.training import build_transformer_config, model_provider
+        from megatron.training.config_builders import build_transformer_config
+        from megatron.training.training_components import model_provider
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         prefix = ensure_quickstart_data()

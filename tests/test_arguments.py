@@ -16,7 +16,8 @@ from typing import List
 
 import pytest
 
-from megatron.training.arguments import ArgumentError, build_parser, parse_args, validate_args
+from megatron.training.arguments import build_parser, parse_args
+from megatron.training.arguments_validation import ArgumentError, validate_args
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -68,8 +69,8 @@ def test_every_listed_flag_parses_and_acts(tmp_path: Path) -> None:
     assert a.data_parallel_size == 1 and a.global_batch_size == 8
     assert a.quant_config.enabled is False and a.seed == 7 and a.exit_interval == 7
 
-    from megatron.training.training import (build_ddp_config, build_optimizer_config,
-                                            build_transformer_config)
+    from megatron.training.config_builders import (build_ddp_config, build_optimizer_config,
+                                                   build_transformer_config)
 
     tc = build_transformer_config(a)
     assert tc.gated_linear_unit and tc.normalization == "RMSNorm" and not tc.add_bias_linear
@@ -290,7 +291,8 @@ def test_dry_run_prints_json_and_exits_zero() -> None:
 def test_paro_strategy_flags():
     """Every effective PaRO strategy is accepted; NNN / NNG (megatron-core) need the matching
     --use-distributed-optimizer setting; ineffective ones are rejected with the reason."""
-    from megatron.training.arguments import ArgumentError, parse_args, validate_args
+    from megatron.training.arguments import parse_args
+    from megatron.training.arguments_validation import ArgumentError, validate_args
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -333,7 +335,7 @@ def test_megatron_gradient_reduction_knobs_resolve_in_one_place() -> None:
     """--grad-reduce-in-bf16 / --ddp-reduce-scatter-with-fp32-accumulation /
     --ddp-average-in-collective: Megatron-LM's names, their DDP config, and every contradiction
     refused naming both flags."""
-    from megatron.training.training import build_ddp_config
+    from megatron.training.config_builders import build_ddp_config
 
     base = BASE + ["--global-batch-size", "8", "--bf16", "--use-distributed-optimizer"]
     args = parse_args(base + ["--grad-reduce-in-bf16", "--ddp-reduce-scatter-with-fp32-accumulation",

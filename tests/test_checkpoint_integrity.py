@@ -197,24 +197,27 @@ def _job(rank: int, world: int, root: str) -> Dict[str, Any]:
     rank 0 damages and restores the files between barriers)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     from megatron.training import checkpointing
-    from megatron.training import training as T
     from megatron.training.arguments import parse_args
+    from megatron.training.config_builders import build_transformer_config
     from megatron.training.errors import StartupError
     from megatron.training.initialize import initialize_megatron
+    from megatron.training.training_components import (configure_schedule, get_model,
+                                                       get_optimizer_and_scheduler)
+    from megatron.training.training_step import forward_step, train_step
     from tools.paro_strategy_table import synthetic_batches
 
     args = parse_args(TINY)
     initialize_megatron(args)
     args.padded_vocab_size = 128
-    config = T.build_transformer_config(args)
-    model = T.get_model(args, config, 128)
-    opt, sched = T.get_optimizer_and_scheduler(args, model)
-    T.configure_schedule(args, config, model, opt)
+    config = build_transformer_config(args)
+    model = get_model(args, config, 128)
+    opt, sched = get_optimizer_and_scheduler(args, model)
+    configure_schedule(args, config, model, opt)
     batches = synthetic_batches(rank, 0, 4, micro=1, mbs=2, seq=32, vocab=128)
     weights: Dict[int, torch.Tensor] = {}
     for step in (1, 2, 3, 4):
-        _, ok, _, _ = T.train_step(args, partial(T.forward_step, args), batches, model, opt,
-                                   sched, torch.device("cpu"))
+        _, ok, _, _ = train_step(args, partial(forward_step, args), batches, model, opt,
+                                 sched, torch.device("cpu"))
         assert ok
         if step in (2, 4):
             weights[step] = _embedding(model).detach().clone()

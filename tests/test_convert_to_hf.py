@@ -332,7 +332,8 @@ def _reference_logits(args: argparse.Namespace, model: List[torch.nn.Module], pa
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
 
-    from megatron.training.training import build_transformer_config, model_provider
+    from megatron.training.config_builders import build_transformer_config
+    from megatron.training.training_components import model_provider
 
     live = model[0].module
     live = live.module if isinstance(live, Float16Module) else live

@@ -76,8 +76,9 @@ def _nonfinite_events(model: List[torch.nn.Module]) -> int:
 def _worker(rank: int, world: int) -> Dict[str, Any]:
     import torch.distributed as dist
 
-    from megatron.training import training as T
+    from megatron.distributed.quant import integration
     from megatron.training.arguments import parse_args
+    from megatron.training.training_step import forward_step, step_outcome, train_step
 
     _setup(rank, world, ["--bf16"])
     out: Dict[str, Any] = {}
@@ -87,15 +88,15 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
         batches = _batches(rank, 0, len(PLAN))
         steps = []
         for it, (bad_rank, value) in enumerate(PLAN):
-            T.integration.set_iteration(model, it + 1)
+            integration.set_iteration(model, it + 1)
             before = _state(model, opt)
             handle = _poison(model, value) if bad_rank == rank else None
-            loss, ok, norm, reason = T.train_step(args, partial(T.forward_step, args), batches,
-                                                  model, opt, sched, torch.device("cpu"))
+            loss, ok, norm, reason = train_step(args, partial(forward_step, args), batches,
+                                                model, opt, sched, torch.device("cpu"))
             if handle is not None:
                 handle.remove()
             after = _state(model, opt)
-            skipped, nan = T.step_outcome(ok, reason, loss)
+            skipped, nan = step_outcome(ok, reason, loss)
             steps.append({"ok": ok, "reason": reason, "skipped": skipped, "nan": nan,
                           "loss": loss, "norm": norm, "unchanged": torch.equal(before, after),
                           "finite": bool(torch.isfinite(after).all())})

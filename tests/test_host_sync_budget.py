@@ -67,8 +67,9 @@ class HostSyncCounter:
 
 
 def _worker(rank: int, world: int) -> Dict[str, Any]:
-    from megatron.training import training as T
+    from megatron.distributed.quant import integration
     from megatron.training.arguments import parse_args
+    from megatron.training.training_step import forward_step, train_step
 
     _setup(rank, world, ["--bf16"])
     out: Dict[str, Any] = {}
@@ -79,10 +80,10 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
         rt = model[0].quant_runtime
         per_step = []
         for it in range(3):
-            T.integration.set_iteration(model, it + 1)
+            integration.set_iteration(model, it + 1)
             with HostSyncCounter() as counter:
-                _, ok, _, _ = T.train_step(args, partial(T.forward_step, args), batches, model,
-                                           opt, sched, torch.device("cpu"))
+                _, ok, _, _ = train_step(args, partial(forward_step, args), batches, model,
+                                         opt, sched, torch.device("cpu"))
             assert ok
             per_step.append({"quant": counter.in_quant_layer(),
                              "where": sorted(f"{os.path.basename(p)}:{l}" for (p, l), n

@@ -19,7 +19,7 @@ from typing import Optional
 
 import pytest
 
-from megatron.training.checkpointing import LoadTarget, find_checkpoint_to_load
+from megatron.training.checkpoint_discovery import LoadTarget, find_checkpoint_to_load
 from megatron.training.errors import StartupError
 
 
@@ -174,10 +174,10 @@ def test_a_damaged_tracker_is_one_error_naming_it_and_the_way_out(tmp_path: Path
 
 
 def _damaged_on_one_rank_worker(rank: int, world: int, root: str) -> dict:
-    from megatron.training import checkpointing
+    from megatron.training import checkpoint_discovery
 
     try:
-        target = checkpointing.agreed_checkpoint_to_load(
+        target = checkpoint_discovery.agreed_checkpoint_to_load(
             _args(Path(root) / ("damaged" if rank == 1 else "ckpt")))
         return {"iteration": None if target is None else target.iteration}
     except StartupError as exc:
@@ -202,16 +202,16 @@ def _agree_worker(rank: int, world: int, root: str, rank1_tracker: Optional[int]
                   rank1_fails: bool) -> dict:
     """Every rank resolves --load; on rank 1 the tracker reads another iteration (a stale
     cache), or the resolution fails."""
-    from megatron.training import checkpointing
+    from megatron.training import checkpoint_discovery
 
     if rank == 1 and rank1_tracker is not None:   # a stale view: the newer folders unseen too
-        checkpointing.read_tracker = lambda load: rank1_tracker
-        checkpointing._newer_complete_checkpoints = lambda root, iteration: []
+        checkpoint_discovery.read_tracker = lambda load: rank1_tracker
+        checkpoint_discovery._newer_complete_checkpoints = lambda root, iteration: []
     args = _args(Path(root) / ("missing" if rank == 1 and rank1_fails else "ckpt"))
     if rank == 1 and rank1_fails:
         args.ckpt_step = 4       # --ckpt-step on a --load that does not exist: an error
     try:
-        target = checkpointing.agreed_checkpoint_to_load(args)
+        target = checkpoint_discovery.agreed_checkpoint_to_load(args)
         return {"iteration": None if target is None else target.iteration}
     except StartupError as exc:
         return {"error": str(exc)}
@@ -247,7 +247,7 @@ def test_torch_format_optimizer_state_in_other_buckets_is_named() -> None:
     --overlap-grad-reduce it failed inside megatron-core's loader; now the flags are named."""
     import torch
 
-    from megatron.training import checkpointing
+    from megatron.training import checkpoint_torch_format
 
     class Leaf:   # what the check reads of a DistributedOptimizer: its buckets per buffer
         gbuf_ranges = [{torch.float32: [{}, {}, {}]}]
@@ -258,12 +258,12 @@ def test_torch_format_optimizer_state_in_other_buckets_is_named() -> None:
 
     same = {"param_state": {0: {torch.float32: [[], [], []]}, "per_bucket_numel": {}}}
     leaf = Leaf()
-    checkpointing._load_optimizer_state(leaf, [same])
+    checkpoint_torch_format.load_optimizer_state(leaf, [same])
     assert leaf.loaded is same
     other = {"param_state": {0: {torch.float32: [[]]}}}
     with pytest.raises(StartupError, match=r"--ddp-bucket-size or --overlap-grad-reduce"):
-        checkpointing._load_optimizer_state(Leaf(), [other])
-    checkpointing._load_optimizer_state(Leaf(), [{"no": "param_state"}])   # other optimizers
+        checkpoint_torch_format.load_optimizer_state(Leaf(), [other])
+    checkpoint_torch_format.load_optimizer_state(Leaf(), [{"no": "param_state"}])   # other optimizers
 
 
 def test_a_tracker_behind_newer_complete_checkpoints_is_refused(tmp_path: Path, capsys) -> None:

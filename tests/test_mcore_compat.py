@@ -527,8 +527,8 @@ def test_distributed_optimizer_model_param_range_map(world1) -> None:
 
 
 def test_torch_dist_results_queue_is_the_global_megatron_core_reads(monkeypatch) -> None:
-    """save_guard installs its own write-results queue (served by a process that dies with the
-    rank): megatron-core must take the installed one instead of spawning its own manager."""
+    """writer_processes installs its own write-results queue (served by a process that dies with
+    the rank): megatron-core must take the installed one instead of spawning its own manager."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     monkeypatch.setattr(filesystem_async, "_results_queue", None)

@@ -52,8 +52,9 @@ LINE_RE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: (\S+) \|.*?"
 def _worker(rank: int, world: int, jsonl: str, path_flags: List[str]) -> Dict[str, Any]:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))
-    from megatron.training import training as T
+    from megatron.training import training_step
     from megatron.training.arguments import parse_args
+    from megatron.training.training import pretrain
     from test_fault_injection import _poison
 
     args = parse_args(TINY_GPT + FLAGS + path_flags + ["--jsonl-log", jsonl])
@@ -70,7 +71,7 @@ def _worker(rank: int, world: int, jsonl: str, path_flags: List[str]) -> Dict[st
                 state["handle"] = None
             if step == GRAD_NAN_STEP and rank == GRAD_NAN_RANK:
                 state["handle"] = _poison([model], float("nan"))
-        output, loss_func = T.forward_step(args, data_iterator, model)
+        output, loss_func = training_step.forward_step(args, data_iterator, model)
         if step == LOSS_NAN_STEP and rank == LOSS_NAN_RANK:
             output = output * float("nan")
 
@@ -83,7 +84,7 @@ def _worker(rank: int, world: int, jsonl: str, path_flags: List[str]) -> Dict[st
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        summary = T.pretrain(args, forward_step_func=forward_step)
+        summary = pretrain(args, forward_step_func=forward_step)
     return {"stdout": out.getvalue(), "reports": reports, "summary": summary}
 
 

@@ -5,8 +5,9 @@ forks writer processes from the rank for every save (``fork`` context, also for 
 save) and spawns, once, a ``multiprocessing`` manager for their results.  When the rank was
 killed with SIGKILL, the dead rank's helpers were re-parented to init and lived on (one was found
 hung in a futex wait, holding 350 MB).  The trainer now makes every process it forks die with it
-(``save_guard.install_fork_guard``: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` in the child) and starts
-the manager itself with the same request (``save_guard.guard_torch_dist_writer_queue``).
+(``writer_processes.install_fork_guard``: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` in the child)
+and starts the manager itself with the same request
+(``writer_processes.guard_torch_dist_writer_queue``).
 
 The moment is made deterministic with ``MEGATRON_TEST_HOLD_FORKED_CHILD=0:DIR``: rank 0's
 writer processes announce themselves in DIR (their parent's pid inside) and wait, so rank 0 is

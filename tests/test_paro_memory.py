@@ -421,7 +421,7 @@ def test_resume_layout_check_names_another_paro_group_size():
     """The torch format's layout check: the engine's shards depend on --paro-group-size too."""
     import argparse
 
-    from megatron.training import checkpointing
+    from megatron.training import checkpoint_torch_format
     from megatron.training.errors import StartupError
 
     args = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
@@ -429,10 +429,10 @@ def test_resume_layout_check_names_another_paro_group_size():
                               paro_strategy="NGG", paro_group_size=4)
     saved = argparse.Namespace(**{**vars(args), "paro_group_size": 8})
     with pytest.raises(StartupError, match="--paro-group-size 8 -> 4"):
-        checkpointing._check_same_layout("ckpt", saved, args)
-    checkpointing._check_same_layout("ckpt", argparse.Namespace(**vars(args)), args)
+        checkpoint_torch_format._check_same_layout("ckpt", saved, args)
+    checkpoint_torch_format._check_same_layout("ckpt", argparse.Namespace(**vars(args)), args)
     for core in ("NNG", None):   # megatron-core's layouts do not depend on it
-        checkpointing._check_same_layout(
+        checkpoint_torch_format._check_same_layout(
             "ckpt", argparse.Namespace(**{**vars(saved), "paro_strategy": core}),
             argparse.Namespace(**{**vars(args), "paro_strategy": core}))
 

@@ -84,26 +84,28 @@ CPU tensors, under its allocation check (no GPU here)."""
 
 
 def _build(args):
-    from megatron.training import training as T
+    from megatron.training.config_builders import build_transformer_config
     from megatron.training.initialize import set_random_seed
+    from megatron.training.training_components import (configure_schedule, get_model,
+                                                       get_optimizer_and_scheduler)
 
     set_random_seed(1234, "cpu")
-    config = T.build_transformer_config(args)
+    config = build_transformer_config(args)
     args.padded_vocab_size = VOCAB
-    model = T.get_model(args, config, VOCAB)
-    opt, sched = T.get_optimizer_and_scheduler(args, model)
-    T.configure_schedule(args, config, model, opt)
+    model = get_model(args, config, VOCAB)
+    opt, sched = get_optimizer_and_scheduler(args, model)
+    configure_schedule(args, config, model, opt)
     return model, opt, sched
 
 
 def _step(args, model, opt, sched, rank: int, step: int):
     from megatron.distributed.quant import integration
-    from megatron.training import training as T
+    from megatron.training.training_step import forward_step, train_step
 
     integration.set_iteration(model, step + 1)  # as the training loop does (1-based)
     it = synthetic_batches(rank, step, 1, micro=MICRO, mbs=MBS, seq=SEQ, vocab=VOCAB)
-    return T.train_step(args, partial(T.forward_step, args), it, model, opt, sched,
-                        torch.device("cpu"))
+    return train_step(args, partial(forward_step, args), it, model, opt, sched,
+                      torch.device("cpu"))
 
 
 @contextlib.contextmanager

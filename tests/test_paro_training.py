@@ -80,28 +80,32 @@ model. The bf16, quantized, SGD and resume runs use the default (one bucket per 
 def _build(args, strategy: str, engine: bool, seed: int = 1234, bucket_numel=None):
     """Model, optimizer and scheduler of ``strategy``, from the same seed as every other build."""
     from megatron.core.transformer.module import Float16Module
-    from megatron.training import training as T
+    from megatron.distributed.quant import integration
+    from megatron.training.config_builders import build_ddp_config, build_transformer_config
     from megatron.training.initialize import set_random_seed
+    from megatron.training.training_components import (configure_schedule, get_model,
+                                                       get_optimizer_and_scheduler,
+                                                       model_provider)
 
     set_random_seed(seed, "cpu")
     args.paro_strategy = strategy
     args.use_distributed_optimizer = strategy == "NNG" and not engine
-    config = T.build_transformer_config(args)
+    config = build_transformer_config(args)
     vocab = args.padded_vocab_size = 128
     if engine:  # force the engine even for NNN / NNG, to measure it
-        chunk = T.model_provider(args, config, vocab, True, True)
+        chunk = model_provider(args, config, vocab, True, True)
         if args.bf16:
             chunk = Float16Module(config, chunk)
-        ddp_config = T.build_ddp_config(args)
+        ddp_config = build_ddp_config(args)
         if bucket_numel is not None:  # the engine's bucket-size cap (None: one per layer)
             ddp_config.bucket_size = bucket_numel
-        model = T.integration.wrap_model(config, ddp_config, [chunk], args.quant_config,
-                                         strategy=strategy, group_size=args.paro_group_size,
-                                         engine=True)
+        model = integration.wrap_model(config, ddp_config, [chunk], args.quant_config,
+                                       strategy=strategy, group_size=args.paro_group_size,
+                                       engine=True)
     else:
-        model = T.get_model(args, config, vocab)
-    opt, sched = T.get_optimizer_and_scheduler(args, model)
-    T.configure_schedule(args, config, model, opt)
+        model = get_model(args, config, vocab)
+    opt, sched = get_optimizer_and_scheduler(args, model)
+    configure_schedule(args, config, model, opt)
     return model, opt, sched
 
 
@@ -109,7 +113,7 @@ def _train(args, model, opt, sched, first_step: int, steps: int, rank: int,
            measure: bool = False) -> Dict[str, Any]:
     from megatron.distributed.quant.paro.engine import ParoDataParallel
     from megatron.distributed.quant.paro.optimizer import model_state_bytes
-    from megatron.training import training as T
+    from megatron.training.training_step import forward_step, train_step
 
     it = _batches(rank, first_step, steps)
     out: Dict[str, Any] = {"losses": [], "norms": []}
@@ -117,8 +121,8 @@ def _train(args, model, opt, sched, first_step: int, steps: int, rank: int,
         engine = model[0] if isinstance(model[0], ParoDataParallel) else None
         if engine is not None:
             engine.counter.reset()
-        loss, ok, norm, _ = T.train_step(args, partial(T.forward_step, args), it, model, opt,
-                                         sched, torch.device("cpu"))
+        loss, ok, norm, _ = train_step(args, partial(forward_step, args), it, model, opt,
+                                       sched, torch.device("cpu"))
         assert ok
         out["losses"].append(loss)
         out["norms"].append(norm)
@@ -156,14 +160,17 @@ def _strategies_worker(rank: int, world: int, runs: List[tuple]) -> Dict[str, An
         res[label] = _train(args, model, opt, sched, 0, STEPS, rank, measure=engine)
     # auto: with room for only ~0.6 MB of model states per rank, ZeRO-1 does not fit.
     args32.paro_strategy, args32.paro_gpu_memory_gb = "auto", 0.0006
-    from megatron.training import training as T
+    from megatron.training.config_builders import build_transformer_config
     from megatron.training.initialize import set_random_seed
+    from megatron.training.training_components import (configure_schedule, get_model,
+                                                       get_optimizer_and_scheduler)
+    from megatron.training.training_step import optimizer_step
 
     set_random_seed(1234, "cpu")
-    config = T.build_transformer_config(args32)
-    model = T.get_model(args32, config, 128)
-    opt, sched = T.get_optimizer_and_scheduler(args32, model)
-    T.configure_schedule(args32, config, model, opt)
+    config = build_transformer_config(args32)
+    model = get_model(args32, config, 128)
+    opt, sched = get_optimizer_and_scheduler(args32, model)
+    configure_schedule(args32, config, model, opt)
     res["auto"] = {"chosen": args32.paro_strategy, "engine": type(model[0]).__name__,
                    "num_params": sum(p.numel() for p in model[0].module.parameters()),
                    **_train(args32, model, opt, sched, 0, 1, rank)}
@@ -175,7 +182,7 @@ def _strategies_worker(rank: int, world: int, runs: List[tuple]) -> Dict[str, An
     if rank == 3:
         (engine.grad_buffer if engine.grad_buffer is not None else engine.grad_shard)[0] = float("nan")
     engine.finalize_model_grads()
-    ok, norm, reason = T.optimizer_step(opt)
+    ok, norm, reason = optimizer_step(opt)
     res["nan_step"] = {"ok": ok, "reason": reason, "unchanged":
                        torch.equal(before[0], opt.master.detach()) and
                        torch.equal(before[1], engine.param_level_storage())}
@@ -375,7 +382,8 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 
 
 def _validated(monkeypatch, *extra, world: int = 4):
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.arguments import parse_args
+    from megatron.training.arguments_validation import validate_args
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
@@ -391,7 +399,7 @@ def test_every_effective_strategy_is_accepted(monkeypatch, strategy):
 
 
 def test_auto_and_rejections(monkeypatch):
-    from megatron.training.arguments import ArgumentError
+    from megatron.training.arguments_validation import ArgumentError
 
     assert _validated(monkeypatch, "--paro-strategy", "auto").paro_strategy == "auto"
     assert _validated(monkeypatch, "--paro-strategy", "NIG").paro_group_size == 4  # one group

@@ -1,4 +1,4 @@
-"""``--save`` guarded at startup and while saving (megatron/training/save_guard.py).
+"""``--save`` guarded at startup and while saving (megatron/training/save_guard.py, save_lock.py).
 
 Why: a second run on the same ``--save`` used to load from under the first and delete its
 temporary folders; a read-only ``--save`` failed at the first save, hours in; a full disk gave
@@ -32,10 +32,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from megatron.training import save_guard  # noqa: E402
-from megatron.training.save_guard import SaveDirBusy, SaveLock  # noqa: E402
+from megatron.training import save_guard, save_lock  # noqa: E402
+from megatron.training.save_lock import SaveDirBusy, SaveLock  # noqa: E402
 
-HOLDER = ("import sys; sys.path.insert(0, {repo!r}); from megatron.training.save_guard import "
+HOLDER = ("import sys; sys.path.insert(0, {repo!r}); from megatron.training.save_lock import "
           "SaveLock; lock = SaveLock({d!r}); lock.acquire(); print('locked', flush=True); "
           "sys.stdin.read(); lock.release()")
 
@@ -60,38 +60,38 @@ def test_second_run_is_refused_naming_the_holder(tmp_path: Path) -> None:
         with pytest.raises(SaveDirBusy) as exc:
             SaveLock(str(tmp_path)).acquire()
         msg = str(exc.value)
-        info = json.loads((tmp_path / save_guard.LOCK_NAME).read_text())
+        info = json.loads((tmp_path / save_lock.LOCK_NAME).read_text())
         assert f"host {info['host']}, pid {holder.pid}, started {info['started']}" in msg
         assert f"--save {tmp_path} is in use by another run" in msg
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
-    assert not (tmp_path / save_guard.LOCK_NAME).exists()  # released: the file is gone
+    assert not (tmp_path / save_lock.LOCK_NAME).exists()  # released: the file is gone
     lock = SaveLock(str(tmp_path))
     assert lock.acquire() is None  # free now, nothing stale to report
     lock.release()
 
 
 def test_stale_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path: Path) -> None:
-    stale = dict(save_guard.holder_info(), pid=_dead_pid(), started="yesterday")
-    (tmp_path / save_guard.LOCK_NAME).write_text(json.dumps(stale))
+    stale = dict(save_lock.holder_info(), pid=_dead_pid(), started="yesterday")
+    (tmp_path / save_lock.LOCK_NAME).write_text(json.dumps(stale))
     lock = SaveLock(str(tmp_path))
     note = lock.acquire()
     try:
         assert note is not None and "took over a stale lock" in note
         assert f"pid {stale['pid']}" in note and "started yesterday" in note
-        assert json.loads((tmp_path / save_guard.LOCK_NAME).read_text())["pid"] == os.getpid()
+        assert json.loads((tmp_path / save_lock.LOCK_NAME).read_text())["pid"] == os.getpid()
     finally:
         lock.release()
 
 
 def test_lock_of_another_host_is_stale_only_when_not_refreshed(tmp_path: Path) -> None:
     """Where flock does not reach across hosts the text is the lock: a fresh one is refused."""
-    path = tmp_path / save_guard.LOCK_NAME
+    path = tmp_path / save_lock.LOCK_NAME
     path.write_text(json.dumps({"host": "node-elsewhere", "pid": 4242, "started": "t0"}))
     with pytest.raises(SaveDirBusy, match=r"host node-elsewhere, pid 4242, started t0.*refreshed"):
         SaveLock(str(tmp_path)).acquire()
-    old = time.time() - save_guard.STALE_AFTER_S - 60
+    old = time.time() - save_lock.STALE_AFTER_S - 60
     os.utime(path, (old, old))
     lock = SaveLock(str(tmp_path))
     try:
@@ -105,7 +105,7 @@ def test_a_requeued_slurm_job_takes_over_its_previous_runs_fresh_lock(tmp_path: 
     """A preempted job SIGKILLed while saving leaves a fresh lock on another host; its requeue
     (same SLURM_JOB_ID, higher SLURM_RESTART_COUNT) takes it over at once instead of waiting
     STALE_AFTER_S. Another job, or the same incarnation, still finds the lock busy."""
-    path = tmp_path / save_guard.LOCK_NAME
+    path = tmp_path / save_lock.LOCK_NAME
     held = {"host": "node-elsewhere", "pid": 4242, "started": "t0", "slurm_job_id": "777",
             "slurm_restart_count": 0}
     path.write_text(json.dumps(held))
@@ -209,8 +209,8 @@ def test_trainer_refuses_busy_or_read_only_save_and_reports_a_full_disk(tmp_path
     results = json.loads(res.stdout.strip().splitlines()[-1])
 
     rc, err = results["busy"]
-    info = json.loads((busy / save_guard.LOCK_NAME).read_text()) \
-        if (busy / save_guard.LOCK_NAME).exists() else None
+    info = json.loads((busy / save_lock.LOCK_NAME).read_text()) \
+        if (busy / save_lock.LOCK_NAME).exists() else None
     assert rc == 1, out[-3000:]
     assert f"error: --save {busy} is in use by another run (host " in err
     assert f"pid {holder.pid}, started " in err

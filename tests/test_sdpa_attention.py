@@ -122,7 +122,7 @@ def test_resolver_rules(monkeypatch) -> None:
 
 def test_flags_parse_validate_and_reach_the_config(capsys) -> None:
     from megatron.training.arguments import parse_args
-    from megatron.training.training import build_transformer_config
+    from megatron.training.config_builders import build_transformer_config
 
     base = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
@@ -365,7 +365,7 @@ def test_torch_format_checkpoint_names_a_te_to_local_switch() -> None:
     """TE's spec fuses the layer norms into its linear layers (other state-dict names): a
     ``--ckpt-format torch`` checkpoint of it cannot load into the local spec, and the layout
     check names the flag instead of a missing-keys error."""
-    from megatron.training import checkpointing
+    from megatron.training import checkpoint_torch_format
     from megatron.training.errors import StartupError
 
     args = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
@@ -375,9 +375,9 @@ def test_torch_format_checkpoint_names_a_te_to_local_switch() -> None:
     saved = argparse.Namespace(**{**vars(args), "attention_impl": "transformer_engine"})
     with pytest.raises(StartupError, match=r"--attention-backend auto \(transformer_engine\) -> "
                                            r"auto \(sdpa\)"):
-        checkpointing._check_same_layout("ckpt", saved, args)
+        checkpoint_torch_format._check_same_layout("ckpt", saved, args)
     for impl in ("local", "sdpa-flash", None):  # same weights, or not recorded: loads
-        checkpointing._check_same_layout("ckpt", argparse.Namespace(
+        checkpoint_torch_format._check_same_layout("ckpt", argparse.Namespace(
             **{**vars(args), "attention_impl": impl}), args)
     assert layer_specs.attention_resume_note({"attention_impl": "sdpa"}, args) is None
     assert layer_specs.attention_resume_note({}, args) is None  # older checkpoints

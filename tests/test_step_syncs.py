@@ -89,19 +89,22 @@ class StepRecorder:
 
 def _step_events(rank: int, world: int, extra: List[str]) -> Dict[str, Any]:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    from megatron.training import training as T
     from megatron.training.arguments import parse_args
+    from megatron.training.config_builders import build_transformer_config
     from megatron.training.initialize import initialize_megatron, set_random_seed
+    from megatron.training.training_components import (configure_schedule, get_model,
+                                                       get_optimizer_and_scheduler)
+    from megatron.training.training_step import forward_step, train_step
     from tools.paro_strategy_table import synthetic_batches
 
     args = parse_args(TINY + extra)
     initialize_megatron(args)
     set_random_seed(1234, "cpu")
-    config = T.build_transformer_config(args)
+    config = build_transformer_config(args)
     args.padded_vocab_size = 128
-    model = T.get_model(args, config, 128)
-    opt, sched = T.get_optimizer_and_scheduler(args, model)
-    T.configure_schedule(args, config, model, opt)
+    model = get_model(args, config, 128)
+    opt, sched = get_optimizer_and_scheduler(args, model)
+    configure_schedule(args, config, model, opt)
     micro = args.global_batch_size // (args.micro_batch_size * world)
     batches = synthetic_batches(rank, 0, 3, micro=micro, mbs=2, seq=32, vocab=128)
     steps = []
@@ -111,8 +114,8 @@ def _step_events(rank: int, world: int, extra: List[str]) -> Dict[str, Any]:
         for _ in range(3):
             recorder.events = []
             recorder.active = True
-            loss, ok, _, _ = T.train_step(args, partial(T.forward_step, args), batches, model,
-                                          opt, sched, torch.device("cpu"))
+            loss, ok, _, _ = train_step(args, partial(forward_step, args), batches, model,
+                                        opt, sched, torch.device("cpu"))
             recorder.active = False
             assert ok
             steps.append({"events": list(recorder.events), "loss": loss})
@@ -151,7 +154,7 @@ def test_no_device_read_after_the_update_is_queued(tmp_path, flags) -> None:
 def test_fp16_scale_changes_still_reach_the_quantized_layer(monkeypatch) -> None:
     """The scale each step compares against is the one the previous step left (read inside
     before_update): a grown scale rescales LoCo's errors, an overflow passes its ratio on."""
-    from megatron.training import training as T
+    from megatron.training import training_step
 
     class Fp16Optimizer:
         grad_scaler = object()
@@ -183,16 +186,16 @@ def test_fp16_scale_changes_still_reach_the_quantized_layer(monkeypatch) -> None
         return ok, 1.0, reason
 
     calls: List[Any] = []
-    monkeypatch.setattr(T, "optimizer_step", fake_optimizer_step)
-    monkeypatch.setattr(T, "_sum_losses",
+    monkeypatch.setattr(training_step, "optimizer_step", fake_optimizer_step)
+    monkeypatch.setattr(training_step, "_sum_losses",
                         lambda losses, device: torch.tensor([6.0, 3.0], dtype=torch.float64))
     monkeypatch.setattr("megatron.core.pipeline_parallel.get_forward_backward_func",
                         lambda: (lambda **kw: []))
     monkeypatch.setattr("megatron.core.num_microbatches_calculator.get_num_microbatches",
                         lambda: 1)
-    monkeypatch.setattr(T.integration, "on_loss_scale_changed",
+    monkeypatch.setattr(training_step.integration, "on_loss_scale_changed",
                         lambda model, factor: calls.append(("rescale", factor)))
-    monkeypatch.setattr(T.integration, "on_step_skipped",
+    monkeypatch.setattr(training_step.integration, "on_step_skipped",
                         lambda model, ratio: calls.append(("skipped", ratio)))
 
     class Args:
@@ -200,6 +203,6 @@ def test_fp16_scale_changes_still_reach_the_quantized_layer(monkeypatch) -> None
 
     opt = Fp16Optimizer()
     for _ in range(3):
-        loss, *_ = T.train_step(Args, None, None, [Chunk()], opt, Scheduler(), "cpu")
+        loss, *_ = training_step.train_step(Args, None, None, [Chunk()], opt, Scheduler(), "cpu")
         assert loss == 2.0
     assert calls == [("rescale", 2.0), ("skipped", 0.5)]

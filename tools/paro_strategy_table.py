@@ -68,9 +68,14 @@ def _worker(rank: int, port: int, steps: int, bf16: bool, quantized: bool, bucke
                             world_size=WORLD)
     from megatron.core.transformer.module import Float16Module
     from megatron.distributed.quant.paro.optimizer import model_state_bytes
-    from megatron.training import training as T
+    from megatron.distributed.quant import integration
     from megatron.training.arguments import parse_args
+    from megatron.training.config_builders import build_ddp_config, build_transformer_config
     from megatron.training.initialize import initialize_megatron, set_random_seed
+    from megatron.training.training_components import (configure_schedule, get_model,
+                                                       get_optimizer_and_scheduler,
+                                                       model_provider)
+    from megatron.training.training_step import forward_step, train_step
 
     plain = parse_args(ARGS + (["--bf16"] if bf16 else []))
     initialize_megatron(plain)
@@ -81,24 +86,24 @@ def _worker(rank: int, port: int, steps: int, bf16: bool, quantized: bool, bucke
         set_random_seed(args.seed, "cpu")
         args.paro_strategy = "NNG" if label == "core" else label
         args.use_distributed_optimizer = label == "core"
-        config = T.build_transformer_config(args)
+        config = build_transformer_config(args)
         if label == "core":
-            model = T.get_model(args, config, VOCAB)
+            model = get_model(args, config, VOCAB)
         else:
-            chunk = T.model_provider(args, config, VOCAB, True, True)
+            chunk = model_provider(args, config, VOCAB, True, True)
             chunk = Float16Module(config, chunk) if bf16 else chunk
             args.ddp_bucket_size = bucket_numel  # the engine's bucket-size cap (None: per layer)
-            model = T.integration.wrap_model(config, T.build_ddp_config(args), [chunk],
-                                             args.quant_config, strategy=label,
-                                             group_size=args.paro_group_size, engine=True)
-        opt, sched = T.get_optimizer_and_scheduler(args, model)
-        T.configure_schedule(args, config, model, opt)
+            model = integration.wrap_model(config, build_ddp_config(args), [chunk],
+                                           args.quant_config, strategy=label,
+                                           group_size=args.paro_group_size, engine=True)
+        opt, sched = get_optimizer_and_scheduler(args, model)
+        configure_schedule(args, config, model, opt)
         it, losses, row = synthetic_batches(rank, 0, steps), [], {}
         for _ in range(steps):
             if label != "core":
                 model[0].counter.reset()
-            losses.append(T.train_step(args, partial(T.forward_step, args), it, model, opt, sched,
-                                       torch.device("cpu"))[0])
+            losses.append(train_step(args, partial(forward_step, args), it, model, opt, sched,
+                                     torch.device("cpu"))[0])
         row["losses"] = losses
         if label != "core":
             row.update(memory=model_state_bytes(model[0], opt), bytes=dict(model[0].counter.bytes),

@@ -1,4 +1,6 @@
-"""Command-line arguments of the trainer (Megatron-LM names and meanings).
+"""Command-line arguments of the trainer (Megatron-LM names and meanings): the flags, their
+parsing, and which of them were given.  What a parsed command line must satisfy, and the values
+derived from it, is :mod:`.arguments_validation`.
 
 Why our own parser: Megatron-LM's ``megatron/training/arguments.py`` is not part of the
 megatron-core wheel, and we must not copy it.  The flags below keep Megatron-LM's spelling and
@@ -6,31 +8,24 @@ semantics so existing launch scripts work; flags that only tune GPU kernels pars
 documented as no-ops.  The quantization and PaRO flags come from the communication layer
 (:func:`megatron.distributed.quant.integration.add_arguments`) and become the one
 ``QuantizationConfig`` only via ``integration.build_quantization_config`` (in
-:func:`validate_args`, stored as ``args.quant_config``); ``--paro-strategy`` is checked by
+:func:`.arguments_validation.validate_args`, stored as ``args.quant_config``); ``--paro-strategy`` is checked by
 ``integration.check_strategy_args``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
-import warnings
 from typing import Callable, FrozenSet, List, NoReturn, Optional, Tuple
 
 from megatron.distributed.quant import integration
 
-from .profiling import add_profile_args, validate_profile_args
-from .tokenizer import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
+from .profiling import add_profile_args
+from .tokenizer import TOKENIZER_TYPES
 
 NOOP = "(no-op in this trainer; accepted for Megatron-LM script compatibility)"
-
-
-class ArgumentError(ValueError):
-    """A bad flag combination; the message says what to change."""
-
 
 NONZERO_RANK_ERROR_GRACE_S = 5.0
 """How long a rank other than 0 waits before it exits on a bad command line (see
@@ -352,6 +347,8 @@ def parse_args(argv: Optional[List[str]] = None,
 
     Also records ``args.explicit_flags``, the dests given on the command line (see
     :func:`flags_given`)."""
+    from .arguments_validation import ArgumentError, validate_args  # it imports this module
+
     parser = build_parser(extra_args_provider)
     args = parser.parse_args(argv)
     args.explicit_flags = _explicit_dests(parser, argv)
@@ -391,259 +388,7 @@ def flags_given(args: argparse.Namespace) -> FrozenSet[str]:
     return frozenset(k for k, v in vars(args).items() if k in defaults and v != defaults[k])
 
 
-def _resolve_gradient_reduction(args: argparse.Namespace, given: FrozenSet[str]) -> None:
-    """The one place Megatron-LM's gradient-reduction knobs meet ours.
-
-    ``--grad-reduce-in-bf16`` is Megatron-LM's name for what ``--grad-accum-dtype bf16`` says
-    (megatron-core has one grad buffer: the dtype gradients accumulate in is the dtype they are
-    reduced in); it becomes ``--grad-accum-dtype bf16``, and an explicit fp32 request contradicts
-    it.  ``--ddp-reduce-scatter-with-fp32-accumulation`` is megatron-core's bf16-wire / fp32-sum
-    reduce-scatter: it needs the distributed optimizer and bf16 gradients, and the quantized
-    reduce-scatter (``--quantized-gradients``) replaces it, so the two are refused together; it
-    only sums, so it also excludes ``--ddp-average-in-collective``, which otherwise combines with
-    everything (the quantized collectives divide after their fp32 sum).  PaRO-engine strategies have their own collectives: refused there.
-    """
-    if args.grad_reduce_in_bf16:
-        _require(args.bf16, "--grad-reduce-in-bf16 needs --bf16")
-        _require(args.grad_accum_dtype != "fp32",
-                 "--grad-reduce-in-bf16 contradicts --grad-accum-dtype fp32")
-        _require("accumulate_allreduce_grads_in_fp32" not in given,
-                 "--grad-reduce-in-bf16 contradicts --accumulate-allreduce-grads-in-fp32")
-        args.grad_accum_dtype = "bf16"
-    if args.ddp_reduce_scatter_with_fp32_accumulation:
-        flag = "--ddp-reduce-scatter-with-fp32-accumulation"
-        _require(args.use_distributed_optimizer, f"{flag} needs --use-distributed-optimizer")
-        _require(args.grad_accum_dtype == "bf16",
-                 f"{flag} sends bf16 gradients: add --grad-reduce-in-bf16 (or --grad-accum-dtype "
-                 "bf16)")
-        _require(not integration.gradients_quantized(args),
-                 f"{flag} contradicts --quantized-gradients: the quantized reduce-scatter "
-                 "replaces megatron-core's")
-        _require(not args.ddp_average_in_collective,
-                 f"{flag} contradicts --ddp-average-in-collective: megatron-core 0.16.1's fp32-"
-                 "accumulating reduce-scatter only sums")
-    mcore_only = [f for f, on in (("--ddp-reduce-scatter-with-fp32-accumulation",
-                                    args.ddp_reduce_scatter_with_fp32_accumulation),
-                                   ("--ddp-average-in-collective", args.ddp_average_in_collective))
-                   if on]
-    _require(not (mcore_only and integration.uses_sharded_engine(args.paro_strategy)),
-             f"{', '.join(mcore_only)}: megatron-core DDP options; --paro-strategy "
-             f"{args.paro_strategy} may train on the PaRO engine, which has its own collectives")
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ArgumentError(msg)
-
-
-def validate_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill derived values (world/DP size, defaults) and reject bad combinations.
-
-    Raises :class:`ArgumentError` with the fix in the message.  Sets ``args.quant_config``
-    (the one :class:`QuantizationConfig`), ``args.params_dtype`` and ``args.data_parallel_size``.
-    """
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                 "micro_batch_size", "train_iters", "lr"):
-        _require(getattr(args, name) is not None, f"--{name.replace('_', '-')} is required")
-    _require(args.hidden_size % args.num_attention_heads == 0,
-             "--hidden-size must be divisible by --num-attention-heads")
-
-    # Device.
-    if args.device is None:
-        import torch
-
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.distributed_backend is None:
-        args.distributed_backend = "gloo" if args.device == "cpu" else "nccl"
-    _require(not (args.device == "cpu" and args.distributed_backend == "nccl"),
-             "--distributed-backend nccl needs --device cuda")
-
-    # Parallel sizes.
-    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    args.rank = int(os.environ.get("RANK", "0"))
-    mp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-    _require(args.world_size % mp == 0,
-             f"world size {args.world_size} (WORLD_SIZE) is not divisible by "
-             f"--tensor-model-parallel-size {args.tensor_model_parallel_size} x "
-             f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
-    args.data_parallel_size = args.world_size // mp
-    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
-        if args.rank == 0:
-            print(" > --sequence-parallel has no effect with --tensor-model-parallel-size 1: "
-                  "disabled", flush=True)
-        args.sequence_parallel = False
-    if args.pipeline_model_parallel_size > 1:
-        _require(args.num_layers % args.pipeline_model_parallel_size == 0,
-                 "--num-layers must be divisible by --pipeline-model-parallel-size")
-
-    # Batch sizes.
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
-    _require(args.global_batch_size % (args.micro_batch_size * args.data_parallel_size) == 0,
-             f"--global-batch-size ({args.global_batch_size}) must be divisible by "
-             f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
-             f"({args.data_parallel_size})")
-
-    # Precision.
-    _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
-    import torch
-
-    args.params_dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
-    _resolve_gradient_reduction(args, flags_given(args))
-    if args.grad_accum_dtype == "bf16":
-        _require(args.bf16, "--grad-accum-dtype bf16 needs --bf16")
-        _require(not args.accumulate_allreduce_grads_in_fp32,
-                 "--grad-accum-dtype bf16 contradicts --accumulate-allreduce-grads-in-fp32")
-        args.accumulate_allreduce_grads_in_fp32 = False
-    elif args.bf16 or args.grad_accum_dtype == "fp32":
-        # Megatron-LM accumulates bf16 gradients in fp32 (numerically necessary).
-        args.accumulate_allreduce_grads_in_fp32 = True
-
-    # Distributed optimizer and overlap.
-    if args.overlap_param_gather:
-        _require(args.use_distributed_optimizer,
-                 "--overlap-param-gather needs --use-distributed-optimizer")
-        _require(args.overlap_grad_reduce,
-                 "--overlap-param-gather needs --overlap-grad-reduce (as in megatron-core)")
-    _require(not args.overlap_param_gather_with_optimizer_step or args.overlap_param_gather,
-             "--overlap-param-gather-with-optimizer-step needs --overlap-param-gather")
-
-    # Quantization: sub-flags need their switch (one table: quant.arguments.REQUIRES), then the
-    # one place flags become a QuantizationConfig. Then the PaRO strategy: NNN / NNG on
-    # megatron-core, the other 12 on the PaRO engine, 'auto' resolved at startup.
-    given = flags_given(args)
-    try:
-        args.quant_config = integration.build_quantization_config(args, given)
-        integration.check_strategy_args(args)
-    except ValueError as e:
-        raise ArgumentError(str(e)) from None
-
-    if args.quant_config.enabled and not integration.uses_sharded_engine(args.paro_strategy):
-        _require(args.use_distributed_optimizer,
-                 "quantized communication (--quantized-weights / --quantized-gradients / "
-                 "--quantized-grad-bits) needs --use-distributed-optimizer")
-        dtype_error = integration.weight_quantization_dtype_error(args.quant_config,
-                                                                  args.params_dtype)
-        _require(dtype_error is None, dtype_error or "")
-    # Two-level topology: checked here, once, instead of failing at model build on every rank.
-    # The megatron-core quantized path builds its groups from it; an explicit value must make
-    # sense whatever the path (the PaRO engine's groups come from --paro-group-size, above).
-    if ((args.quant_config.enabled and not integration.uses_sharded_engine(args.paro_strategy))
-            or "data_parallel_intra_node_size" in given):
-        try:
-            args.quant_config.intra_node_size(args.data_parallel_size,
-                                              args.tensor_model_parallel_size)
-        except integration.TopologyUnknownError:
-            pass  # no launcher variable: the runtime counts the ranks per host at model build
-        except ValueError as e:
-            raise ArgumentError(
-                f"{e} (= world size {args.world_size} / (--tensor-model-parallel-size "
-                f"{args.tensor_model_parallel_size} x --pipeline-model-parallel-size "
-                f"{args.pipeline_model_parallel_size}))") from None
-
-    # Attention: grouped-query heads, then the one resolver of --attention-backend (its choice
-    # is kept in args, so checkpoints record it).
-    if args.group_query_attention:
-        _require(args.num_query_groups >= 1 and args.num_attention_heads % args.num_query_groups == 0,
-                 f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
-                 f"--num-query-groups ({args.num_query_groups})")
-        tp = args.tensor_model_parallel_size
-        _require(args.num_query_groups % tp == 0 or tp % args.num_query_groups == 0,
-                 f"--num-query-groups ({args.num_query_groups}) must be a multiple or a divisor "
-                 f"of --tensor-model-parallel-size ({tp})")
-    from .fusions import fusion_plan
-    from .layer_specs import resolve_attention
-
-    try:
-        args.attention_impl = resolve_attention(args).impl
-        fusion_plan(args)   # an explicit fusion flag that cannot be honoured stops the launch here
-    except ValueError as e:
-        raise ArgumentError(str(e)) from None
-    profile_error = validate_profile_args(args)
-    _require(profile_error is None, profile_error or "")
-
-    # Model shape defaults.
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    if args.position_embedding_type == "learned_absolute":
-        _require(args.max_position_embeddings >= args.seq_length,
-                 "--max-position-embeddings must be >= --seq-length")
-    if args.ffn_hidden_size is None:
-        if args.swiglu:
-            args.ffn_hidden_size = max(64, int((4 * args.hidden_size * 2 / 3) / 64) * 64)
-        else:
-            args.ffn_hidden_size = 4 * args.hidden_size
-    if args.recompute_activations:
-        args.recompute_granularity = "selective"
-    if args.recompute_granularity == "full":
-        args.recompute_method = args.recompute_method or "uniform"
-        args.recompute_num_layers = args.recompute_num_layers or 1
-
-    # LR schedule.
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    _require(not (args.lr_warmup_fraction is not None and args.lr_warmup_iters),
-             "use only one of --lr-warmup-fraction and --lr-warmup-iters")
-    if args.lr_warmup_fraction is not None:
-        _require(0.0 <= args.lr_warmup_fraction <= 1.0, "--lr-warmup-fraction must be in [0, 1]")
-    _require(args.min_lr <= args.lr, "--min-lr must be <= --lr")
-
-    # Data and tokenizer.
-    _require(bool(args.data_path) or args.mock_data,
-             "give --data-path PREFIX (preprocessed .bin/.idx) or --mock-data")
-    _require(not (args.data_path and args.mock_data), "--data-path and --mock-data are exclusive")
-    _require(not args.reset_attention_mask,
-             "--reset-attention-mask is not supported: attention is causal over the whole "
-             "sequence (no per-document mask reaches the attention kernels), so the flag would "
-             "change nothing; drop it (--reset-position-ids and --eod-mask-loss work)")
-    if args.tokenizer_type is None:
-        args.tokenizer_type = "GPT2BPETokenizer" if args.vocab_file else "NullTokenizer"
-    if args.tokenizer_type == "GPT2BPETokenizer":
-        for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
-            _require(path is not None, f"GPT2BPETokenizer needs {flag}")
-            _require(os.path.isfile(path), f"{flag} {path!r} does not exist")
-    elif args.tokenizer_type in ("HuggingFaceTokenizer", *SENTENCEPIECE_TYPES):
-        _require(args.tokenizer_model is not None, f"{args.tokenizer_type} needs --tokenizer-model")
-        _require(os.path.exists(args.tokenizer_model),
-                 f"--tokenizer-model {args.tokenizer_model!r} does not exist")
-    elif args.tokenizer_type == "NullTokenizer":
-        if args.vocab_size is None:
-            args.vocab_size = 1024
-        _require(args.vocab_size >= 2, "--vocab-size must be >= 2")
-    if args.data_path:
-        prefixes, _ = data_blend(args.data_path)
-        for prefix in prefixes:
-            for ext in (".bin", ".idx"):
-                _require(os.path.isfile(prefix + ext), f"data file {prefix + ext!r} does not exist")
-    split = [s for s in args.split.replace("/", ",").split(",") if s.strip()]
-    _require(len(split) <= 3 and all(_is_number(s) and float(s) >= 0 for s in split)
-             and sum(float(s) for s in split) > 0, f"bad --split {args.split!r}")
-
-    # Logging / checkpointing.
-    for name in ("log_interval", "eval_iters", "tensorboard_log_interval"):
-        _require(getattr(args, name) > 0 or name == "eval_iters",
-                 f"--{name.replace('_', '-')} must be positive")
-    _require(args.eval_interval is None or args.eval_interval > 0, "--eval-interval must be positive")
-    if args.exit_interval is not None:
-        _require(args.exit_interval > 0, "--exit-interval must be positive")
-    if args.exit_duration_in_mins is not None:
-        _require(args.exit_duration_in_mins >= 0, "--exit-duration-in-mins must be >= 0")
-    _require(args.exit_signal_handler or "exit_signal" not in flags_given(args),
-             "--exit-signal acts under --exit-signal-handler: add it")
-    if args.save_interval is not None:
-        _require(args.save_interval > 0, "--save-interval must be positive")
-        _require(args.save is not None, "--save-interval needs --save DIR")
-    if args.ckpt_step is not None:
-        _require(args.load is not None, "--ckpt-step needs --load DIR")
-        _require(args.ckpt_step >= 0, "--ckpt-step must be >= 0")
-    if args.wandb_project and importlib.util.find_spec("wandb") is None:
-        if launcher_rank() == 0:  # every rank decides the same; one notice per job
-            warnings.warn("--wandb-project given but wandb is not installed: W&B logging is off")
-        args.wandb_project = ""
-    return args
-
-
-def _is_number(s: str) -> bool:
+def is_number(s: str) -> bool:
     try:
         float(s)
         return True
@@ -656,7 +401,7 @@ def data_blend(data_path: List[str]) -> Tuple[List[str], Optional[List[float]]]:
 
     Returns (prefixes, weights or None), the shape megatron-core's ``blend`` config expects.
     """
-    if len(data_path) > 1 and _is_number(data_path[0]):
+    if len(data_path) > 1 and is_number(data_path[0]):
         return list(data_path[1::2]), [float(w) for w in data_path[0::2]]
     return list(data_path), None
 

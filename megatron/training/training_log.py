@@ -1,0 +1,187 @@
+"""What the training loop reports, in Megatron-LM's form: the iteration line every
+``--log-interval``, tensorboard scalars every ``--tensorboard-log-interval``, the validation
+block, the final (partial) interval and the training summary -- printed by rank 0 and recorded
+in ``--jsonl-log`` / tensorboard / W&B (:class:`~.logging_utils.MetricsLogger`).
+
+Why a module of its own: the loop (:mod:`.training`) says when something happened; the fields,
+their averaging over an interval (:class:`LogInterval`) and their format are decided here, so
+the loop stays a sequence of named steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from megatron.distributed.quant import integration
+
+from .logging_utils import MetricsLogger, print_rank_0
+from .profiling import memory_report
+from .throughput import tflops_per_gpu
+from .training_step import current_loss_scale
+
+
+@dataclasses.dataclass
+class LogInterval:
+    """What the iterations since the last log line add up to (Megatron-LM's line averages over
+    them).
+
+    The rates divide by the iterations actually run, not by ``--log-interval``: the first
+    interval after a resume from an iteration that is not a multiple of it (a save on a signal,
+    ``--exit-interval``, ``--save-interval`` off the log grid) is shorter, and dividing its time
+    by the flag over-reported tokens/s and TFLOP/s."""
+
+    iterations: int = 0
+    time_s: float = 0.0
+    loss_sum: float = 0.0
+    finite_losses: int = 0
+    skipped: int = 0
+    nan: int = 0
+
+    def add(self, loss: float, seconds: float, skipped: bool, is_nan: bool) -> None:
+        """One iteration. The logged loss is the mean of the interval's finite forward losses: a
+        step skipped for NaN/Inf gradients (a 'nan' iteration) still ran a finite forward when
+        only its gradients were poisoned, and that loss is real; a loss the forward itself made
+        non-finite is left out, and an interval with none left prints NAN."""
+        self.iterations += 1
+        self.time_s += seconds
+        self.skipped += int(skipped)
+        self.nan += int(is_nan)
+        if math.isfinite(loss):
+            self.loss_sum += loss
+            self.finite_losses += 1
+
+    def ms_per_iteration(self) -> float:
+        return 1000.0 * self.time_s / self.iterations if self.iterations else 0.0
+
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.finite_losses if self.finite_losses else float("nan")
+
+    def tokens_per_s(self, tokens_per_iteration: int) -> float:
+        return tokens_per_iteration * self.iterations / self.time_s if self.time_s > 0 else 0.0
+
+
+def _fmt_log_line(iteration: int, args, consumed: int, ms_per_iter: float, lr: float,
+                  loss: float, loss_scale: float, grad_norm: Optional[float], skipped: int,
+                  nans: int, tokens_per_s: float, comm: Dict[str, float]) -> str:
+    parts = [f" iteration {iteration:8d}/{args.train_iters:8d}",
+             f"consumed samples: {consumed:12d}",
+             f"elapsed time per iteration (ms): {ms_per_iter:.1f}",
+             f"learning rate: {lr:.6E}",
+             f"global batch size: {args.global_batch_size:5d}",
+             f"lm loss: {loss:.6E}",
+             f"loss scale: {loss_scale:.1f}"]
+    if grad_norm is not None:
+        parts.append(f"grad norm: {grad_norm:.3f}")
+    parts += [f"number of skipped iterations: {skipped:3d}",
+              f"number of nan iterations: {nans:3d}"]
+    if args.log_throughput:
+        parts.append(f"throughput per GPU (TFLOP/s/GPU): "
+                     f"{tflops_per_gpu(args, ms_per_iter / 1000.0):.3f}")
+        parts.append(f"throughput (tokens/s): {tokens_per_s:.1f}")
+    for k in LOG_LINE_COMM_KEYS:  # the rest goes to --jsonl-log / tensorboard only
+        if k in comm:
+            parts.append(f"{k}: {comm[k]:.3f}")
+    return " | ".join(parts) + " |"
+
+
+LOG_LINE_COMM_KEYS = ("grad_inter_bits_per_element", "weight_inter_bits_per_element",
+                      "comm_grad_exposed_ms", "comm_weight_exposed_ms")
+"""The communication figures of the iteration log line, after Megatron-LM's own fields: what
+crosses the slow link (bits per element, gradients and weights) and what the step waited for.
+The full report (about 30 figures: per link, totals, ratios, errors) is in every ``--jsonl-log``
+record and in tensorboard; in the line it made ~2,000 characters per iteration."""
+
+
+class TrainingLog:
+    """The loop's log of one run: call :meth:`iteration` after every step, :meth:`validation`
+    after every evaluation, :meth:`final_interval` and :meth:`summary` once at the end."""
+
+    def __init__(self, args: argparse.Namespace, metrics: MetricsLogger) -> None:
+        self.args = args
+        self.metrics = metrics
+        self.tokens_per_iteration = args.global_batch_size * args.seq_length
+        self.interval = LogInterval()
+        self.memory_reported = False
+
+    def iteration(self, iteration: int, consumed_samples: int, model: List[torch.nn.Module],
+                  optimizer: Any, loss: float, lr: float, grad_norm: Optional[float],
+                  seconds: float, skipped: bool, is_nan: bool) -> None:
+        """One step: counted into the interval; its scalars on the tensorboard interval; the
+        iteration line (and, once, the memory report) when the log interval ends."""
+        args, metrics = self.args, self.metrics
+        self.interval.add(loss, seconds, skipped, is_nan)
+        if iteration % args.tensorboard_log_interval == 0:
+            tb = {"lm loss": loss if math.isfinite(loss) else None, "learning-rate": lr,
+                  "grad-norm": grad_norm if (grad_norm is not None and math.isfinite(grad_norm)) else None,
+                  "throughput/tokens-per-sec": self.tokens_per_iteration / seconds if seconds > 0 else None}
+            if args.log_loss_scale:
+                tb["loss-scale"] = current_loss_scale(optimizer)
+            if args.log_timers_to_tensorboard:
+                tb["iteration-time"] = seconds
+            metrics.scalars(tb, iteration)
+
+        if iteration % args.log_interval == 0:
+            interval = self.interval
+            ms = interval.ms_per_iteration()
+            avg_loss = interval.mean_loss()
+            tps = interval.tokens_per_s(self.tokens_per_iteration)
+            comm = integration.communication_report(model, reset=True)
+            line = _fmt_log_line(iteration, args, consumed_samples, ms, lr, avg_loss,
+                                 current_loss_scale(optimizer), grad_norm, interval.skipped,
+                                 interval.nan, tps, comm)
+            print_rank_0(line)
+            if not self.memory_reported:   # Megatron-LM's report, once, after the first interval
+                self.memory_reported = True
+                print_rank_0(memory_report(args.device, iteration, torch.distributed.get_rank()))
+            metrics.record({"type": "train", "iteration": iteration,
+                            "consumed_samples": consumed_samples, "lm_loss": avg_loss, "lr": lr,
+                            "grad_norm": grad_norm, "loss_scale": current_loss_scale(optimizer),
+                            "skipped_iterations": interval.skipped,
+                            "nan_iterations": interval.nan, "ms_per_iteration": ms,
+                            "iterations_in_interval": interval.iterations,
+                            "tokens_per_s": tps,
+                            "tflops_per_gpu": tflops_per_gpu(args, ms / 1000.0), **comm})
+            if comm:
+                metrics.scalars({f"comm/{k}": v for k, v in comm.items()}, iteration)
+            self.interval = LogInterval()
+
+    def validation(self, iteration: int, val: float, label: str) -> None:
+        """The validation block: loss and perplexity, in the log and the records."""
+        ppl = math.exp(min(20.0, val))
+        bar = "-" * 100
+        print_rank_0(f"{bar}\n {label} loss at iteration {iteration} | lm loss value: {val:.6E} | "
+                     f"lm loss PPL: {ppl:.6E} |\n{bar}")
+        tb = {"lm loss validation": val}
+        if self.args.log_validation_ppl_to_tensorboard:
+            tb["lm loss validation ppl"] = ppl
+        self.metrics.scalars(tb, iteration)
+        self.metrics.record({"type": "valid", "iteration": iteration, "lm_loss": val, "ppl": ppl})
+
+    def final_interval(self, iteration: int, model: List[torch.nn.Module]) -> None:
+        """What happened after the last log line, reported as a final (partial) interval, so the
+        log intervals add up to the summary's totals: the iterations since then, and traffic no
+        log line saw -- with --overlap-param-gather the last update's parameter all-gather only
+        runs at the next forward (end-of-run evaluation) or at the checkpoint's forced sync, and
+        with --overlap-param-gather-with-optimizer-step right after the last step."""
+        interval = self.interval
+        tail = integration.communication_report(model, reset=True)
+        since_log = interval.iterations
+        if since_log or any(v for k, v in tail.items() if k.endswith(("_bytes", "_calls"))):
+            final = {"iterations": since_log, "skipped_iterations": interval.skipped,
+                     "nan_iterations": interval.nan, **tail}
+            print_rank_0(f" final interval (after the last log line, to iteration {iteration}) | "
+                         + " | ".join(f"{k}: {v:g}" for k, v in final.items()) + " |")
+            self.metrics.record({"type": "final_interval", "iteration": iteration, **final})
+
+    def summary(self, summary: Dict[str, Any]) -> None:
+        """The training summary line and record; closes the records."""
+        fmt = lambda v: f"{v:.4E}" if isinstance(v, float) else str(v)  # noqa: E731
+        print_rank_0(" training summary | " + " | ".join(f"{k}: {fmt(v)}" for k, v in summary.items()
+                                                         if k != "type") + " |")
+        self.metrics.record(summary)
+        self.metrics.close()

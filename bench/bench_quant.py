@@ -37,10 +37,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
+import json
 import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -252,6 +254,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--backends", default="",
                     help="comma-separated subset of the backends to run (torch, triton, cpp, "
                          "triton@<file stem>); default all")
+    ap.add_argument("--json", default="", metavar="FILE",
+                    help="also write every row (kernel, backend, bits, numel, seconds, moved "
+                         "bytes, copy GB/s) to FILE, the form tools/planner.py --kernels-json reads")
     args = ap.parse_args(argv)
     dev = args.device
     if dev == "cuda" and not torch.cuda.is_available():
@@ -290,6 +295,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     timing = args.timing if dev == "cuda" else "wall"
     print(f"# device={dev} ({torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}), "
           f"group_size={args.group_size}, timing={timing}, iters={iters}")
+    rows: List[dict] = []
     width = max(7, *(len(b) for b in backends))
     hdr = (f"{'kernel':<28} {'backend':<{width}} {'bits':>4} {'numel':>10} {'ms':>9} "
            f"{'host us':>8} {'in GB/s':>8} {'mv GB/s':>8} {'%copy':>6} {'relL2':>9} {'maxabs':>9}")
@@ -308,6 +314,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     t = time_fn(fn, dev, iters, args.timing)
                     rel, mx = err_fn()
                     mv = mv_b / t.seconds / 1e9
+                    rows.append({"kernel": name, "backend": bname, "bits": bits, "numel": n,
+                                 "group_size": args.group_size, "seconds": t.seconds,
+                                 "moved_bytes": mv_b, "copy_gbps": copy_bw})
                     frac = f"{100 * mv / copy_bw:5.1f}" if copy_bw else "   - "
                     host = f"{1e6 * t.host_seconds:8.1f}" if t.host_seconds is not None else "       -"
                     print(f"{name:<28} {bname:<{width}} {bits:>4} {n:>10} {1e3 * t.seconds:>9.3f} "
@@ -316,6 +325,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if conv.nonfinite_counter is not None and int(conv.nonfinite_counter.item()):
             print(f"# WARNING: the kernels counted {int(conv.nonfinite_counter.item())} non-finite "
                   f"inputs (expected none)")
+    if args.json:
+        name = torch.cuda.get_device_name() if dev == "cuda" else f"CPU ({os.cpu_count()} cores)"
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"device": name, "timing": timing, "rows": rows},
+                                              indent=1) + "\n")
     return 0
 
 

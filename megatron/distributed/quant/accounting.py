@@ -28,8 +28,9 @@ fp32 baseline). ``ratio`` compares our bytes on a link with the baseline's bytes
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 __all__ = ["CommAccounting", "LinkCounter"]
 
@@ -177,6 +178,57 @@ class CommAccounting:
         for st in self._stats(name, kind):
             st.model_elements += numel
             st.calls += 1
+
+    def record_two_level_reduce_scatter(self, name: str, *, numel: int, elem_size: int,
+                                        dp_size: int, intra_size: int, bits_intra: int,
+                                        group_size_intra: int, bits_inter: int,
+                                        group_size_inter: int) -> None:
+        """Record one bucket's quantized gradient reduce-scatter (TLq / TLq-HS) of ``numel``
+        elements of ``elem_size`` bytes over ``dp_size`` ranks, ``intra_size`` per node: the
+        baseline it replaces, the first hop's all-to-all (intra-node, or inter-node when
+        ``intra_size`` is 1) and, across a two-level grid, the inter-node hop's. The collective
+        and the speed planner both record through this, so their bytes cannot differ."""
+        from .kernels import QuantizedTensor
+
+        p, d = dp_size, intra_size
+        m = p // d
+        self.record_baseline(name, kind="grad", numel=numel, elem_size=elem_size, dp_size=p,
+                             peers_intra=d - 1, peers_inter=p - d)
+        if d > 1:
+            bits1, gs1, size1 = bits_intra, group_size_intra, d
+        else:
+            bits1, gs1, size1 = bits_inter, group_size_inter, m
+        self.record_all_to_all(name, kind="grad", total_bytes=QuantizedTensor.wire_bytes(numel, bits1, gs1),
+                               total_elements=numel, group_size=size1,
+                               peers_intra=size1 - 1 if d > 1 else 0,
+                               peers_inter=0 if d > 1 else size1 - 1)
+        if d > 1 and m > 1:
+            self.record_all_to_all(name, kind="grad",
+                                   total_bytes=QuantizedTensor.wire_bytes(numel // d, bits_inter,
+                                                                          group_size_inter),
+                                   total_elements=numel // d, group_size=m, peers_intra=0,
+                                   peers_inter=m - 1)
+
+    def record_quantized_all_gather(self, name: str, *, shard_numel: int, elem_size: int,
+                                    bits: int, group_size: int,
+                                    hops: "Sequence[Tuple[int, int]]") -> None:
+        """Record one quantized weight all-gather of a ``shard_numel``-element shard (elements of
+        ``elem_size`` bytes in the gathered output) over ``hops``, each hop a group given as
+        (peers on this node, peers on other nodes); a later hop forwards what the earlier ones
+        gathered. One hop of mixed peers is counted in :meth:`record_all_gather`'s two-level form.
+        The collective and the speed planner both record through this."""
+        from .kernels import QuantizedTensor
+
+        world = math.prod(pi + pe + 1 for pi, pe in hops)
+        n_intra = math.prod(pi + 1 for pi, _ in hops) - 1
+        self.record_baseline(name, kind="weight", numel=shard_numel * world, elem_size=elem_size,
+                             dp_size=world, peers_intra=n_intra, peers_inter=world - 1 - n_intra)
+        held = shard_numel
+        for pi, pe in hops:
+            self.record_all_gather(name, kind="weight",
+                                   shard_bytes=QuantizedTensor.wire_bytes(held, bits, group_size),
+                                   shard_elements=held, peers_intra=pi, peers_inter=pe)
+            held *= pi + pe + 1
 
     # -- reporting ----------------------------------------------------------------------------
     @staticmethod

@@ -239,18 +239,10 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
     gen = generator if generator is not None else torch.default_generator
 
     if accounting is not None:  # sizes are known now: record in the caller's thread
-        accounting.record_baseline(name, kind="grad", numel=n, elem_size=x.element_size(), dp_size=p,
-                                   peers_intra=d - 1, peers_inter=p - d)
-        accounting.record_all_to_all(name, kind="grad",
-                                     total_bytes=QuantizedTensor.wire_bytes(n, bits1, gs1),
-                                     total_elements=n, group_size=size1,
-                                     peers_intra=size1 - 1 if d > 1 else 0,
-                                     peers_inter=0 if d > 1 else size1 - 1)
-        if two_level:
-            accounting.record_all_to_all(
-                name, kind="grad",
-                total_bytes=QuantizedTensor.wire_bytes(n // d, bits_inter, group_size_inter),
-                total_elements=n // d, group_size=m, peers_intra=0, peers_inter=m - 1)
+        accounting.record_two_level_reduce_scatter(
+            name, numel=n, elem_size=x.element_size(), dp_size=p, intra_size=d,
+            bits_intra=bits_intra, group_size_intra=group_size_intra, bits_inter=bits_inter,
+            group_size_inter=group_size_inter)
 
     state: dict = {}
 

@@ -107,23 +107,12 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
     if accounting is not None:  # sizes are known now: record in the caller's thread
         if per_peer:
             n_intra = sum(1 for link in links if link == "intra")
-        else:
-            n_intra = math.prod(k for k, link in zip(sizes, links) if link == "intra") - 1
-        n_inter = world - 1 - n_intra
-        accounting.record_baseline(name, kind="weight", numel=s * world, elem_size=output.element_size(),
-                                   dp_size=world, peers_intra=n_intra, peers_inter=n_inter)
-        if per_peer:
-            accounting.record_all_gather(name, kind="weight",
-                                         shard_bytes=QuantizedTensor.wire_bytes(s, bits, group_size),
-                                         shard_elements=s, peers_intra=n_intra, peers_inter=n_inter)
-        else:
-            held = s
-            for k, link in zip(sizes, links):  # hop h forwards what the earlier hops gathered
-                accounting.record_all_gather(
-                    name, kind="weight", shard_bytes=QuantizedTensor.wire_bytes(held, bits, group_size),
-                    shard_elements=held, peers_intra=(k - 1) * (link == "intra"),
-                    peers_inter=(k - 1) * (link != "intra"))
-                held *= k
+            hops_peers = [(n_intra, world - 1 - n_intra)]
+        else:   # hop h forwards what the earlier hops gathered
+            hops_peers = [((k - 1) * (link == "intra"), (k - 1) * (link != "intra"))
+                          for k, link in zip(sizes, links)]
+        accounting.record_quantized_all_gather(name, shard_numel=s, elem_size=output.element_size(),
+                                               bits=bits, group_size=group_size, hops=hops_peers)
 
     def _gather_one_message(q: QuantizedTensor) -> QuantizedTensor:
         """Codes and scales forwarded hop by hop as one packed message (as

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""The speed planner against measured runs on the emulated two-node network (needs root).
+
+Per link speed: set up the two namespaces (setup_netns.sh), run ``tools/planner.py --measure``
+there (the links, kernels and compute of this launch), then train each variant REPEATS times
+(bench_emulated.py's commands), and print predicted vs measured ms/iteration with the error:
+
+    sudo python3 bench/emulated_network/check_planner.py --bandwidths 200mbit,500mbit,1gbit \\
+        --repeats 3 --out bench/out/planner_check.md
+
+Variants: ``baseline-ring`` (fp32 gradients, NCCL's ring reduce-scatter volume, no overlap: the
+baseline the planner models), ``sdp4bit``, ``sdp4bit-overlap``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO))
+
+import bench_emulated as emu  # noqa: E402
+
+from megatron.distributed.quant.config import QuantizationConfig  # noqa: E402
+from megatron.distributed.quant.planner.measure import read_measurement  # noqa: E402
+from megatron.distributed.quant.planner.timeline import predict  # noqa: E402
+from megatron.distributed.quant.planner.variants import parse_run_args  # noqa: E402
+from megatron.distributed.quant.planner.workload import Workload  # noqa: E402
+
+
+def predicted_ms(measurement: str, trainer_argv: List[str]) -> Dict[str, float]:
+    cluster, rates = read_measurement(measurement)
+    args = parse_run_args(trainer_argv)
+    cfg = QuantizationConfig.from_args(args)
+    p = predict("v", Workload.from_args(args, cluster), cfg, rates)
+    return {"ms": 1e3 * p.iteration_s, "compute": 1e3 * p.compute_s,
+            "grad": 1e3 * p.grad_exposed_s, "weight": 1e3 * p.weight_exposed_s,
+            "kernels": 1e3 * p.kernels_on_compute_s}
+
+
+def trainer_argv(variant: str, model: dict, iters: int, jsonl: str) -> List[str]:
+    full = emu.train_args(model, variant, iters, jsonl)
+    return full[len(emu.variant_script(variant)):]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bandwidths", default="200mbit,500mbit,1gbit")
+    ap.add_argument("--variants", default="baseline-ring,sdp4bit,sdp4bit-overlap")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--out", default=str(REPO / "bench" / "out" / "planner_check.md"))
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        print("check_planner.py needs root (ip netns / tc)", file=sys.stderr)
+        return 2
+    model = emu.MODEL_PRESETS[a.model]
+    work = Path(tempfile.mkdtemp(prefix="planner_check_", dir=REPO / "bench" / "out"))
+    rows = []
+    for bw in a.bandwidths.split(","):
+        state = work / f"state_{bw}"
+        env = dict(os.environ, BANDWIDTH=bw, LATENCY="1ms", MTU="1500", NS_PREFIX=f"pc{os.getpid()}",
+                   ADDR0="10.77.0.1", ADDR1="10.77.0.2", IF0="emu0", IF1="emu1", STATE_FILE=str(state))
+        script = str(HERE / "setup_netns.sh")
+        subprocess.run(["bash", script, "up"], env=env, check=True)
+        try:
+            topo = emu.Topology(namespaces=[f"pc{os.getpid()}n0", f"pc{os.getpid()}n1"],
+                                ifnames=["emu0", "emu1"])
+            m_json = str(work / f"measure_{bw}.json")
+            base = trainer_argv("baseline", model, 2, str(work / "measure.jsonl"))
+            cmds = emu.node_commands(topo, [str(REPO / "tools" / "planner.py"), "--measure",
+                                            "--out", m_json, "--", *base])
+            rc = emu.run_nodes(cmds, a.timeout, str(work / f"measure_{bw}"))
+            if rc or not Path(m_json).exists():
+                print(f"{bw}: --measure failed (rc {rc}), logs in {work}", file=sys.stderr)
+                return 1
+            measured: Dict[str, List[float]] = {v: [] for v in a.variants.split(",")}
+            loads: List[float] = []
+            for r in range(a.repeats):
+                for v in measured:
+                    jsonl = str(work / f"{v}_{bw}_{r}.jsonl")
+                    cmds = emu.node_commands(topo, emu.train_args(model, v, a.iters, jsonl))
+                    if emu.run_nodes(cmds, a.timeout, str(work / f"{v}_{bw}_{r}")):
+                        print(f"{bw} {v} run {r} failed, logs in {work}", file=sys.stderr)
+                        continue
+                    s = emu.summarize_iterations(emu.parse_jsonl(jsonl), a.warmup)
+                    if s["ms_per_iter_median"] is not None:
+                        measured[v].append(s["ms_per_iter_median"])
+                    loads.append(os.getloadavg()[0])
+            for v, runs in measured.items():
+                pred = predicted_ms(m_json, trainer_argv(v, model, a.iters, "/dev/null"))
+                med = statistics.median(runs) if runs else float("nan")
+                rows.append((bw, v, pred, med, runs, max(loads) if loads else 0.0))
+                print(f"{bw} {v}: predicted {pred['ms']:.0f} ms, measured {med:.0f} ms {runs}", flush=True)
+        finally:
+            subprocess.run(["bash", script, "down"], env=env, check=False)
+    lines = [f"Planner check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, model {a.model}, "
+             f"{a.repeats} runs per variant ({a.iters} iterations, median after {a.warmup}); "
+             f"measurements in {work}", "",
+             "| link | variant | predicted ms/iter (compute / grad exposed / weight exposed / kernels) "
+             "| measured median ms/iter | runs (ms) | error | spread of runs | max load avg |",
+             "|---|---|---:|---:|---|---:|---:|---:|"]
+    for bw, v, pred, med, runs, load in rows:
+        spread = (max(runs) - min(runs)) / med if runs else float("nan")
+        lines.append(f"| {bw} | {v} | {pred['ms']:.0f} ({pred['compute']:.0f} / {pred['grad']:.0f} / "
+                     f"{pred['weight']:.0f} / {pred['kernels']:.0f}) | {med:.0f} | "
+                     f"{', '.join(f'{x:.0f}' for x in runs)} | {100 * (pred['ms'] / med - 1):+.1f} % | "
+                     f"{100 * spread:.0f} % | {load:.1f} |")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

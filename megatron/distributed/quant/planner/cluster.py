@@ -1,0 +1,124 @@
+"""The cluster's links, and what each collective algorithm costs on them (latency + bytes / bandwidth).
+
+Why these formulas: they are the textbook alpha-beta costs of the algorithms NCCL (and gloo) run,
+so a user can check a prediction by hand, and each is tested against a hand-computed case.
+
+* A **link** has a latency per message (alpha) and a bandwidth per direction (1/beta). The
+  intra-node link is one GPU's port (NVLink; loopback for CPU ranks); the inter-node link is the
+  node's NICs together, shared by every rank of the node that sends at the same time.
+* **Ring reduce-scatter / all-gather** of a tensor of S bytes over P ranks: P-1 steps, each rank
+  sending (P-1)/P * S in all. Over several nodes every ring crosses each node boundary once per
+  step, so a node's NICs carry (P-1)/P * S per concurrent group (NCCL spreads the rings over the
+  NICs as channels): time = (P-1) alpha + (P-1)/P * S * groups_per_node / B_inter, or over the
+  GPU's port when that is slower. (The accounting's two-level convention counts (M-1)/M * S
+  across nodes; a ring moves (P-1)/P * S, the time uses the ring's.)
+* **All-reduce**: the faster of the ring (twice the reduce-scatter) and the double binary tree
+  (2 ceil(log2 P) alpha + 2 S / B), which NCCL picks for small messages.
+* **All-to-all** with equal splits (the quantized two-level hops): every rank sends its pieces at
+  once, so one latency and each rank's bytes; on the inter-node link the node's concurrent
+  senders share the NICs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Link", "Cluster", "GBIT", "ring_time", "all_reduce_time", "all_to_all_time", "p2p_time"]
+
+GBIT = 1e9 / 8
+"""Bytes per second in one Gbit/s."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: latency per message and bandwidth per direction."""
+
+    bandwidth: float
+    """Bytes per second, one direction (intra: one GPU's port; inter: one node's NICs together)."""
+    latency: float
+    """Seconds per message (per step of a ring)."""
+
+    def __post_init__(self) -> None:
+        if self.bandwidth <= 0 or self.latency < 0:
+            raise ValueError(f"a link needs a positive bandwidth and a non-negative latency, got "
+                             f"{self.bandwidth} B/s, {self.latency} s")
+
+    def describe(self) -> str:
+        gbit = self.bandwidth / GBIT
+        rate = f"{gbit:.3g} Gbit/s" if gbit < 1000 else f"{self.bandwidth / 1e9:.3g} GB/s"
+        return f"{rate}, {self.latency * 1e6:.3g} us"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Nodes of ``gpus_per_node`` ranks joined by ``inter``; ranks of a node joined by ``intra``."""
+
+    nodes: int
+    """Number of nodes."""
+    gpus_per_node: int
+    """Ranks (GPUs) per node."""
+    intra: Link
+    """A GPU's port to the other GPUs of its node (NVLink / NVSwitch; loopback for CPU ranks)."""
+    inter: Link
+    """A node's NICs together, per direction."""
+    name: str = ""
+    """What the figures describe, printed with the prediction."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"nodes ({self.nodes}) and GPUs per node ({self.gpus_per_node}) must be "
+                             f">= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def describe(self) -> str:
+        head = f"{self.nodes} node(s) x {self.gpus_per_node} GPU(s)"
+        return (f"{head}{' (' + self.name + ')' if self.name else ''}; intra-node "
+                f"{self.intra.describe()} per GPU; inter-node {self.inter.describe()} per node")
+
+
+def ring_time(total_bytes: float, ranks: int, nodes_spanned: int, groups_per_node: int,
+              cluster: Cluster) -> float:
+    """Seconds of a ring reduce-scatter or all-gather of a ``total_bytes`` tensor over ``ranks``
+    ranks spread over ``nodes_spanned`` nodes, while ``groups_per_node`` such groups of each node
+    run the same collective at once (they share its NICs)."""
+    if ranks <= 1 or total_bytes <= 0:
+        return 0.0
+    moved = (ranks - 1) / ranks * total_bytes
+    if nodes_spanned > 1:
+        bandwidth = min(cluster.intra.bandwidth, cluster.inter.bandwidth / max(1, groups_per_node))
+        latency = cluster.inter.latency
+    else:
+        bandwidth, latency = cluster.intra.bandwidth, cluster.intra.latency
+    return (ranks - 1) * latency + moved / bandwidth
+
+
+def all_reduce_time(total_bytes: float, ranks: int, nodes_spanned: int, groups_per_node: int,
+                    cluster: Cluster) -> float:
+    """Seconds of an all-reduce: the faster of ring (reduce-scatter + all-gather) and tree."""
+    if ranks <= 1 or total_bytes <= 0:
+        return 0.0
+    ring = 2 * ring_time(total_bytes, ranks, nodes_spanned, groups_per_node, cluster)
+    if nodes_spanned > 1:
+        bandwidth = min(cluster.intra.bandwidth, cluster.inter.bandwidth / max(1, groups_per_node))
+        latency = cluster.inter.latency
+    else:
+        bandwidth, latency = cluster.intra.bandwidth, cluster.intra.latency
+    tree = 2 * math.ceil(math.log2(ranks)) * latency + 2 * total_bytes / bandwidth
+    return min(ring, tree)
+
+
+def all_to_all_time(bytes_sent_per_rank: float, link: Link, concurrent_senders: int = 1) -> float:
+    """Seconds of an equal-split all-to-all in which each rank sends ``bytes_sent_per_rank`` to its
+    peers over ``link``, ``concurrent_senders`` ranks sharing that link's bandwidth."""
+    if bytes_sent_per_rank <= 0:
+        return 0.0
+    return link.latency + bytes_sent_per_rank * max(1, concurrent_senders) / link.bandwidth
+
+
+def p2p_time(nbytes: float, link: Link, concurrent_senders: int = 1) -> float:
+    """Seconds of one point-to-point transfer (pipeline-parallel activations)."""
+    return all_to_all_time(nbytes, link, concurrent_senders)

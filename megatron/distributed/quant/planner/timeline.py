@@ -1,0 +1,325 @@
+"""One variant's iteration on the cluster, bucket by bucket: how long it takes and what is exposed.
+
+Why a per-bucket timeline and not bytes / bandwidth: whether SDP4Bit pays off depends on how
+much of the communication hides behind the backward and forward passes, which depends on the
+bucket sizes, the order the backward pass fills them, and where the quantization kernels run.
+The model follows the run:
+
+* **compute**: the rank's model FLOPs at the measured TFLOP/s (forward 1/3, backward 2/3 of a
+  micro-batch); tensor parallelism adds its 4 all-reduces per layer and micro-batch (not
+  overlapped, as megatron-core runs them by default); pipeline parallelism the 1F1B bubble
+  (m + pp - 1 micro-batch slots) and the activations' point-to-point transfers;
+* **gradients**: each bucket's reduce-scatter may start when the last micro-batch's backward has
+  filled it (``--overlap-grad-reduce``; else all start after the backward), one bucket at a
+  time. A quantized bucket is the first hop's kernel over the whole bucket, then
+  ``--gradient-alltoall-pipeline`` chunks through two stages (intra all-to-all | middle kernel,
+  inter all-to-all, final kernel), chunk y+1's first stage beside chunk y's second;
+* **optimizer step** over the rank's shard at the device's copy bandwidth (about 30 bytes moved
+  per element: fp32 parameter, gradient, two moments, the bf16 copy);
+* **weights**: each bucket's all-gather (quantized: the difference kernel on the shard, the
+  gather of codes, the add kernel on the bucket), before the first micro-batch's forward or,
+  with ``--overlap-param-gather``, beside it: bucket j's forward waits for its gather
+  (``--overlap-param-gather-with-optimizer-step`` starts them during the step);
+* where the kernels run on the cores that compute (CPU ranks) they cannot hide: their time is
+  added to the iteration and only the links overlap.
+
+Bytes per link come from :class:`~megatron.distributed.quant.accounting.CommAccounting`, recorded
+through the same calls the collectives make.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..accounting import CommAccounting
+from ..config import QuantizationConfig
+from ..kernels import QuantizedTensor
+from ..memory import layer_memory
+from .calibration import DeviceRates
+from .cluster import all_reduce_time, all_to_all_time, p2p_time, ring_time
+from .workload import Workload
+
+__all__ = ["BucketCost", "Prediction", "predict", "OPTIMIZER_BYTES_PER_ELEMENT",
+           "LOCO_BYTES_PER_ELEMENT"]
+
+OPTIMIZER_BYTES_PER_ELEMENT = 30
+"""Adam over fp32 main parameters: read + write parameter (8), moments (16), read the gradient
+(4), write the bf16 model copy (2)."""
+LOCO_BYTES_PER_ELEMENT = 24
+"""LoCo's elementwise passes per element of a quantized hop (collectives.gradients, quantize_first):
+compensate (read gradient and error, write h), dequantize the codes in input order, subtract,
+update the stored error; memory-bound at the copy bandwidth."""
+
+
+@dataclass(frozen=True)
+class BucketCost:
+    """One collective of one bucket: total seconds, and the part that is kernels."""
+
+    seconds: float
+    kernels: float = 0.0
+
+    @property
+    def link(self) -> float:
+        return self.seconds - self.kernels
+
+
+@dataclass
+class Prediction:
+    """What the planner prints for one variant."""
+
+    variant: str
+    iteration_s: float
+    tflops_per_gpu: float
+    compute_s: float
+    grad_exposed_s: float
+    weight_exposed_s: float
+    optimizer_s: float
+    kernels_on_compute_s: float
+    grad_total_s: float
+    weight_total_s: float
+    bytes_per_link: Dict[str, float]
+    """Bytes one rank sends per iteration, 'intra' and 'inter' (gradients + weights)."""
+    memory_bytes: float
+    """Model states + the quantized layer's buffers + activations, one GPU."""
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def exposed_s(self) -> float:
+        return self.grad_exposed_s + self.weight_exposed_s
+
+
+def _wire(numel: float, bits: int, group_size: int) -> float:
+    return QuantizedTensor.wire_bytes(int(numel), bits, group_size)
+
+
+def grad_bucket_cost(n: int, w: Workload, cfg: QuantizationConfig, rates: DeviceRates) -> BucketCost:
+    """One bucket's gradient reduce-scatter (module docstring)."""
+    cl = w.cluster
+    p, d, m = w.dp, w.dp_per_node, w.dp_nodes
+    groups_per_node = max(1, cl.gpus_per_node // d)
+    in_bytes = w.grad_bytes(cfg.grad_accum_dtype)
+    if p == 1:
+        return BucketCost(0.0)
+    if not cfg.quantized_gradients:
+        return BucketCost(ring_time(n * in_bytes, p, m, groups_per_node, cl))
+    two_level = d > 1 and m > 1
+    bits1, gs1 = ((cfg.gradient_quantization_bits_intra, cfg.gq_group_size_intra) if d > 1
+                  else (cfg.gradient_quantization_bits_inter, cfg.gq_group_size_inter))
+    first = rates.kernel("quantize_partitions_ht" if cfg.hadamard_transform else "quantize")
+    hop1 = first.seconds(n * in_bytes + _wire(n, bits1, gs1))
+    loco = 0.0
+    if cfg.loco:
+        loco = (n + (n // d if two_level else 0)) * LOCO_BYTES_PER_ELEMENT / rates.copy_bandwidth
+    k = max(1, int(cfg.gradient_alltoall_pipeline))
+    c = n / k   # one chunk
+    q1 = _wire(c, bits1, gs1)
+    if d > 1:
+        a = all_to_all_time((d - 1) / d * q1, cl.intra)
+    else:
+        a = all_to_all_time((m - 1) / m * q1, cl.inter, cl.gpus_per_node)
+    if two_level:
+        q2 = _wire(c / d, cfg.gradient_quantization_bits_inter, cfg.gq_group_size_inter)
+        mid = rates.kernel("dequantize_sum_requantize").seconds(q1 + q2)
+        inter = all_to_all_time((m - 1) / m * q2, cl.inter, cl.gpus_per_node)
+        fin = rates.kernel("dequantize_sum").seconds(q2 + 4 * c / p)
+        b = mid + inter + fin
+        chunk_kernels = mid + fin
+    else:
+        fin = rates.kernel("dequantize_sum").seconds(q1 + 4 * c / p)
+        b, chunk_kernels = fin, fin
+    pipelined = a + b + (k - 1) * max(a, b)
+    return BucketCost(hop1 + loco + pipelined, hop1 + loco + k * chunk_kernels)
+
+
+def weight_bucket_cost(n: int, w: Workload, cfg: QuantizationConfig, rates: DeviceRates) -> BucketCost:
+    """One bucket's parameter all-gather after the step."""
+    cl = w.cluster
+    p, d, m = w.dp, w.dp_per_node, w.dp_nodes
+    groups_per_node = max(1, cl.gpus_per_node // d)
+    if p == 1:
+        return BucketCost(0.0)
+    if not cfg.quantized_weights:
+        return BucketCost(ring_time(n * 2, p, m, groups_per_node, cl))
+    shard = n / p
+    bits, gs = cfg.weight_quantization_bits, cfg.wq_group_size
+    if cfg.weight_quantization_mode == "diff":
+        send = rates.kernel("quantize_difference").seconds(6 * shard + _wire(shard, bits, gs))
+        recv = rates.kernel("dequantize_add").seconds(_wire(n, bits, gs) + 4 * n)
+    else:
+        send = rates.kernel("quantize").seconds(4 * shard + _wire(shard, bits, gs))
+        recv = rates.kernel("dequantize").seconds(_wire(n, bits, gs) + 4 * n)
+    gather = ring_time(p * _wire(shard, bits, gs), p, m, groups_per_node, cl)
+    return BucketCost(send + gather + recv, send + recv)
+
+
+def padded_buckets(w: Workload, cfg: QuantizationConfig) -> Tuple[int, ...]:
+    """The buckets as the quantized layer pads them (whole quantization groups per shard)."""
+    if not cfg.enabled or w.dp == 1:
+        return w.buckets
+    from ..collectives.common import required_padding_multiple_from_config
+
+    mult = required_padding_multiple_from_config(cfg, w.dp, w.dp_per_node)
+    return tuple(-(-n // mult) * mult for n in w.buckets)
+
+
+def _record_bytes(w: Workload, cfg: QuantizationConfig) -> Dict[str, float]:
+    """Per-rank bytes on each link per iteration, through the collectives' own accounting calls."""
+    acc = CommAccounting()
+    p, d = w.dp, w.dp_per_node
+    if p > 1:
+        in_bytes = w.grad_bytes(cfg.grad_accum_dtype)
+        for i, n in enumerate(padded_buckets(w, cfg)):
+            if cfg.quantized_gradients:
+                acc.record_two_level_reduce_scatter(
+                    f"g{i}", numel=n - n % p, elem_size=in_bytes, dp_size=p, intra_size=d,
+                    bits_intra=cfg.gradient_quantization_bits_intra,
+                    group_size_intra=cfg.gq_group_size_intra,
+                    bits_inter=cfg.gradient_quantization_bits_inter,
+                    group_size_inter=cfg.gq_group_size_inter)
+            else:
+                acc.record_baseline(f"g{i}", kind="grad", numel=n - n % p, elem_size=in_bytes,
+                                    dp_size=p, peers_intra=d - 1, peers_inter=p - d)
+            shard = n // p
+            if cfg.quantized_weights:
+                shard -= shard % cfg.wq_group_size
+                acc.record_quantized_all_gather(f"w{i}", shard_numel=shard, elem_size=2,
+                                                bits=cfg.weight_quantization_bits,
+                                                group_size=cfg.wq_group_size,
+                                                hops=[(d - 1, p - d)])
+            else:
+                acc.record_baseline(f"w{i}", kind="weight", numel=shard * p, elem_size=2,
+                                    dp_size=p, peers_intra=d - 1, peers_inter=p - d)
+    report = acc.totals()
+    out = {"intra": 0.0, "inter": 0.0}
+    for kind, quantized in (("grad", cfg.quantized_gradients), ("weight", cfg.quantized_weights)):
+        for link in out:
+            entry = report[kind][link]
+            out[link] += entry["bytes"] if quantized else entry["baseline_bytes"]
+    return out
+
+
+def _memory(w: Workload, cfg: QuantizationConfig) -> float:
+    from ..paro.cost import activation_memory
+
+    a = w.args
+    rp = w.rank_parameters
+    states = rp * (2 + w.grad_bytes(cfg.grad_accum_dtype)) + 12 * rp / w.dp
+    layer = layer_memory(cfg, list(padded_buckets(w, cfg)), w.dp, w.dp_per_node) if cfg.enabled and w.dp > 1 else None
+    recompute = getattr(a, "recompute_granularity", None)
+    act = activation_memory(seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
+                            hidden_size=a.hidden_size, num_layers=max(1, a.num_layers // w.pp),
+                            num_attention_heads=a.num_attention_heads,
+                            vocab_size=a.padded_vocab_size, ffn_hidden_size=a.ffn_hidden_size,
+                            gated_mlp=bool(getattr(a, "swiglu", False)), attention_scores=False,
+                            recompute=recompute) / w.tp
+    in_flight = min(w.pp, w.micro_batches)   # 1F1B keeps pp micro-batches on the first stage
+    return states + (layer.transient_bytes + layer.persistent_bytes if layer else 0) + act * in_flight
+
+
+def _overlapped(ready: Sequence[float], durations: Sequence[float], start: float = 0.0) -> float:
+    """Finish time of buckets served one at a time, bucket j not before ``ready[j]``."""
+    t = start
+    for r, dur in zip(ready, durations):
+        t = max(t, r) + dur
+    return t
+
+
+def predict(variant: str, w: Workload, cfg: QuantizationConfig, rates: DeviceRates) -> Prediction:
+    """The iteration of ``w`` with the collectives of ``cfg`` on ``rates`` (module docstring)."""
+    cl, a = w.cluster, w.args
+    rate = rates.tflops_for(w.parameters)
+    notes: List[str] = []
+    mb = w.flops_per_rank / (rate.tflops * 1e12) / w.micro_batches
+    tp_comm = 0.0
+    if w.tp > 1:
+        act = a.micro_batch_size * a.seq_length * a.hidden_size * 2
+        tp_comm = 4 * (a.num_layers / w.pp) * all_reduce_time(act, w.tp, 1, 1, cl)
+    slot = mb + tp_comm
+    compute = (w.micro_batches + w.pp - 1) * slot
+    if w.pp > 1:
+        act = a.micro_batch_size * a.seq_length * a.hidden_size * 2 / w.tp
+        crosses = cl.nodes > 1 and w.tp * w.dp >= cl.gpus_per_node
+        link = cl.inter if crosses else cl.intra
+        compute += 2 * (w.micro_batches + w.pp - 1) * p2p_time(act, link, cl.gpus_per_node if crosses else 1)
+
+    buckets = padded_buckets(w, cfg)
+    grads = [grad_bucket_cost(n, w, cfg, rates) for n in buckets]
+    weights = [weight_bucket_cost(n, w, cfg, rates) for n in buckets]
+    on_compute = rates.kernels_share_compute
+    kernels_on_compute = sum(c.kernels for c in grads + weights) if on_compute else 0.0
+
+    def dur(c: BucketCost) -> float:
+        return c.link if on_compute else c.seconds
+
+    backward = 2 * slot / 3
+    share = [n / w.rank_parameters for n in w.buckets]
+    if w.overlap_grad_reduce and w.dp > 1:
+        ready, acc = [], 0.0
+        for s in share:
+            acc += s * backward
+            ready.append(acc)
+        grad_exposed = max(0.0, _overlapped(ready, [dur(c) for c in grads]) - backward)
+    else:
+        grad_exposed = sum(dur(c) for c in grads)
+
+    optimizer = w.rank_parameters / w.dp * OPTIMIZER_BYTES_PER_ELEMENT / rates.copy_bandwidth
+    forward = slot / 3
+    if w.overlap_param_gather and w.dp > 1:
+        start = -optimizer if getattr(a, "overlap_param_gather_with_optimizer_step", False) else 0.0
+        order = list(range(len(w.buckets)))[::-1]          # forward meets the first layers first
+        finish, t = start, 0.0
+        for j in order:
+            finish = max(finish, start) + dur(weights[j])
+            t = max(t, finish) + share[j] * forward
+        weight_exposed = max(0.0, t - forward)
+    else:
+        weight_exposed = sum(dur(c) for c in weights)
+
+    total = compute + grad_exposed + optimizer + weight_exposed + kernels_on_compute
+    if w.tp > 1:
+        notes.append(f"TP all-reduces {1e3 * tp_comm:.1f} ms per micro-batch, not overlapped")
+    return Prediction(
+        variant=variant, iteration_s=total,
+        tflops_per_gpu=w.flops_per_rank / total / 1e12 if total > 0 else 0.0,
+        compute_s=compute, grad_exposed_s=grad_exposed, weight_exposed_s=weight_exposed,
+        optimizer_s=optimizer, kernels_on_compute_s=kernels_on_compute,
+        grad_total_s=sum(c.seconds for c in grads), weight_total_s=sum(c.seconds for c in weights),
+        bytes_per_link=_record_bytes(w, cfg), memory_bytes=_memory(w, cfg), notes=notes)
+
+
+def predict_paro(strategy: str, w: Workload,
+                 rates: DeviceRates) -> Tuple[Optional[Prediction], Optional[str]]:
+    """A PaRO strategy's iteration: its per-micro-step collectives (paro_cost's volumes) hidden
+    behind the micro-batch's compute as far as it lasts (the engine prefetches the next layer's
+    gather), its once-per-step collectives exposed. Returns the prediction and, when the strategy
+    does not apply to this layout, why."""
+    from ..paro.cost import StateBytes, communication_volume, model_state_memory
+    from ..paro.strategy import as_strategy
+
+    cl = w.cluster
+    if w.tp > 1 or w.pp > 1:
+        return None, "PaRO runs with TP = PP = 1"
+    grad_b = w.grad_bytes()
+    sb = StateBytes(param=2, grad=grad_b, optim=12)
+    vol = communication_volume(strategy, w.parameters, cl.world_size, cl.gpus_per_node,
+                               micro_steps=w.micro_batches, state_bytes=sb)
+
+    def link_time(intra: float, inter: float) -> float:
+        return intra / cl.intra.bandwidth + inter * cl.gpus_per_node / cl.inter.bandwidth
+
+    mb = w.flops_per_rank / (rates.tflops_for(w.parameters).tflops * 1e12) / w.micro_batches
+    micro = link_time(vol.micro_intra, vol.micro_inter)
+    once = link_time(vol.once_intra, vol.once_inter)
+    exposed = w.micro_batches * max(0.0, micro - mb) + once
+    mem = model_state_memory(strategy, w.parameters, cl.world_size, cl.gpus_per_node, state_bytes=sb)
+    divisor = as_strategy(strategy).optim.divisor(cl.gpus_per_node, cl.world_size)
+    optimizer = w.parameters * OPTIMIZER_BYTES_PER_ELEMENT / rates.copy_bandwidth / divisor
+    total = w.micro_batches * mb + exposed + optimizer
+    return Prediction(
+        variant=f"PaRO {strategy}", iteration_s=total, tflops_per_gpu=w.flops_per_rank / total / 1e12,
+        compute_s=w.micro_batches * mb, grad_exposed_s=exposed, weight_exposed_s=0.0,
+        optimizer_s=optimizer, kernels_on_compute_s=0.0,
+        grad_total_s=w.micro_batches * micro + once, weight_total_s=0.0,
+        bytes_per_link={"intra": vol.intra, "inter": vol.inter}, memory_bytes=mem.total,
+        notes=["exposed = per-micro-step collectives beyond the compute + the once-per-step ones"]), None

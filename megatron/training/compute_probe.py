@@ -1,0 +1,59 @@
+"""Time the model's forward and backward alone, for the speed planner's ``--measure``.
+
+Why alone: the planner needs the compute a rank does per micro-batch without any data-parallel
+communication, measured on the user's device with every rank computing at once (as they do in
+training). The model is the trainer's own, wrapped as the trainer wraps it
+(``training_components.get_model``: mixed precision, the DDP wrapper whose backward hooks
+accumulate into the gradient buffers), on random tokens, its backward inside the wrapper's
+``no_sync()`` so no bucket is reduced; no optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Tuple
+
+import torch
+
+from .throughput import training_flops_per_iteration
+
+__all__ = ["forward_backward_seconds"]
+
+
+def forward_backward_seconds(args: argparse.Namespace, steps: int) -> Tuple[float, float]:
+    """(median seconds of one micro-batch's forward + backward on this rank, the model FLOPs of
+    that micro-batch on this rank) after one warm-up step. Needs ``initialize_megatron(args)``."""
+    from .config_builders import build_transformer_config
+    from .training_components import get_model
+
+    config = build_transformer_config(args)
+    (model,) = get_model(args, config, args.padded_vocab_size)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    b, s = args.micro_batch_size, args.seq_length
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    tokens = torch.randint(0, args.padded_vocab_size, (b, s), generator=gen).to(device)
+    labels = torch.roll(tokens, -1, dims=1)
+    positions = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step() -> None:
+        with model.no_sync():
+            loss = model(tokens, positions, None, labels=labels).float().mean()
+            loss.backward()
+        model.zero_grad_buffer()
+
+    step()
+    times = []
+    for _ in range(max(1, steps)):
+        sync()
+        t = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t)
+    ns = argparse.Namespace(**vars(args))
+    ns.global_batch_size = b
+    flops = training_flops_per_iteration(ns) / (args.tensor_model_parallel_size
+                                                * args.pipeline_model_parallel_size)
+    return sorted(times)[len(times) // 2], flops

@@ -1,0 +1,290 @@
+"""The speed planner (tools/planner.py): each term against a hand-computed case, the bytes against
+the collectives' accounting, the recipe path end to end, and ``--measure`` on 4 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from megatron.distributed.quant.accounting import CommAccounting
+from megatron.distributed.quant.config import QuantizationConfig
+from megatron.distributed.quant.kernels import QuantizedTensor
+from megatron.distributed.quant.planner import calibration
+from megatron.distributed.quant.planner.calibration import DeviceRates, KernelRate, fit_kernel
+from megatron.distributed.quant.planner.cluster import (Cluster, Link, all_reduce_time,
+                                                        all_to_all_time, ring_time)
+from megatron.distributed.quant.planner.measure import fit_link, read_measurement, write_measurement
+from megatron.distributed.quant.planner.timeline import (OPTIMIZER_BYTES_PER_ELEMENT,
+                                                         grad_bucket_cost, predict,
+                                                         weight_bucket_cost)
+from megatron.distributed.quant.planner.variants import (parse_run_args, recipe_variant_flags,
+                                                         strip_quantization_flags)
+from megatron.distributed.quant.planner.workload import Workload, count_parameters
+
+ROOT = Path(__file__).resolve().parents[1]
+
+GPT_1_3B = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+            "--seq-length", "2048", "--max-position-embeddings", "2048", "--micro-batch-size", "1",
+            "--global-batch-size", "16", "--bf16", "--use-distributed-optimizer", "--mock-data",
+            "--vocab-size", "50257", "--lr", "1e-4", "--train-iters", "1"]
+
+
+def _cluster(nodes=2, gpn=4, intra_bw=100e9, intra_lat=2e-6, inter_bw=10e9, inter_lat=10e-6):
+    return Cluster(nodes, gpn, Link(intra_bw, intra_lat), Link(inter_bw, inter_lat))
+
+
+def _rates(kernel=KernelRate(1e-5, 1e11), share=False, tflops=100.0):
+    return DeviceRates(device="test", source="hand", kernels_share_compute=share,
+                       compute=(calibration.ComputeRate("x", 1_000_000, tflops),),
+                       kernels={k: kernel for k in calibration.KERNELS}, copy_bandwidth=1e12)
+
+
+# -- the collectives' costs ----------------------------------------------------------------------
+def test_ring_time_by_hand():
+    c = _cluster()
+    # 8 ranks over 2 nodes, 4 groups per node share the 10 GB/s NICs: 7 steps of 10 us, and
+    # 7/8 x 80 MB at 10/4 GB/s
+    assert ring_time(80e6, 8, 2, 4, c) == pytest.approx(7 * 10e-6 + 70e6 / 2.5e9)
+    # one node: the GPU's port
+    assert ring_time(80e6, 4, 1, 1, c) == pytest.approx(3 * 2e-6 + 60e6 / 100e9)
+    assert ring_time(80e6, 1, 1, 1, c) == 0.0
+
+
+def test_all_reduce_picks_tree_for_small_and_ring_for_large():
+    c = _cluster()
+    small, large = 1e3, 1e9
+    tree_small = 2 * math.ceil(math.log2(8)) * 10e-6 + 2 * small / 10e9
+    assert all_reduce_time(small, 8, 2, 1, c) == pytest.approx(tree_small)
+    assert all_reduce_time(large, 8, 2, 1, c) == pytest.approx(2 * ring_time(large, 8, 2, 1, c))
+
+
+def test_all_to_all_shares_the_nic():
+    link = Link(10e9, 5e-6)
+    assert all_to_all_time(1e6, link, 4) == pytest.approx(5e-6 + 4e6 / 10e9)
+    assert all_to_all_time(0, link) == 0.0
+
+
+def test_fits_recover_their_line():
+    k = fit_kernel([(1e6, 1e-5 + 1e6 / 5e11), (1e9, 1e-5 + 1e9 / 5e11)])
+    assert k.fixed_s == pytest.approx(1e-5) and k.bandwidth == pytest.approx(5e11)
+    link = fit_link([(1e4, 2e-4 + 1e4 / 1e8), (1e7, 2e-4 + 1e7 / 1e8)], concurrent=2)
+    assert link.latency == pytest.approx(2e-4) and link.bandwidth == pytest.approx(2e8)
+
+
+# -- the workload ---------------------------------------------------------------------------------
+def test_parameter_count_matches_the_trainers():
+    # the trainer printed these counts for the 125m and 1.3b recipes (docs/performance.md)
+    args = parse_run_args(GPT_1_3B)
+    w = Workload.from_args(args, _cluster(nodes=2, gpn=8))
+    assert w.parameters == 1_315_819_520
+    small = parse_run_args(GPT_1_3B[:1] + ["12"] + GPT_1_3B[2:3] + ["768"] + GPT_1_3B[4:5] + ["12"]
+                           + GPT_1_3B[6:])
+    small.padded_vocab_size = 50304
+    assert count_parameters(small) == 125_262_336
+
+
+def test_layout_and_buckets():
+    args = parse_run_args(GPT_1_3B + ["--overlap-grad-reduce", "--tensor-model-parallel-size", "2"])
+    w = Workload.from_args(args, _cluster(nodes=2, gpn=8))
+    assert (w.tp, w.dp, w.dp_per_node, w.dp_nodes, w.micro_batches) == (2, 8, 4, 2, 2)
+    assert sum(w.buckets) == w.rank_parameters and max(w.buckets) <= 40_000_000
+    one = Workload.from_args(parse_run_args(GPT_1_3B), _cluster(nodes=2, gpn=8))
+    assert one.buckets == (one.rank_parameters,)
+    with pytest.raises(ValueError, match="MICRO_BATCH_SIZE"):
+        Workload.from_args(parse_run_args(GPT_1_3B), _cluster(nodes=4, gpn=8))
+
+
+# -- each bucket's cost ---------------------------------------------------------------------------
+def test_two_level_bucket_by_hand():
+    c = _cluster()   # D=4, M=2
+    args = parse_run_args(GPT_1_3B[:12] + ["--global-batch-size", "8"] + GPT_1_3B[14:])
+    w = Workload.from_args(args, c)
+    cfg = QuantizationConfig(quantized_gradients=True, gradient_quantization_bits_intra=8,
+                             gq_group_size_intra=128, gradient_quantization_bits_inter=4,
+                             gq_group_size_inter=128, hadamard_transform=True)
+    k = KernelRate(1e-5, 1e11)
+    n = 8 * 2**20
+    q1 = QuantizedTensor.wire_bytes(n, 8, 128)
+    q2 = QuantizedTensor.wire_bytes(n // 4, 4, 128)
+    hop1 = k.seconds(4 * n + q1)
+    a = 2e-6 + 3 / 4 * q1 / 100e9
+    b = k.seconds(q1 + q2) + (10e-6 + 4 * q2 / 2 / 10e9) + k.seconds(q2 + 4 * n / 8)
+    cost = grad_bucket_cost(n, w, cfg, _rates(k))
+    assert cost.seconds == pytest.approx(hop1 + a + b)
+    assert cost.kernels == pytest.approx(hop1 + k.seconds(q1 + q2) + k.seconds(q2 + 4 * n / 8))
+    # two pipeline chunks: each stage's chunk, then the longer one once more
+    cost2 = grad_bucket_cost(n, w, replace(cfg, gradient_alltoall_pipeline=2), _rates(k))
+    a2 = 2e-6 + 3 / 4 * QuantizedTensor.wire_bytes(n // 2, 8, 128) / 100e9
+    q2c = QuantizedTensor.wire_bytes(n // 8, 4, 128)
+    q1c = QuantizedTensor.wire_bytes(n // 2, 8, 128)
+    b2 = k.seconds(q1c + q2c) + (10e-6 + 4 * q2c / 2 / 10e9) + k.seconds(q2c + 4 * n / 2 / 8)
+    assert cost2.seconds == pytest.approx(hop1 + a2 + b2 + max(a2, b2))
+    # the baseline: a ring reduce-scatter of fp32 gradients
+    base = grad_bucket_cost(n, w, QuantizationConfig(), _rates(k))
+    assert base.seconds == pytest.approx(ring_time(4 * n, 8, 2, 1, c))
+
+
+def test_weight_bucket_by_hand():
+    c = _cluster()
+    w = Workload.from_args(parse_run_args(GPT_1_3B[:12] + ["--global-batch-size", "8"] + GPT_1_3B[14:]), c)
+    k = KernelRate(2e-5, 2e11)
+    n = 8 * 2**20
+    cfg = QuantizationConfig(quantized_weights=True, weight_quantization_bits=4, wq_group_size=2048)
+    shard = n // 8
+    wire = QuantizedTensor.wire_bytes
+    expect = (k.seconds(6 * shard + wire(shard, 4, 2048))
+              + ring_time(8 * wire(shard, 4, 2048), 8, 2, 1, c)
+              + k.seconds(wire(n, 4, 2048) + 4 * n))
+    assert weight_bucket_cost(n, w, cfg, _rates(k)).seconds == pytest.approx(expect)
+    assert weight_bucket_cost(n, w, QuantizationConfig(), _rates(k)).seconds == \
+        pytest.approx(ring_time(2 * n, 8, 2, 1, c))
+
+
+def test_planner_bytes_are_the_collectives_accounting():
+    """The bytes the planner records are what CommAccounting's helper records for the
+    collective (the same call), and the two-level hop sizes follow the wire format."""
+    acc = CommAccounting()
+    n, p, d = 1 << 20, 8, 4
+    acc.record_two_level_reduce_scatter("b", numel=n, elem_size=4, dp_size=p, intra_size=d,
+                                        bits_intra=8, group_size_intra=128, bits_inter=4,
+                                        group_size_inter=128)
+    g = acc.totals()["grad"]
+    assert g["intra"]["bytes"] == QuantizedTensor.wire_bytes(n, 8, 128) * 3 // 4
+    assert g["inter"]["bytes"] == QuantizedTensor.wire_bytes(n // 4, 4, 128) // 2
+    acc.record_quantized_all_gather("w", shard_numel=4096, elem_size=2, bits=4, group_size=2048,
+                                    hops=[(3, 4)])
+    wt = acc.totals()["weight"]
+    assert wt["inter"]["bytes"] == QuantizedTensor.wire_bytes(4096, 4, 2048) * 1   # (M-1) shares
+    assert wt["intra"]["bytes"] == QuantizedTensor.wire_bytes(4096, 4, 2048) * 3 * 2
+
+
+# -- the timeline -----------------------------------------------------------------------------------
+def _run(extra=(), quant=()):
+    c = _cluster()
+    argv = GPT_1_3B[:12] + ["--global-batch-size", "8"] + GPT_1_3B[14:] + list(extra) + list(quant)
+    args = parse_run_args(argv)
+    return Workload.from_args(args, c), QuantizationConfig.from_args(args)
+
+
+def test_without_overlap_everything_adds_up():
+    w, cfg = _run()
+    rates = _rates()
+    p = predict("baseline", w, cfg, rates)
+    compute = w.flops_per_rank / 100e12
+    optimizer = w.rank_parameters / 8 * OPTIMIZER_BYTES_PER_ELEMENT / 1e12
+    assert p.compute_s == pytest.approx(compute)
+    assert p.grad_exposed_s == pytest.approx(p.grad_total_s)
+    assert p.weight_exposed_s == pytest.approx(p.weight_total_s)
+    assert p.iteration_s == pytest.approx(compute + p.grad_total_s + optimizer + p.weight_total_s)
+
+
+def test_overlap_hides_what_the_backward_covers():
+    w, cfg = _run(["--overlap-grad-reduce", "--ddp-bucket-size", "200000000"])
+    slow = predict("b", w, cfg, _rates(tflops=1.0))     # long backward: only the last bucket shows
+    last = grad_bucket_cost(w.buckets[-1], w, cfg, _rates(tflops=1.0)).seconds
+    assert slow.grad_exposed_s == pytest.approx(last)
+    fast = predict("b", w, cfg, _rates(tflops=1e6))     # no backward to hide behind
+    assert fast.grad_exposed_s == pytest.approx(fast.grad_total_s, rel=1e-3)
+
+
+def test_kernels_on_cpu_cores_cannot_hide():
+    w, cfg = _run(["--overlap-grad-reduce", "--ddp-bucket-size", "200000000"],
+                  ["--quantized-gradients", "--quantized-weights"])
+    gpu = predict("q", w, cfg, _rates(tflops=1.0))
+    cpu = predict("q", w, cfg, _rates(tflops=1.0, share=True))
+    assert gpu.kernels_on_compute_s == 0.0
+    assert cpu.kernels_on_compute_s > 0 and cpu.iteration_s > gpu.iteration_s
+
+
+# -- variants, calibration files, the tool ---------------------------------------------------------
+def test_variants_come_from_the_recipe():
+    flags = recipe_variant_flags("sdp4bit")
+    assert "--hadamard-transform" in flags and "--quantized-weights" in flags
+    assert strip_quantization_flags(["--bf16", *flags, "--lr", "1"]) == ["--bf16", "--lr", "1"]
+
+
+def test_kernel_and_compute_json(tmp_path):
+    kj = tmp_path / "k.json"
+    rows = [{"kernel": "quantize", "backend": "triton", "numel": n, "seconds": 1e-5 + 4.5 * n / 1e12,
+             "moved_bytes": 4.5 * n, "copy_gbps": 3000.0} for n in (1 << 20, 1 << 28)]
+    kj.write_text(json.dumps({"device": "GPU X", "rows": rows}))
+    r = calibration.load_kernels_json(str(kj), calibration.default_rates())
+    assert r.kernel("quantize").bandwidth == pytest.approx(1e12)
+    assert r.kernel("quantize").fixed_s == pytest.approx(1e-5)
+    cj = tmp_path / "c.json"
+    cj.write_text(json.dumps({"device": "GPU X", "rows": [
+        {"run": "baseline", "shape": "1.3b", "parameters": 1_315_819_520, "tflops_per_gpu": 400.0}]}))
+    assert calibration.load_compute_json(str(cj), r).tflops_for(1e9).tflops == 400.0
+    with pytest.raises(ValueError, match="gpu_throughput"):
+        calibration.load_compute_json(str(kj), r)
+    a100 = calibration.for_gpu(calibration.default_rates(), "A100")
+    assert a100.tflops_for(1.3e9).tflops == pytest.approx(469.8 * 312 / 989)
+
+
+def test_measurement_round_trip_and_damage(tmp_path):
+    c, r = _cluster(), _rates()
+    path = tmp_path / "m.json"
+    write_measurement(str(path), c, r)
+    c2, r2 = read_measurement(str(path))
+    assert c2 == c and r2.kernels == r.kernels and r2.compute == r.compute
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="not a planner measurement"):
+        read_measurement(str(path))
+
+
+def _tool(*argv, env=None):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "planner.py"), *argv], cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_the_tool_plans_a_recipe():
+    env = dict(os.environ, MICRO_BATCH_SIZE="2")
+    out = _tool("--recipe", "examples/sdp4bit/run_1.3b.sh", "--nodes", "16", "--gpus-per-node", "8",
+                "--inter-gbit", "100", env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line for line in out.stdout.splitlines()
+            if line.startswith("| ") and "variant" not in line}
+    assert {"baseline", "SDP4Bit", "TLq-HS", "qWD", "SDP4Bit+LoCo"} <= set(rows)
+    ms = {k: float(v.split("|")[2]) for k, v in rows.items()}
+    assert ms["SDP4Bit"] < ms["baseline"]
+    assert "recommended:" in out.stdout
+
+
+def test_measure_on_four_gloo_ranks(tmp_path):
+    out_json = tmp_path / "measure.json"
+    run = ["--device", "cpu", "--distributed-backend", "gloo", "--mock-data",
+           "--use-distributed-optimizer", "--num-layers", "2", "--hidden-size", "64",
+           "--num-attention-heads", "4", "--seq-length", "8", "--max-position-embeddings", "8",
+           "--vocab-size", "256", "--micro-batch-size", "1", "--global-batch-size", "4",
+           "--train-iters", "1", "--lr", "1e-4", "--eval-iters", "0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(ROOT / "tools" / "planner.py"), "--measure", "--out", str(out_json),
+           "--variants", "baseline,SDP4Bit", "--", *run]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    cluster, rates = read_measurement(str(out_json))
+    assert (cluster.nodes, cluster.gpus_per_node) == (1, 4)
+    assert 0 < cluster.intra.bandwidth < 1e12 and cluster.intra.latency >= 0
+    assert rates.kernels_share_compute and rates.compute[0].tflops > 0
+    assert set(rates.kernels) == set(calibration.KERNELS)
+    assert "| SDP4Bit |" in res.stdout and "| baseline |" in res.stdout
+
+
+def test_bench_quant_json_feeds_the_planner(tmp_path):
+    out = tmp_path / "quant.json"
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_quant.py"), "--sizes",
+                          "64K,256K", "--device", "cpu", "--bits", "4", "--iters", "1", "--json",
+                          str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rates = calibration.load_kernels_json(str(out), calibration.default_rates())
+    assert rates.device.startswith("CPU")
+    for name in calibration.KERNELS:
+        assert rates.kernel(name).bandwidth > 0 and rates.kernel(name).fixed_s >= 0

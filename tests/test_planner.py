@@ -185,6 +185,13 @@ def test_without_overlap_everything_adds_up():
     assert p.iteration_s == pytest.approx(compute + p.grad_total_s + optimizer + p.weight_total_s)
 
 
+def test_a_measured_optimizer_rate_replaces_the_copy_estimate():
+    w, cfg = _run()
+    measured = replace(_rates(), optimizer_seconds_per_element=1e-8)
+    p = predict("baseline", w, cfg, measured)
+    assert p.optimizer_s == pytest.approx(w.rank_parameters / 8 * 1e-8)
+
+
 def test_overlap_hides_what_the_backward_covers():
     w, cfg = _run(["--overlap-grad-reduce", "--ddp-bucket-size", "200000000"])
     slow = predict("b", w, cfg, _rates(tflops=1.0))     # long backward: only the last bucket shows
@@ -274,6 +281,7 @@ def test_measure_on_four_gloo_ranks(tmp_path):
     assert (cluster.nodes, cluster.gpus_per_node) == (1, 4)
     assert 0 < cluster.intra.bandwidth < 1e12 and cluster.intra.latency >= 0
     assert rates.kernels_share_compute and rates.compute[0].tflops > 0
+    assert rates.optimizer_seconds_per_element > 0
     assert set(rates.kernels) == set(calibration.KERNELS)
     assert "| SDP4Bit |" in res.stdout and "| baseline |" in res.stdout
 

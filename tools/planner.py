@@ -156,6 +156,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"rates: {rates.device}; {rates.source}")
     print()
     print(report.format_table(rows, skipped))
+    for note in sorted({f"{r.variant}: {n}" for r in rows for n in r.notes}):
+        print(f"note: {note}")
     print()
     print(f"recommended: {best.variant if best else 'none'} ({why})")
     if a.json:

@@ -83,7 +83,11 @@ def main() -> int:
             base = trainer_argv("baseline", model, 2, str(work / "measure.jsonl"))
             cmds = emu.node_commands(topo, [str(REPO / "tools" / "planner.py"), "--measure",
                                             "--out", m_json, "--", *base])
-            rc = emu.run_nodes(cmds, a.timeout, str(work / f"measure_{bw}"))
+            for attempt in range(2):   # a launch that fails to start is retried once, said so
+                rc = emu.run_nodes(cmds, a.timeout, str(work / f"measure_{bw}_{attempt}"))
+                if not rc and Path(m_json).exists():
+                    break
+                print(f"{bw}: --measure attempt {attempt} failed (rc {rc})", file=sys.stderr, flush=True)
             if rc or not Path(m_json).exists():
                 print(f"{bw}: --measure failed (rc {rc}), logs in {work}", file=sys.stderr)
                 return 1

@@ -5,14 +5,16 @@ communication, measured on the user's device with every rank computing at once (
 training). The model is the trainer's own, wrapped as the trainer wraps it
 (``training_components.get_model``: mixed precision, the DDP wrapper whose backward hooks
 accumulate into the gradient buffers), on random tokens, its backward inside the wrapper's
-``no_sync()`` so no bucket is reduced; no optimizer step.
+``no_sync()`` so no bucket is reduced; and the optimizer's own update on this rank's shard (the
+gradients copied to the main parameters and the torch optimizer's step), without the parameter
+all-gather that follows it in training.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from typing import Tuple
+from typing import Callable, List, Tuple
 
 import torch
 
@@ -21,11 +23,16 @@ from .throughput import training_flops_per_iteration
 __all__ = ["forward_backward_seconds"]
 
 
-def forward_backward_seconds(args: argparse.Namespace, steps: int) -> Tuple[float, float]:
+def _median(times: List[float]) -> float:
+    return sorted(times)[len(times) // 2]
+
+
+def forward_backward_seconds(args: argparse.Namespace, steps: int) -> Tuple[float, float, float]:
     """(median seconds of one micro-batch's forward + backward on this rank, the model FLOPs of
-    that micro-batch on this rank) after one warm-up step. Needs ``initialize_megatron(args)``."""
+    that micro-batch on this rank, median seconds of the optimizer's update of this rank's shard)
+    after one warm-up step each. Needs ``initialize_megatron(args)``."""
     from .config_builders import build_transformer_config
-    from .training_components import get_model
+    from .training_components import get_model, get_optimizer_and_scheduler
 
     config = build_transformer_config(args)
     (model,) = get_model(args, config, args.padded_vocab_size)
@@ -44,16 +51,31 @@ def forward_backward_seconds(args: argparse.Namespace, steps: int) -> Tuple[floa
             loss.backward()
         model.zero_grad_buffer()
 
-    step()
-    times = []
-    for _ in range(max(1, steps)):
-        sync()
-        t = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t)
+    def timed(fn: Callable[[], None]) -> float:
+        fn()
+        times = []
+        for _ in range(max(1, steps)):
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t)
+        return _median(times)
+
+    fwd_bwd = timed(step)
+    optimizer, _ = get_optimizer_and_scheduler(args, [model])
+    leaves = getattr(optimizer, "chained_optimizers", [optimizer])
+    with model.no_sync():   # gradients for the update to read
+        model(tokens, positions, None, labels=labels).float().mean().backward()
+
+    def update() -> None:
+        for leaf in leaves:
+            leaf.prepare_grads()
+            leaf.optimizer.step()
+
+    opt = timed(update)
     ns = argparse.Namespace(**vars(args))
     ns.global_batch_size = b
     flops = training_flops_per_iteration(ns) / (args.tensor_model_parallel_size
                                                 * args.pipeline_model_parallel_size)
-    return sorted(times)[len(times) // 2], flops
+    return fwd_bwd, flops, opt

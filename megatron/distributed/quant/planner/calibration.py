@@ -91,6 +91,9 @@ class DeviceRates:
     behind the backward pass; on a GPU they run on a side stream, memory-bound beside matmuls."""
     peak_tflops: Optional[float] = None
     """The measured device's dense bf16 peak, to carry the compute rate to another GPU."""
+    optimizer_seconds_per_element: Optional[float] = None
+    """The optimizer's update per element of a rank's shard, measured (``--measure``); None: the
+    timeline's copy-bandwidth estimate."""
     notes: Tuple[str, ...] = field(default_factory=tuple)
 
     def tflops_for(self, parameters: float) -> ComputeRate:

@@ -11,7 +11,8 @@ across the nodes, the run's own flags) gives all three. Every rank takes part:
 * **kernels**: each quantization kernel the step calls, on the backend the trainer picks, at two
   sizes (``fixed + bytes / bandwidth``), and a device copy;
 * **compute**: the model's forward and backward for a few micro-batches on every rank at once,
-  with no gradient communication, giving the model TFLOP/s the timeline scales.
+  with no gradient communication, giving the model TFLOP/s the timeline scales; and the
+  optimizer's update of the rank's shard, per element.
 
 Rank 0 writes the result as JSON (:func:`write_measurement`, read back by
 :func:`read_measurement`).
@@ -138,7 +139,8 @@ def write_measurement(path: str, cluster: Cluster, rates: DeviceRates) -> None:
                       "kernels": {k: asdict(v) for k, v in rates.kernels.items()},
                       "copy_bandwidth": rates.copy_bandwidth,
                       "kernels_share_compute": rates.kernels_share_compute,
-                      "peak_tflops": rates.peak_tflops}}
+                      "peak_tflops": rates.peak_tflops,
+                      "optimizer_seconds_per_element": rates.optimizer_seconds_per_element}}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(f"{path}.tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
@@ -157,21 +159,23 @@ def read_measurement(path: str) -> Tuple[Cluster, DeviceRates]:
             compute=tuple(ComputeRate(**x) for x in r["compute"]),
             kernels={k: KernelRate(**v) for k, v in r["kernels"].items()},
             copy_bandwidth=float(r["copy_bandwidth"]),
-            kernels_share_compute=bool(r["kernels_share_compute"]), peak_tflops=r.get("peak_tflops"))
+            kernels_share_compute=bool(r["kernels_share_compute"]), peak_tflops=r.get("peak_tflops"),
+            optimizer_seconds_per_element=r.get("optimizer_seconds_per_element"))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a planner measurement (tools/planner.py --measure --out): "
                          f"{e}") from None
     return cluster, rates
 
 
-def measure(args: argparse.Namespace, *, link_sizes: Tuple[int, int] = (1 << 14, 1 << 22),
+def measure(args: argparse.Namespace, *,
+            compute_seconds: Callable[[argparse.Namespace, int], Tuple[float, float, float]],
+            link_sizes: Tuple[int, int] = (1 << 16, 1 << 24),
             kernel_sizes: Tuple[int, int] = (1 << 18, 1 << 22), repeats: int = 3,
-            compute_steps: int = 3,
-            compute_seconds: Callable[[argparse.Namespace, int], Tuple[float, float]] = None,
-            ) -> Tuple[Cluster, DeviceRates]:
+            compute_steps: int = 3) -> Tuple[Cluster, DeviceRates]:
     """Everything :mod:`.timeline` needs, timed on this launch (module docstring). The process
     group must be initialised; ``compute_seconds(args, steps)`` returns (seconds per
-    micro-batch's forward + backward, model FLOPs per micro-batch) on this rank."""
+    micro-batch's forward + backward, model FLOPs per micro-batch, seconds of the optimizer's
+    update of the rank's shard) on this rank."""
     world = dist.get_world_size()
     gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % gpus_per_node:
@@ -181,20 +185,24 @@ def measure(args: argparse.Namespace, *, link_sizes: Tuple[int, int] = (1 << 14,
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     intra, inter = measure_links(device, gpus_per_node, link_sizes, repeats, sync)
     kernels, copy_bw = measure_kernels(device, kernel_sizes, sync)
-    seconds, flops = compute_seconds(args, compute_steps)
+    seconds, flops, optimizer = compute_seconds(args, compute_steps)
     # every rank's compute ran at once; the slowest sets the pace of a synchronous step
-    t = torch.tensor([seconds], dtype=torch.float64)
+    t = torch.tensor([seconds, optimizer], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    tflops = flops / t.item() / 1e12
+    tflops = flops / t[0].item() / 1e12
+    from .workload import count_parameters
+
+    parameters = count_parameters(args)
+    shard = parameters / (args.tensor_model_parallel_size * args.pipeline_model_parallel_size) / (
+        world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
     nodes = world // gpus_per_node
     name = torch.cuda.get_device_name(device) if cuda else f"CPU ranks ({os.cpu_count()} cores)"
     fallback = Link(bandwidth=1e18, latency=0.0)
     cluster = Cluster(nodes=nodes, gpus_per_node=gpus_per_node, intra=intra or fallback,
                       inter=inter or fallback, name=f"measured {time.strftime('%Y-%m-%d %H:%M')}")
-    from .workload import count_parameters
-
     rates = DeviceRates(
         device=name, source=f"tools/planner.py --measure, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        compute=(ComputeRate("measured", count_parameters(args), tflops),),
-        kernels=kernels, copy_bandwidth=copy_bw, kernels_share_compute=not cuda)
+        compute=(ComputeRate("measured", parameters, tflops),),
+        kernels=kernels, copy_bandwidth=copy_bw, kernels_share_compute=not cuda,
+        optimizer_seconds_per_element=t[1].item() / shard)
     return cluster, rates

@@ -14,8 +14,9 @@ The model follows the run:
   time. A quantized bucket is the first hop's kernel over the whole bucket, then
   ``--gradient-alltoall-pipeline`` chunks through two stages (intra all-to-all | middle kernel,
   inter all-to-all, final kernel), chunk y+1's first stage beside chunk y's second;
-* **optimizer step** over the rank's shard at the device's copy bandwidth (about 30 bytes moved
-  per element: fp32 parameter, gradient, two moments, the bf16 copy);
+* **optimizer step** over the rank's shard: measured per element (``--measure``), else at the
+  device's copy bandwidth (about 30 bytes moved per element: fp32 parameter, gradient, two
+  moments, the bf16 copy);
 * **weights**: each bucket's all-gather (quantized: the difference kernel on the shard, the
   gather of codes, the add kernel on the bucket), before the first micro-batch's forward or,
   with ``--overlap-param-gather``, beside it: bucket j's forward waits for its gather
@@ -205,7 +206,8 @@ def _memory(w: Workload, cfg: QuantizationConfig) -> float:
     a = w.args
     rp = w.rank_parameters
     states = rp * (2 + w.grad_bytes(cfg.grad_accum_dtype)) + 12 * rp / w.dp
-    layer = layer_memory(cfg, list(padded_buckets(w, cfg)), w.dp, w.dp_per_node) if cfg.enabled and w.dp > 1 else None
+    layer = (layer_memory(cfg, list(padded_buckets(w, cfg)), w.dp, w.dp_per_node)
+             if cfg.enabled and w.dp > 1 else None)
     recompute = getattr(a, "recompute_granularity", None)
     act = activation_memory(seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
                             hidden_size=a.hidden_size, num_layers=max(1, a.num_layers // w.pp),
@@ -217,9 +219,9 @@ def _memory(w: Workload, cfg: QuantizationConfig) -> float:
     return states + (layer.transient_bytes + layer.persistent_bytes if layer else 0) + act * in_flight
 
 
-def _overlapped(ready: Sequence[float], durations: Sequence[float], start: float = 0.0) -> float:
+def _overlapped(ready: Sequence[float], durations: Sequence[float]) -> float:
     """Finish time of buckets served one at a time, bucket j not before ``ready[j]``."""
-    t = start
+    t = 0.0
     for r, dur in zip(ready, durations):
         t = max(t, r) + dur
     return t
@@ -263,14 +265,16 @@ def predict(variant: str, w: Workload, cfg: QuantizationConfig, rates: DeviceRat
     else:
         grad_exposed = sum(dur(c) for c in grads)
 
-    optimizer = w.rank_parameters / w.dp * OPTIMIZER_BYTES_PER_ELEMENT / rates.copy_bandwidth
+    shard = w.rank_parameters / w.dp
+    optimizer = (shard * rates.optimizer_seconds_per_element if rates.optimizer_seconds_per_element
+                 else shard * OPTIMIZER_BYTES_PER_ELEMENT / rates.copy_bandwidth)
     forward = slot / 3
     if w.overlap_param_gather and w.dp > 1:
         start = -optimizer if getattr(a, "overlap_param_gather_with_optimizer_step", False) else 0.0
         order = list(range(len(w.buckets)))[::-1]          # forward meets the first layers first
         finish, t = start, 0.0
         for j in order:
-            finish = max(finish, start) + dur(weights[j])
+            finish += dur(weights[j])
             t = max(t, finish) + share[j] * forward
         weight_exposed = max(0.0, t - forward)
     else:

@@ -77,6 +77,15 @@ def quickstart(command: str, work: Path) -> None:
         assert summary["quantization"] is True and summary["iterations"] == 4
 
 
+def planner(command: str, work: Path) -> None:
+    """As written: the planner needs no GPU and takes seconds; it must print every variant and a
+    recommendation."""
+    out = _run(command, work, _env())
+    for variant in ("baseline", "SDP4Bit", "TLq-HS", "qWD"):
+        assert f"| {variant} |" in out, out[-3000:]
+    assert "recommended: " in out
+
+
 def ci_calls_the_test_command(command: str, work: Path) -> None:
     """Not run from inside the tests it runs: CI's entry point must call exactly this command."""
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
@@ -183,6 +192,8 @@ RUNNERS: Dict[str, Callable[[str, Path], None]] = {
     "bash examples/quickstart.sh --quantized-weights --quantized-gradients --hadamard-transform "
     "--loco": quickstart,
     "bash examples/sdp4bit/run_1.3b.sh": recipe_dry_run,
+    "MICRO_BATCH_SIZE=2 python tools/planner.py --recipe examples/sdp4bit/run_1.3b.sh --nodes 16 "
+    "--gpus-per-node 8 --inter-gbit 100": planner,
     "VARIANT=sdp4bit bash examples/sdp4bit/run_1.3b.sh": recipe_dry_run,
     "bash examples/loco/run_8b.sh": recipe_dry_run,
     "DRY_RUN=1 bash examples/sdp4bit/run_6.7b.sh": recipe_dry_run,

@@ -23,11 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron.distributed.quant.config import QuantizationConfig  # noqa: E402
-from megatron.distributed.quant.planner import calibration  # noqa: E402
-from megatron.distributed.quant.planner.cluster import GBIT, Cluster, Link  # noqa: E402
-from megatron.distributed.quant.planner.timeline import predict  # noqa: E402
-from megatron.distributed.quant.planner.variants import parse_run_args, recipe_variant_flags  # noqa: E402
-from megatron.distributed.quant.planner.workload import Workload  # noqa: E402
+from megatron.planner import calibration  # noqa: E402
+from megatron.planner.cluster import GBIT, Cluster, Link  # noqa: E402
+from megatron.planner.timeline import predict  # noqa: E402
+from megatron.planner.variants import parse_run_args, recipe_variant_flags  # noqa: E402
+from megatron.planner.workload import Workload  # noqa: E402
 
 # (layers, hidden, heads): 1.3B and 6.7B the paper's model cards; 2.7B and 13B GPT-3's sizes;
 # 18B Megatron-LM's published 18B configuration.

@@ -16,17 +16,17 @@ import pytest
 from megatron.distributed.quant.accounting import CommAccounting
 from megatron.distributed.quant.config import QuantizationConfig
 from megatron.distributed.quant.kernels import QuantizedTensor
-from megatron.distributed.quant.planner import calibration
-from megatron.distributed.quant.planner.calibration import DeviceRates, KernelRate, fit_kernel
-from megatron.distributed.quant.planner.cluster import (Cluster, Link, all_reduce_time,
+from megatron.planner import calibration
+from megatron.planner.calibration import DeviceRates, KernelRate, fit_kernel
+from megatron.planner.cluster import (Cluster, Link, all_reduce_time,
                                                         all_to_all_time, ring_time)
-from megatron.distributed.quant.planner.measure import fit_link, read_measurement, write_measurement
-from megatron.distributed.quant.planner.timeline import (OPTIMIZER_BYTES_PER_ELEMENT,
+from megatron.planner.measure import fit_link, read_measurement, write_measurement
+from megatron.planner.timeline import (OPTIMIZER_BYTES_PER_ELEMENT,
                                                          grad_bucket_cost, predict,
                                                          weight_bucket_cost)
-from megatron.distributed.quant.planner.variants import (parse_run_args, recipe_variant_flags,
+from megatron.planner.variants import (parse_run_args, recipe_variant_flags,
                                                          strip_quantization_flags)
-from megatron.distributed.quant.planner.workload import Workload, count_parameters
+from megatron.planner.workload import Workload, count_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -296,3 +296,13 @@ def test_bench_quant_json_feeds_the_planner(tmp_path):
     assert rates.device.startswith("CPU")
     for name in calibration.KERNELS:
         assert rates.kernel(name).bandwidth > 0 and rates.kernel(name).fixed_s >= 0
+
+
+def test_a_one_node_measurement_needs_the_inter_node_link_stated(tmp_path):
+    path = tmp_path / "one_node.json"
+    write_measurement(str(path), Cluster(1, 4, Link(1e9, 1e-4), Link(float("inf"), 0.0)), _rates())
+    run = ["--", *GPT_1_3B[:12], "--global-batch-size", "64", *GPT_1_3B[14:]]
+    out = _tool("--measured", str(path), "--nodes", "4", *run)
+    assert out.returncode != 0 and "--inter-gbit" in out.stderr
+    out = _tool("--measured", str(path), "--nodes", "4", "--inter-gbit", "100", *run)
+    assert out.returncode == 0 and "| SDP4Bit |" in out.stdout, out.stderr[-2000:]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -31,11 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from megatron.distributed.quant.planner import calibration, report, variants  # noqa: E402
-from megatron.distributed.quant.planner.cluster import GBIT, Cluster, Link  # noqa: E402
-from megatron.distributed.quant.planner.measure import read_measurement  # noqa: E402
-from megatron.distributed.quant.planner.timeline import Prediction, predict, predict_paro  # noqa: E402
-from megatron.distributed.quant.planner.workload import Workload  # noqa: E402
+from megatron.planner import calibration, report, variants  # noqa: E402
+from megatron.planner.cluster import GBIT, Cluster, Link  # noqa: E402
+from megatron.planner.measure import read_measurement  # noqa: E402
+from megatron.planner.timeline import Prediction, predict, predict_paro  # noqa: E402
+from megatron.planner.workload import Workload  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,8 +73,14 @@ def _cluster(a: argparse.Namespace, measured: Optional[Cluster]) -> Cluster:
                  a.intra_latency_us * 1e-6 if a.intra_latency_us is not None else base.intra.latency)
     inter = Link(a.inter_gbit * GBIT if a.inter_gbit else base.inter.bandwidth,
                  a.inter_latency_us * 1e-6 if a.inter_latency_us is not None else base.inter.latency)
-    return replace(base, nodes=a.nodes or base.nodes, gpus_per_node=a.gpus_per_node or base.gpus_per_node,
-                   intra=intra, inter=inter)
+    cluster = replace(base, nodes=a.nodes or base.nodes,
+                      gpus_per_node=a.gpus_per_node or base.gpus_per_node, intra=intra, inter=inter)
+    for link, used, flag in (("inter", cluster.nodes > 1, "--inter-gbit"),
+                             ("intra", cluster.gpus_per_node > 1, "--intra-gbyte")):
+        if used and math.isinf(getattr(cluster, link).bandwidth):
+            raise SystemExit(f"error: {a.measured} has no {link}-node link (the measured launch had "
+                             f"none); give {flag}")
+    return cluster
 
 
 def plan(argv: Sequence[str], cluster: Cluster, rates: calibration.DeviceRates,
@@ -101,9 +108,9 @@ def plan(argv: Sequence[str], cluster: Cluster, rates: calibration.DeviceRates,
 def run_measure(a: argparse.Namespace, run_argv: List[str]) -> int:
     import torch.distributed as dist
 
-    from megatron.distributed.quant.planner.measure import measure, write_measurement
+    from megatron.planner.measure import measure, write_measurement
     from megatron.training.arguments import parse_args, padded_vocab_size
-    from megatron.training.compute_probe import forward_backward_seconds
+    from megatron.planner.compute_probe import forward_backward_seconds
     from megatron.training.initialize import initialize_megatron
 
     args = parse_args(run_argv)

@@ -32,10 +32,10 @@ sys.path.insert(0, str(REPO))
 import bench_emulated as emu  # noqa: E402
 
 from megatron.distributed.quant.config import QuantizationConfig  # noqa: E402
-from megatron.distributed.quant.planner.measure import read_measurement  # noqa: E402
-from megatron.distributed.quant.planner.timeline import predict  # noqa: E402
-from megatron.distributed.quant.planner.variants import parse_run_args  # noqa: E402
-from megatron.distributed.quant.planner.workload import Workload  # noqa: E402
+from megatron.planner.measure import read_measurement  # noqa: E402
+from megatron.planner.timeline import predict  # noqa: E402
+from megatron.planner.variants import parse_run_args  # noqa: E402
+from megatron.planner.workload import Workload  # noqa: E402
 
 
 def predicted_ms(measurement: str, trainer_argv: List[str]) -> Dict[str, float]:

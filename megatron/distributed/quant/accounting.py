@@ -32,6 +32,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
+from .kernels import QuantizedTensor
+
 __all__ = ["CommAccounting", "LinkCounter"]
 
 _LINKS = ("intra", "inter")
@@ -188,8 +190,6 @@ class CommAccounting:
         baseline it replaces, the first hop's all-to-all (intra-node, or inter-node when
         ``intra_size`` is 1) and, across a two-level grid, the inter-node hop's. The collective
         and the speed planner both record through this, so their bytes cannot differ."""
-        from .kernels import QuantizedTensor
-
         p, d = dp_size, intra_size
         m = p // d
         self.record_baseline(name, kind="grad", numel=numel, elem_size=elem_size, dp_size=p,
@@ -217,8 +217,6 @@ class CommAccounting:
         (peers on this node, peers on other nodes); a later hop forwards what the earlier ones
         gathered. One hop of mixed peers is counted in :meth:`record_all_gather`'s two-level form.
         The collective and the speed planner both record through this."""
-        from .kernels import QuantizedTensor
-
         world = math.prod(pi + pe + 1 for pi, pe in hops)
         n_intra = math.prod(pi + 1 for pi, _ in hops) - 1
         self.record_baseline(name, kind="weight", numel=shard_numel * world, elem_size=elem_size,

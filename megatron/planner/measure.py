@@ -78,7 +78,7 @@ def _probe(group: Any, size: int, nbytes: int, device: torch.device, repeats: in
 
 def measure_links(device: torch.device, gpus_per_node: int, sizes: Tuple[int, int], repeats: int,
                   sync: Callable[[], None]) -> Tuple[Link, Link]:
-    from ..topology import build_two_level_groups_for_all
+    from megatron.distributed.quant.topology import build_two_level_groups_for_all
 
     world = dist.get_world_size()
     groups = build_two_level_groups_for_all([list(range(world))], gpus_per_node)
@@ -96,7 +96,7 @@ def measure_links(device: torch.device, gpus_per_node: int, sizes: Tuple[int, in
 def measure_kernels(device: torch.device, sizes: Tuple[int, int], sync: Callable[[], None],
                     repeats: int = 3) -> Tuple[Dict[str, KernelRate], float]:
     """Each kernel's fitted rate on this device's backend, and the copy bandwidth."""
-    from .. import kernels as K
+    from megatron.distributed.quant import kernels as K
 
     gen = torch.Generator(device=device).manual_seed(0)
     samples: Dict[str, List[Tuple[float, float]]] = {}
@@ -197,9 +197,9 @@ def measure(args: argparse.Namespace, *,
         world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
     nodes = world // gpus_per_node
     name = torch.cuda.get_device_name(device) if cuda else f"CPU ranks ({os.cpu_count()} cores)"
-    fallback = Link(bandwidth=1e18, latency=0.0)
-    cluster = Cluster(nodes=nodes, gpus_per_node=gpus_per_node, intra=intra or fallback,
-                      inter=inter or fallback, name=f"measured {time.strftime('%Y-%m-%d %H:%M')}")
+    absent = Link(bandwidth=float("inf"), latency=0.0)   # one node, or one rank per node
+    cluster = Cluster(nodes=nodes, gpus_per_node=gpus_per_node, intra=intra or absent,
+                      inter=inter or absent, name=f"measured {time.strftime('%Y-%m-%d %H:%M')}")
     rates = DeviceRates(
         device=name, source=f"tools/planner.py --measure, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         compute=(ComputeRate("measured", parameters, tflops),),

@@ -3,7 +3,10 @@
 Why: before the first launch a user asks "on my nodes and my network, how much faster is SDP4Bit
 (or TLq-HS, LoCo, a PaRO strategy), and does it fit?". The planner answers from the run's own
 flags, measured device rates and the links' latency and bandwidth, following the run bucket by
-bucket (``tools/planner.py`` is the command; docs/planner.md the model and its checks).
+bucket (``tools/planner.py`` is the command; docs/planner.md the model and its checks). It sits
+above both layers: it reads the trainer's parser and FLOPs count (``megatron.training``) and the
+communication layer's accounting, config and kernels (``megatron.distributed.quant``); neither
+imports it.
 
 * :mod:`.cluster` -- the links and the latency-bandwidth cost of each collective algorithm;
 * :mod:`.calibration` -- device rates (model compute, kernels, memory copy), measured, with their

@@ -22,7 +22,8 @@ a stated assumption (:data:`PEAK_TFLOPS`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -94,12 +95,9 @@ class DeviceRates:
     optimizer_seconds_per_element: Optional[float] = None
     """The optimizer's update per element of a rank's shard, measured (``--measure``); None: the
     timeline's copy-bandwidth estimate."""
-    notes: Tuple[str, ...] = field(default_factory=tuple)
 
     def tflops_for(self, parameters: float) -> ComputeRate:
         """The measured shape nearest (by log of parameters) to a model of ``parameters``."""
-        import math
-
         return min(self.compute, key=lambda c: abs(math.log(max(c.parameters, 1) / max(parameters, 1))))
 
     def kernel(self, name: str) -> KernelRate:

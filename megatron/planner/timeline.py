@@ -33,10 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..accounting import CommAccounting
-from ..config import QuantizationConfig
-from ..kernels import QuantizedTensor
-from ..memory import layer_memory
+from megatron.distributed.quant.accounting import CommAccounting
+from megatron.distributed.quant.config import QuantizationConfig
+from megatron.distributed.quant.kernels import QuantizedTensor
+from megatron.distributed.quant.memory import layer_memory
 from .calibration import DeviceRates
 from .cluster import all_reduce_time, all_to_all_time, p2p_time, ring_time
 from .workload import Workload
@@ -158,7 +158,7 @@ def padded_buckets(w: Workload, cfg: QuantizationConfig) -> Tuple[int, ...]:
     """The buckets as the quantized layer pads them (whole quantization groups per shard)."""
     if not cfg.enabled or w.dp == 1:
         return w.buckets
-    from ..collectives.common import required_padding_multiple_from_config
+    from megatron.distributed.quant.collectives.common import required_padding_multiple_from_config
 
     mult = required_padding_multiple_from_config(cfg, w.dp, w.dp_per_node)
     return tuple(-(-n // mult) * mult for n in w.buckets)
@@ -201,7 +201,7 @@ def _record_bytes(w: Workload, cfg: QuantizationConfig) -> Dict[str, float]:
 
 
 def _memory(w: Workload, cfg: QuantizationConfig) -> float:
-    from ..paro.cost import activation_memory
+    from megatron.distributed.quant.paro.cost import activation_memory
 
     a = w.args
     rp = w.rank_parameters
@@ -298,8 +298,8 @@ def predict_paro(strategy: str, w: Workload,
     behind the micro-batch's compute as far as it lasts (the engine prefetches the next layer's
     gather), its once-per-step collectives exposed. Returns the prediction and, when the strategy
     does not apply to this layout, why."""
-    from ..paro.cost import StateBytes, communication_volume, model_state_memory
-    from ..paro.strategy import as_strategy
+    from megatron.distributed.quant.paro.cost import StateBytes, communication_volume, model_state_memory
+    from megatron.distributed.quant.paro.strategy import as_strategy
 
     cl = w.cluster
     if w.tp > 1 or w.pp > 1:

@@ -1,4 +1,4 @@
-"""Time the model's forward and backward alone, for the speed planner's ``--measure``.
+"""Time the model's forward and backward alone, and its optimizer's update, for ``--measure``.
 
 Why alone: the planner needs the compute a rank does per micro-batch without any data-parallel
 communication, measured on the user's device with every rank computing at once (as they do in
@@ -18,7 +18,7 @@ from typing import Callable, List, Tuple
 
 import torch
 
-from .throughput import training_flops_per_iteration
+from megatron.training.throughput import training_flops_per_iteration
 
 __all__ = ["forward_backward_seconds"]
 
@@ -31,8 +31,8 @@ def forward_backward_seconds(args: argparse.Namespace, steps: int) -> Tuple[floa
     """(median seconds of one micro-batch's forward + backward on this rank, the model FLOPs of
     that micro-batch on this rank, median seconds of the optimizer's update of this rank's shard)
     after one warm-up step each. Needs ``initialize_megatron(args)``."""
-    from .config_builders import build_transformer_config
-    from .training_components import get_model, get_optimizer_and_scheduler
+    from megatron.training.config_builders import build_transformer_config
+    from megatron.training.training_components import get_model, get_optimizer_and_scheduler
 
     config = build_transformer_config(args)
     (model,) = get_model(args, config, args.padded_vocab_size)

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Sequence, Tuple
 
-from ..config import QuantizationConfig
+from megatron.distributed.quant.config import QuantizationConfig
 
 __all__ = ["Variant", "RECIPE_VARIANTS", "recipe_variant_flags", "strip_quantization_flags",
            "recipe_command", "variants_for"]
 
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[2]
 COMMON_SH = ROOT / "examples" / "sdp4bit" / "common.sh"
 
 RECIPE_VARIANTS: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
@@ -57,7 +57,7 @@ def recipe_variant_flags(variant: str) -> List[str]:
 
 
 def _quant_actions() -> List[argparse.Action]:
-    from ..arguments import add_quantization_args
+    from megatron.distributed.quant.arguments import add_quantization_args
 
     parser = argparse.ArgumentParser(add_help=False)
     add_quantization_args(parser)

@@ -45,6 +45,8 @@ class Link:
                              f"{self.bandwidth} B/s, {self.latency} s")
 
     def describe(self) -> str:
+        if math.isinf(self.bandwidth):
+            return "none (not measured: one node)"
         gbit = self.bandwidth / GBIT
         rate = f"{gbit:.3g} Gbit/s" if gbit < 1000 else f"{self.bandwidth / 1e9:.3g} GB/s"
         return f"{rate}, {self.latency * 1e6:.3g} us"

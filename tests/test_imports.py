@@ -27,8 +27,8 @@ from typing import Dict, List, Set
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCES = ["pretrain_gpt.py", "megatron/training", "megatron/distributed", "tools", "bench",
-           "examples"]
+SOURCES = ["pretrain_gpt.py", "megatron/training", "megatron/distributed", "megatron/planner",
+           "tools", "bench", "examples"]
 OURS = {"megatron", "tools", "bench", "pretrain_gpt"}
 """Top-level names the checkout provides (``megatron`` is shared with megatron-core, which
 requirements.txt names)."""

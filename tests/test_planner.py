@@ -306,3 +306,10 @@ def test_a_one_node_measurement_needs_the_inter_node_link_stated(tmp_path):
     assert out.returncode != 0 and "--inter-gbit" in out.stderr
     out = _tool("--measured", str(path), "--nodes", "4", "--inter-gbit", "100", *run)
     assert out.returncode == 0 and "| SDP4Bit |" in out.stdout, out.stderr[-2000:]
+
+
+def test_bad_plans_are_one_line_errors():
+    out = _tool("--recipe", "examples/sdp4bit/run_1.3b.sh", "--nodes", "16", "--gpus-per-node", "8")
+    assert out.returncode == 2 and "MICRO_BATCH_SIZE" in out.stderr and "Traceback" not in out.stderr
+    out = _tool("--variants", "SDP8Bit", "--", *GPT_1_3B)
+    assert out.returncode == 2 and "--variants: unknown ['SDP8Bit']" in out.stderr

@@ -146,7 +146,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                                else (None, calibration.default_rates()))
     cluster = _cluster(a, measured_cluster)
     if a.recipe:
-        run_argv = variants.recipe_command(a.recipe, cluster.nodes, cluster.gpus_per_node) + run_argv
+        try:
+            run_argv = variants.recipe_command(a.recipe, cluster.nodes, cluster.gpus_per_node) + run_argv
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if not run_argv:
         build_parser().error("give the run: --recipe SCRIPT or pretrain_gpt.py flags after --")
     if a.compute_json:
@@ -156,7 +160,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.gpu:
         rates = calibration.for_gpu(rates, a.gpu)
     labels = [x for x in a.variants.split(",") if x]
-    rows, skipped, work = plan(run_argv, cluster, rates, labels, a.paro)
+    try:
+        rows, skipped, work = plan(run_argv, cluster, rates, labels, a.paro)
+    except ValueError as e:   # a layout the run cannot have, an unknown variant: say which flag
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     best, why = report.recommend(rows, a.gpu_memory_gib * 2**30)
     print(f"cluster: {cluster.describe()}")
     print(f"run: {work.describe()}")

@@ -111,6 +111,10 @@ def parse_run_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def variants_for(argv: Sequence[str], labels: Sequence[str] = ()) -> List[Variant]:
     """The variants of :data:`RECIPE_VARIANTS` (those in ``labels``, or all) built on ``argv``."""
+    known = [label for label, _, _ in RECIPE_VARIANTS]
+    unknown = sorted(set(labels) - set(known))
+    if unknown:
+        raise ValueError(f"--variants: unknown {unknown}; choose from {', '.join(known)}")
     base = strip_quantization_flags(argv)
     out = []
     for label, recipe_variant, extra in RECIPE_VARIANTS:

@@ -65,11 +65,15 @@ class KernelRate:
 
 @dataclass(frozen=True)
 class ComputeRate:
-    """Model TFLOP/s per GPU of one measured shape (forward, backward and optimizer step)."""
+    """Model TFLOP/s per GPU of one measured shape."""
 
     shape: str
+    """The shape's name ('1.3b'; 'measured' for ``--measure``)."""
     parameters: int
+    """Its parameters, to pick the measured shape nearest a planned model."""
     tflops: float
+    """Model TFLOP/s per GPU: of a whole step at DP 1 (bench/gpu_throughput.py: forward, backward,
+    optimizer) or of forward + backward alone (``--measure``, which times the optimizer apart)."""
 
 
 @dataclass(frozen=True)

@@ -71,14 +71,23 @@ class Prediction:
 
     variant: str
     iteration_s: float
+    """Seconds per iteration."""
     tflops_per_gpu: float
+    """Model TFLOP/s per GPU at that speed (the trainer's --log-throughput count)."""
     compute_s: float
+    """Forward + backward of every micro-batch, with TP all-reduces and the pipeline bubble."""
     grad_exposed_s: float
+    """Gradient reduction the backward pass does not hide."""
     weight_exposed_s: float
+    """Weight gathers the forward pass does not hide."""
     optimizer_s: float
+    """The optimizer's update of the rank's shard."""
     kernels_on_compute_s: float
+    """Quantization kernels that run on the compute cores (CPU ranks), added in full."""
     grad_total_s: float
+    """Every bucket's gradient reduction, hidden or not."""
     weight_total_s: float
+    """Every bucket's weight gather, hidden or not."""
     bytes_per_link: Dict[str, float]
     """Bytes one rank sends per iteration, 'intra' and 'inter' (gradients + weights)."""
     memory_bytes: float

@@ -56,14 +56,19 @@ class Workload:
     """One iteration of the run on the cluster, per rank."""
 
     args: argparse.Namespace
+    """The run's parsed flags (``padded_vocab_size`` filled in)."""
     cluster: Cluster
+    """Where it runs."""
     parameters: int
     """Parameters of the whole model."""
     flops_per_iteration: float
     """Model FLOPs of one iteration, all ranks (the trainer's ``--log-throughput`` count)."""
     tp: int
+    """Tensor-parallel size."""
     pp: int
+    """Pipeline-parallel size."""
     dp: int
+    """Data-parallel size P = world / (TP x PP)."""
     dp_per_node: int
     """D: data-parallel ranks of one group on a node."""
     dp_nodes: int

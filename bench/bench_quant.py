@@ -50,8 +50,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron.distributed.quant.kernels import reference as R  # noqa: E402
-
-NUM_SOURCES = 4
+from megatron.planner.calibration import SOURCES as NUM_SOURCES, moved_bytes  # noqa: E402
 
 TIMINGS = ("device", "per-call-sync")
 
@@ -188,39 +187,39 @@ def cases(impl, n: int, bits: int, gs: int, dev: str, data_gen: torch.Generator,
                                                           generator=gen), hadamard=hadamard), x)
 
     out.append(("quantize", lambda: impl.quantize(x, bits, gs, generator=gen, **qkw),
-                4 * n, 4 * n + qb, q_err(False)))
+                4 * n, moved_bytes("quantize", n, bits, gs), q_err(False)))
     out.append(("quantize+HT32", lambda: impl.quantize(x, bits, gs, hadamard=True, generator=gen,
                                                        **qkw),
-                4 * n, 4 * n + qb, q_err(True)))
+                4 * n, moved_bytes("quantize_ht", n, bits, gs), q_err(True)))
     order = [0, 2, 1, 3]
     if n % (4 * gs) == 0:
         out.append(("quantize_partitions(4)+HT",
                     lambda: impl.quantize_partitions(x, 4, order, bits, gs, hadamard=True,
                                                      generator=gen, **pkw),
-                    4 * n, 4 * n + qb, q_err(True)))
+                    4 * n, moved_bytes("quantize_partitions_ht", n, bits, gs), q_err(True)))
     q = R.quantize(x, bits, gs, stochastic=False)
     q = type(q)(q.codes.to(dev), q.scales.to(dev), q.bits, q.group_size, q.numel)
     xq = R.dequantize(q)
-    out.append(("dequantize", lambda: impl.dequantize(q), qb, qb + 4 * n,
+    out.append(("dequantize", lambda: impl.dequantize(q), qb, moved_bytes("dequantize", n, bits, gs),
                 lambda: _err(impl.dequantize(q), xq)))
     if n % (NUM_SOURCES * gs) == 0:
         m = n // NUM_SOURCES
         exact = xq.view(NUM_SOURCES, m).sum(0)
-        mb = m * bits // 8 + 4 * (m // gs)
         out.append((f"dequant_sum_requant(S={NUM_SOURCES})",
                     lambda: impl.dequantize_sum_requantize(q, NUM_SOURCES, bits, generator=gen),
-                    qb, qb + mb,
+                    qb, moved_bytes("dequantize_sum_requantize", n, bits, gs),
                     lambda: _err(R.dequantize(impl.dequantize_sum_requantize(
                         q, NUM_SOURCES, bits, generator=gen)), exact)))
         dst = torch.empty(m, device=dev)
         out.append((f"dequant_sum(S={NUM_SOURCES})",
                     lambda: impl.dequantize_sum(q, NUM_SOURCES, out=dst),
-                    qb, qb + 4 * m, lambda: _err(impl.dequantize_sum(q, NUM_SOURCES), exact)))
+                    qb, moved_bytes("dequantize_sum", n, bits, gs),
+                    lambda: _err(impl.dequantize_sum(q, NUM_SOURCES), exact)))
     ref = x.bfloat16()
     new = x + 1e-3 * torch.randn(n, device=dev, generator=data_gen)
     out.append(("quantize_difference(bf16)",
                 lambda: impl.quantize_difference(new, ref, bits, gs, generator=gen, **dkw),
-                6 * n, 6 * n + qb,
+                6 * n, moved_bytes("quantize_difference", n, bits, gs),
                 lambda: _err(impl.dequantize_add(impl.quantize_difference(new, ref, bits, gs,
                                                                           generator=gen), ref),
                              new.bfloat16())))
@@ -228,7 +227,8 @@ def cases(impl, n: int, bits: int, gs: int, dev: str, data_gen: torch.Generator,
     qd = type(qd)(qd.codes.to(dev), qd.scales.to(dev), qd.bits, qd.group_size, qd.numel)
     dd = R.dequantize_add(qd, ref)
     out.append(("dequantize_add(bf16)", lambda: impl.dequantize_add(qd, ref),
-                qb + 2 * n, qb + 4 * n, lambda: _err(impl.dequantize_add(qd, ref), dd)))
+                qb + 2 * n, moved_bytes("dequantize_add", n, bits, gs),
+                lambda: _err(impl.dequantize_add(qd, ref), dd)))
     return out
 
 

@@ -109,12 +109,13 @@ def run_measure(a: argparse.Namespace, run_argv: List[str]) -> int:
     import torch.distributed as dist
 
     from megatron.planner.measure import measure, write_measurement
-    from megatron.training.arguments import parse_args, padded_vocab_size
     from megatron.planner.compute_probe import forward_backward_seconds
+    from megatron.planner.workload import set_padded_vocab_size
+    from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_megatron
 
     args = parse_args(run_argv)
-    args.padded_vocab_size = padded_vocab_size(args.vocab_size or 50257, args)
+    set_padded_vocab_size(args)
     initialize_megatron(args)
     cluster, rates = measure(args, compute_steps=a.compute_steps,
                              compute_seconds=forward_backward_seconds)

@@ -27,7 +27,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["KernelRate", "ComputeRate", "DeviceRates", "PEAK_TFLOPS", "KERNELS", "default_rates",
+from megatron.distributed.quant.kernels import QuantizedTensor
+
+__all__ = ["KernelRate", "ComputeRate", "DeviceRates", "PEAK_TFLOPS", "KERNELS", "SOURCES", "moved_bytes", "default_rates",
            "fit_kernel", "load_compute_json", "load_kernels_json", "for_gpu"]
 
 PEAK_TFLOPS: Dict[str, float] = {
@@ -111,6 +113,27 @@ class DeviceRates:
             raise KeyError(f"no rate for the kernel {name!r}; measured: {sorted(self.kernels)}") from None
 
 
+SOURCES = 4
+"""Sources the middle and final hops' kernels sum when they are timed (bench_quant.py,
+``--measure``)."""
+
+
+def moved_bytes(kernel: str, numel: int, bits: int = 4, group_size: int = 128) -> int:
+    """Bytes ``kernel`` reads and writes for ``numel`` input elements (fp32 gradients; fp32 new and
+    bf16 reference weights for the difference), as ``bench/bench_quant.py`` counts them: the one
+    formula behind its GB/s column, ``--measure``'s fits and the H200 defaults."""
+    codes = QuantizedTensor.wire_bytes(numel, bits, group_size)
+    part = numel // SOURCES
+    return {
+        "quantize": 4 * numel + codes, "quantize_ht": 4 * numel + codes,
+        "quantize_partitions_ht": 4 * numel + codes,
+        "dequantize_sum_requantize": codes + QuantizedTensor.wire_bytes(part, bits, group_size),
+        "dequantize_sum": codes + 4 * part,
+        "quantize_difference": 6 * numel + codes,
+        "dequantize": codes + 4 * numel, "dequantize_add": codes + 4 * numel,
+    }[kernel]
+
+
 def fit_kernel(samples: Sequence[Tuple[float, float]]) -> KernelRate:
     """``fixed + bytes / bandwidth`` through the smallest and largest of ``(moved_bytes,
     seconds)`` samples (one sample: no fixed cost)."""
@@ -127,17 +150,16 @@ def fit_kernel(samples: Sequence[Tuple[float, float]]) -> KernelRate:
 # What the project measured: docs/performance.md, 2026-11-27, one NVIDIA H200, 4-bit codes, group
 # 128, `python bench/bench_quant.py --sizes 16M,64M,256M --device cuda --bits 4 --group-size 128`
 # (one call + synchronize per timing, so the fixed costs include a host round trip the trainer
-# does not pay). Rows: kernel -> ((numel, moved GB/s), ...); moved bytes per element as bench_quant
-# counts them for 4-bit codes with one fp32 scale per 128 values (0.53125 B of codes + scales).
+# does not pay). Rows: kernel -> ((numel, moved GB/s), ...), moved bytes as moved_bytes() counts them.
 _H200_KERNEL_GBPS = {
-    "quantize": (4.53125, ((16 << 20, 457.0), (256 << 20, 1674.0))),
-    "quantize_ht": (4.53125, ((16 << 20, 478.0), (256 << 20, 1232.0))),
-    "quantize_partitions_ht": (4.53125, ((16 << 20, 433.0), (256 << 20, 1166.0))),
-    "dequantize_sum_requantize": (0.53125 * 1.25, ((16 << 20, 81.0), (256 << 20, 250.0))),
-    "dequantize_sum": (1.53125, ((16 << 20, 440.0), (256 << 20, 1315.0))),
-    "quantize_difference": (6.53125, ((16 << 20, 549.0), (256 << 20, 2137.0))),
-    "dequantize": (4.53125, ((16 << 20, 1458.0), (256 << 20, 3511.0))),
-    "dequantize_add": (4.53125, ((16 << 20, 1143.0), (256 << 20, 3404.0))),
+    "quantize": ((16 << 20, 457.0), (256 << 20, 1674.0)),
+    "quantize_ht": ((16 << 20, 478.0), (256 << 20, 1232.0)),
+    "quantize_partitions_ht": ((16 << 20, 433.0), (256 << 20, 1166.0)),
+    "dequantize_sum_requantize": ((16 << 20, 81.0), (256 << 20, 250.0)),
+    "dequantize_sum": ((16 << 20, 440.0), (256 << 20, 1315.0)),
+    "quantize_difference": ((16 << 20, 549.0), (256 << 20, 2137.0)),
+    "dequantize": ((16 << 20, 1458.0), (256 << 20, 3511.0)),
+    "dequantize_add": ((16 << 20, 1143.0), (256 << 20, 3404.0)),
 }
 _H200_COPY_GBPS = 4110.0   # device-to-device copy at 256M elements, same run
 # docs/performance.md "GPU throughput", 2026-11-27, one H200, `python bench/gpu_throughput.py
@@ -147,9 +169,9 @@ _H200_COMPUTE = (ComputeRate("125m", 125_262_336, 239.0), ComputeRate("1.3b", 1_
 
 def default_rates() -> DeviceRates:
     """The H200 figures the project measured (module docstring)."""
-    kernels = {}
-    for name, (bpe, rows) in _H200_KERNEL_GBPS.items():
-        kernels[name] = fit_kernel([(n * bpe, n * bpe / (gbps * 1e9)) for n, gbps in rows])
+    kernels = {name: fit_kernel([(moved_bytes(name, n), moved_bytes(name, n) / (gbps * 1e9))
+                                 for n, gbps in rows])
+               for name, rows in _H200_KERNEL_GBPS.items()}
     return DeviceRates(
         device="NVIDIA H200", peak_tflops=PEAK_TFLOPS["H200"],
         source=("measured 2026-11-27 (docs/performance.md): bench/gpu_throughput.py --shapes "

@@ -13,18 +13,15 @@ all-gather that follows it in training.
 from __future__ import annotations
 
 import argparse
-import time
-from typing import Callable, List, Tuple
+from typing import Callable, Tuple
 
 import torch
 
 from megatron.training.throughput import training_flops_per_iteration
 
+from .measure import median_seconds
+
 __all__ = ["forward_backward_seconds"]
-
-
-def _median(times: List[float]) -> float:
-    return sorted(times)[len(times) // 2]
 
 
 def forward_backward_seconds(args: argparse.Namespace, steps: int) -> Tuple[float, float, float]:
@@ -52,15 +49,8 @@ def forward_backward_seconds(args: argparse.Namespace, steps: int) -> Tuple[floa
         model.zero_grad_buffer()
 
     def timed(fn: Callable[[], None]) -> float:
-        fn()
-        times = []
-        for _ in range(max(1, steps)):
-            sync()
-            t = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t)
-        return _median(times)
+        fn()   # warm-up
+        return median_seconds(fn, max(1, steps), sync)
 
     fwd_bwd = timed(step)
     optimizer, _ = get_optimizer_and_scheduler(args, [model])

@@ -32,10 +32,10 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from .calibration import ComputeRate, DeviceRates, KernelRate, fit_kernel
+from .calibration import SOURCES, ComputeRate, DeviceRates, KernelRate, fit_kernel, moved_bytes
 from .cluster import Cluster, Link
 
-__all__ = ["measure", "write_measurement", "read_measurement", "fit_link"]
+__all__ = ["measure", "write_measurement", "read_measurement", "fit_link", "median_seconds"]
 
 
 def fit_link(samples: List[Tuple[float, float]], concurrent: int = 1) -> Link:
@@ -47,8 +47,8 @@ def fit_link(samples: List[Tuple[float, float]], concurrent: int = 1) -> Link:
     return Link(bandwidth=concurrent / slope, latency=latency)
 
 
-def _median_time(fn: Callable[[], Any], repeats: int, sync: Callable[[], None],
-                 align: Callable[[], None] = lambda: None) -> float:
+def median_seconds(fn: Callable[[], Any], repeats: int, sync: Callable[[], None],
+                   align: Callable[[], None] = lambda: None) -> float:
     """Median seconds of ``fn`` through ``sync`` (the device's), each call started after
     ``align`` (a barrier: every rank starts together, as in training)."""
     times = []
@@ -73,7 +73,7 @@ def _probe(group: Any, size: int, nbytes: int, device: torch.device, repeats: in
         dist.all_to_all_single(recv, send, group=group)
 
     run()   # the communicator's first call sets it up
-    return _median_time(run, repeats, sync, align=dist.barrier)
+    return median_seconds(run, repeats, sync, align=dist.barrier)
 
 
 def measure_links(device: torch.device, gpus_per_node: int, sizes: Tuple[int, int], repeats: int,
@@ -103,30 +103,29 @@ def measure_kernels(device: torch.device, sizes: Tuple[int, int], sync: Callable
     copy: List[float] = []
     bits, gs = 4, 128
     for n in sizes:
-        n -= n % (4 * 2048)
+        n -= n % (SOURCES * 2048)
         x = torch.randn(n, device=device, generator=gen)
-        qb = K.QuantizedTensor.wire_bytes(n, bits, gs)
         y = torch.empty_like(x)
-        copy.append(8 * n / _median_time(lambda: y.copy_(x), repeats, sync))
+        copy.append(8 * n / median_seconds(lambda: y.copy_(x), repeats, sync))
         ref = x.bfloat16()
         q = K.quantize(x, bits, gs, generator=gen)
         qd = K.quantize_difference(x, ref, bits, gs, generator=gen)
-        cases = {
-            "quantize": (lambda: K.quantize(x, bits, gs, generator=gen), 4 * n + qb),
-            "quantize_ht": (lambda: K.quantize(x, bits, gs, hadamard=True, generator=gen), 4 * n + qb),
-            "quantize_partitions_ht": (lambda: K.quantize_partitions(
-                x, 4, [0, 2, 1, 3], bits, gs, hadamard=True, generator=gen), 4 * n + qb),
-            "dequantize_sum_requantize": (lambda: K.dequantize_sum_requantize(q, 4, bits, generator=gen),
-                                          qb + qb // 4),
-            "dequantize_sum": (lambda: K.dequantize_sum(q, 4), qb + n),
-            "quantize_difference": (lambda: K.quantize_difference(x, ref, bits, gs, generator=gen),
-                                    6 * n + qb),
-            "dequantize": (lambda: K.dequantize(q), qb + 4 * n),
-            "dequantize_add": (lambda: K.dequantize_add(qd, ref), qb + 4 * n),
+        calls = {
+            "quantize": lambda: K.quantize(x, bits, gs, generator=gen),
+            "quantize_ht": lambda: K.quantize(x, bits, gs, hadamard=True, generator=gen),
+            "quantize_partitions_ht": lambda: K.quantize_partitions(
+                x, SOURCES, [0, 2, 1, 3], bits, gs, hadamard=True, generator=gen),
+            "dequantize_sum_requantize": lambda: K.dequantize_sum_requantize(q, SOURCES, bits,
+                                                                             generator=gen),
+            "dequantize_sum": lambda: K.dequantize_sum(q, SOURCES),
+            "quantize_difference": lambda: K.quantize_difference(x, ref, bits, gs, generator=gen),
+            "dequantize": lambda: K.dequantize(q),
+            "dequantize_add": lambda: K.dequantize_add(qd, ref),
         }
-        for name, (fn, moved) in cases.items():
+        for name, fn in calls.items():
             fn()
-            samples.setdefault(name, []).append((float(moved), _median_time(fn, repeats, sync)))
+            samples.setdefault(name, []).append((float(moved_bytes(name, n, bits, gs)),
+                                                 median_seconds(fn, repeats, sync)))
     return {k: fit_kernel(v) for k, v in samples.items()}, max(copy)
 
 

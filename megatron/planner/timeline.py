@@ -173,13 +173,14 @@ def padded_buckets(w: Workload, cfg: QuantizationConfig) -> Tuple[int, ...]:
     return tuple(-(-n // mult) * mult for n in w.buckets)
 
 
-def _record_bytes(w: Workload, cfg: QuantizationConfig) -> Dict[str, float]:
-    """Per-rank bytes on each link per iteration, through the collectives' own accounting calls."""
+def _record_bytes(w: Workload, cfg: QuantizationConfig, buckets: Sequence[int]) -> Dict[str, float]:
+    """Per-rank bytes on each link per iteration (``buckets`` padded as the layer pads them),
+    through the collectives' own accounting calls."""
     acc = CommAccounting()
     p, d = w.dp, w.dp_per_node
     if p > 1:
         in_bytes = w.grad_bytes(cfg.grad_accum_dtype)
-        for i, n in enumerate(padded_buckets(w, cfg)):
+        for i, n in enumerate(buckets):
             if cfg.quantized_gradients:
                 acc.record_two_level_reduce_scatter(
                     f"g{i}", numel=n - n % p, elem_size=in_bytes, dp_size=p, intra_size=d,
@@ -209,13 +210,13 @@ def _record_bytes(w: Workload, cfg: QuantizationConfig) -> Dict[str, float]:
     return out
 
 
-def _memory(w: Workload, cfg: QuantizationConfig) -> float:
+def _memory(w: Workload, cfg: QuantizationConfig, buckets: Sequence[int]) -> float:
     from megatron.distributed.quant.paro.cost import activation_memory
 
     a = w.args
     rp = w.rank_parameters
     states = rp * (2 + w.grad_bytes(cfg.grad_accum_dtype)) + 12 * rp / w.dp
-    layer = (layer_memory(cfg, list(padded_buckets(w, cfg)), w.dp, w.dp_per_node)
+    layer = (layer_memory(cfg, list(buckets), w.dp, w.dp_per_node)
              if cfg.enabled and w.dp > 1 else None)
     recompute = getattr(a, "recompute_granularity", None)
     act = activation_memory(seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
@@ -236,12 +237,16 @@ def _overlapped(ready: Sequence[float], durations: Sequence[float]) -> float:
     return t
 
 
+def _micro_batch_seconds(w: Workload, rates: DeviceRates) -> float:
+    """One micro-batch's forward + backward on a rank at the measured rate nearest this model."""
+    return w.flops_per_rank / (rates.tflops_for(w.parameters).tflops * 1e12) / w.micro_batches
+
+
 def predict(variant: str, w: Workload, cfg: QuantizationConfig, rates: DeviceRates) -> Prediction:
     """The iteration of ``w`` with the collectives of ``cfg`` on ``rates`` (module docstring)."""
     cl, a = w.cluster, w.args
-    rate = rates.tflops_for(w.parameters)
     notes: List[str] = []
-    mb = w.flops_per_rank / (rate.tflops * 1e12) / w.micro_batches
+    mb = _micro_batch_seconds(w, rates)
     tp_comm = 0.0
     if w.tp > 1:
         act = a.micro_batch_size * a.seq_length * a.hidden_size * 2
@@ -298,7 +303,8 @@ def predict(variant: str, w: Workload, cfg: QuantizationConfig, rates: DeviceRat
         compute_s=compute, grad_exposed_s=grad_exposed, weight_exposed_s=weight_exposed,
         optimizer_s=optimizer, kernels_on_compute_s=kernels_on_compute,
         grad_total_s=sum(c.seconds for c in grads), weight_total_s=sum(c.seconds for c in weights),
-        bytes_per_link=_record_bytes(w, cfg), memory_bytes=_memory(w, cfg), notes=notes)
+        bytes_per_link=_record_bytes(w, cfg, buckets), memory_bytes=_memory(w, cfg, buckets),
+        notes=notes)
 
 
 def predict_paro(strategy: str, w: Workload,
@@ -321,7 +327,7 @@ def predict_paro(strategy: str, w: Workload,
     def link_time(intra: float, inter: float) -> float:
         return intra / cl.intra.bandwidth + inter * cl.gpus_per_node / cl.inter.bandwidth
 
-    mb = w.flops_per_rank / (rates.tflops_for(w.parameters).tflops * 1e12) / w.micro_batches
+    mb = _micro_batch_seconds(w, rates)
     micro = link_time(vol.micro_intra, vol.micro_inter)
     once = link_time(vol.once_intra, vol.once_inter)
     exposed = w.micro_batches * max(0.0, micro - mb) + once

@@ -20,10 +20,19 @@ from megatron.training.throughput import training_flops_per_iteration
 
 from .cluster import Cluster
 
-__all__ = ["Workload", "count_parameters", "GPT2_VOCAB"]
+__all__ = ["Workload", "count_parameters", "set_padded_vocab_size", "GPT2_VOCAB"]
 
 GPT2_VOCAB = 50257
 """GPT2BPETokenizer's vocabulary, used when the run gives no ``--vocab-size``."""
+
+
+def set_padded_vocab_size(args: argparse.Namespace) -> None:
+    """``args.padded_vocab_size`` from ``--vocab-size`` (GPT-2's without one), as the trainer pads
+    it, unless already set (the trainer sets it from its tokenizer)."""
+    if getattr(args, "padded_vocab_size", None) is None:
+        from megatron.training.arguments import padded_vocab_size
+
+        args.padded_vocab_size = padded_vocab_size(args.vocab_size or GPT2_VOCAB, args)
 
 
 def count_parameters(args: argparse.Namespace) -> int:
@@ -83,11 +92,7 @@ class Workload:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, cluster: Cluster) -> "Workload":
-        if getattr(args, "padded_vocab_size", None) is None:
-            from megatron.training.arguments import padded_vocab_size
-
-            vocab = args.vocab_size or GPT2_VOCAB
-            args.padded_vocab_size = padded_vocab_size(vocab, args)
+        set_padded_vocab_size(args)
         tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
         world = cluster.world_size
         if world % (tp * pp):

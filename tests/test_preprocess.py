@@ -608,6 +608,28 @@ def test_summary_reports_peak_rss_and_readable_tokenizer(env, tokenizers_under_t
     assert pp.describe_tokenizer(sp) == f"SentencePieceTokenizer(model={kw['tokenizer_model']}, vocab_size=125, eod=122)"
 
 
+def test_a_bad_record_stops_the_worker_pool_without_terminate(env, capsys, monkeypatch):
+    """A failed run closes the pool and lets the workers finish, never ``Pool.terminate()``:
+    terminate kills a worker that may hold the result queue's lock mid-write, and CPython's pool
+    thread then waits on it forever (in a loop of this run, 1 in ~50-300 runs hung)."""
+    import multiprocessing
+    import multiprocessing.pool
+
+    def refuse(self):
+        raise AssertionError("Pool.terminate() called on a bad record")
+
+    monkeypatch.setattr(multiprocessing.pool.Pool, "terminate", refuse)
+    path = env["dir"] / "bad_late.jsonl"
+    lines = [json.dumps({"text": t}) for t in NONEMPTY * 4]
+    lines.insert(len(lines) - 3, '{"text": null}')
+    path.write_text("\n".join(lines) + "\n")
+    prefix = env["dir"] / "bad_late"
+    assert _run(env, path, prefix, "--workers", "2", "--chunk-size", "1") == 1
+    assert f"line {len(lines) - 3}: value of 'text' is null" in capsys.readouterr().err
+    assert not os.path.exists(f"{prefix}_text_document.bin")
+    assert multiprocessing.active_children() == []  # the workers were joined, none left behind
+
+
 def test_null_or_non_string_text_is_a_bad_record(env, capsys):
     path = env["dir"] / "null_text.jsonl"
     path.write_text('{"text": "a b c"}\n{"text": null}\n{"text": "d e"}\n{"text": 7}\n')

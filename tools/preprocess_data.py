@@ -75,6 +75,7 @@ import os
 import re
 import resource
 import sys
+import threading
 import time
 from typing import Any, Iterator, List, Optional
 
@@ -564,6 +565,14 @@ def legacy_flag_notes(args: argparse.Namespace) -> List[str]:
     return notes
 
 
+def _until(stop: threading.Event, records: Iterator) -> Iterator:
+    """``records`` until ``stop`` is set: how a failed run stops feeding the worker pool."""
+    for record in records:
+        if stop.is_set():
+            return
+        yield record
+
+
 def _log(msg):
     print(msg, file=sys.stderr, flush=True)
 
@@ -612,10 +621,12 @@ def preprocess(args):
         tokenizer, getattr(args, "tokenize_chunk_chars", DEFAULT_TOKENIZE_CHUNK_CHARS))
     encoder = Encoder(tok_kwargs, keys, args.append_eod, unit, chunk_chars)
     pool = None
+    stop_feeding = threading.Event()  # set on an error: the pool is given no more records
     if args.workers > 1:
         pool = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn").Pool(
             args.workers, initializer=encoder.initializer)
-        encoded = pool.imap(encoder.encode, records, args.chunk_size)  # imap keeps input order
+        # imap keeps input order; its task thread pulls records through _until(stop_feeding)
+        encoded = pool.imap(encoder.encode, _until(stop_feeding, records), args.chunk_size)
     else:
         encoder.tokenizer = tokenizer
         encoded = map(encoder.encode, records)
@@ -663,9 +674,19 @@ def preprocess(args):
         if n_bad and n_records == 0:
             raise PreprocessError(f"{args.input}: all {n_bad} records are bad, e.g. {bad[0][1]}")
         ok = True
+    except Exception:
+        # Not Pool.terminate(): it kills a worker that may be holding the result queue's lock
+        # mid-write, and the pool's task thread then waits on that lock forever (CPython's pool;
+        # hung 1 run in ~50 here). The workers finish the chunks already queued and exit.
+        stop_feeding.set()
+        raise
+    except BaseException:  # Ctrl-C: the workers got the signal too; don't wait for them
+        if pool is not None:
+            pool.terminate()
+        raise
     finally:
         if pool is not None:
-            pool.terminate() if not ok else pool.close()
+            pool.close()
             pool.join()
         for key, b in builders.items():
             if ok:

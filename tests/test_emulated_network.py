@@ -475,7 +475,8 @@ def test_baseline_bf16_args(emu):
     # the launcher strips its own flags and hands the rest to pretrain_gpt.py unchanged
     la = _load("pretrain_a2a_rs")
     vals, rest = la.parse_launcher_args(a[1:])
-    assert vals == {"--rs-algo": "ring", "--rs-async": "thread"} and rest == flags
+    assert vals == {"--rs-algo": "ring", "--rs-async": "thread",
+                    "--rs-script": "pretrain_gpt.py"} and rest == flags
 
 
 def test_sdp4bit_overlap_and_limit_args(emu):

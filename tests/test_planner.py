@@ -18,8 +18,8 @@ from megatron.distributed.quant.config import QuantizationConfig
 from megatron.distributed.quant.kernels import QuantizedTensor
 from megatron.planner import calibration
 from megatron.planner.calibration import DeviceRates, KernelRate, fit_kernel
-from megatron.planner.cluster import (Cluster, Link, all_reduce_time,
-                                                        all_to_all_time, ring_time)
+from megatron.planner.cluster import (Cluster, Link, MeasuredCollective, all_reduce_time,
+                                      all_to_all_time, ring_time)
 from megatron.planner.measure import fit_link, read_measurement, write_measurement
 from megatron.planner.timeline import (OPTIMIZER_BYTES_PER_ELEMENT,
                                                          grad_bucket_cost, predict,
@@ -69,6 +69,53 @@ def test_all_to_all_shares_the_nic():
     link = Link(10e9, 5e-6)
     assert all_to_all_time(1e6, link, 4) == pytest.approx(5e-6 + 4e6 / 10e9)
     assert all_to_all_time(0, link) == 0.0
+
+
+def test_a_measured_collective_interpolates_between_its_sizes():
+    curve = MeasuredCollective(ranks=2, points=((4e6, 0.5), (1e6, 0.1), (16e6, 1.1)))
+    assert curve.points[0] == (1e6, 0.1)                      # kept sorted by size
+    assert curve.seconds(1e6) == pytest.approx(0.1)
+    assert curve.seconds(2.5e6) == pytest.approx(0.3)         # half-way between 1 and 4 MB
+    assert curve.seconds(10e6) == pytest.approx(0.8)          # half-way between 4 and 16 MB
+    assert curve.seconds(28e6) == pytest.approx(1.7)          # the last segment, extended
+    assert curve.seconds(0.25e6) == pytest.approx(0.0)        # the first one, not below zero
+    assert curve.seconds(0) == 0.0
+    # a small size slower than a larger one (a descheduled rank) reads as the larger one's time
+    noisy = MeasuredCollective(ranks=2, points=((1e3, 0.2), (1e6, 0.1), (2e6, 0.2)))
+    assert noisy.seconds(1e3) == pytest.approx(0.1) and noisy.seconds(1.5e6) == pytest.approx(0.15)
+    for bad in (((1e6, 0.1),), ((1e6, 0.1), (1e6, 0.2)), ((0, 0.1), (1e6, 0.2)),
+                ((1e3, -1.0), (1e6, 0.2))):
+        with pytest.raises(ValueError, match="two or more distinct positive sizes"):
+            MeasuredCollective(ranks=2, points=bad)
+
+
+def test_measured_collectives_replace_the_formulas_for_their_group_size():
+    cfg_base = QuantizationConfig()
+    cfg_q = QuantizationConfig.from_args(parse_run_args(GPT_1_3B + [
+        "--quantized-gradients", "--quantized-weights"]))
+    rs = MeasuredCollective(ranks=8, points=((1e6, 1e-3), (1e9, 1.001)))   # 1 ms + 1 ns/byte
+    ag = MeasuredCollective(ranks=8, points=((1e6, 2e-3), (1e9, 2.0)))
+    inter = MeasuredCollective(ranks=2, points=((1e6, 5e-3), (1e9, 5.0)))
+    measured = replace(_cluster(), measured={"reduce_scatter": rs, "all_gather": ag,
+                                             "all_to_all_inter": inter})
+    w = Workload.from_args(parse_run_args(GPT_1_3B), measured)
+    n = 10_000_000
+    assert grad_bucket_cost(n, w, cfg_base, _rates()).seconds == pytest.approx(rs.seconds(4 * n))
+    assert weight_bucket_cost(n, w, cfg_base, _rates()).seconds == pytest.approx(ag.seconds(2 * n))
+    stated = Workload.from_args(parse_run_args(GPT_1_3B), _cluster())
+    assert grad_bucket_cost(n, stated, cfg_base, _rates()).seconds == pytest.approx(
+        ring_time(4 * n, 8, 2, 1, _cluster()))
+    # the quantized inter-node hop reads its curve; the intra-node one (not measured) the formula
+    q_measured = grad_bucket_cost(n, w, cfg_q, _rates()).seconds
+    q_stated = grad_bucket_cost(n, stated, cfg_q, _rates()).seconds
+    assert q_measured > q_stated
+    # measured on another group size: not used
+    other = replace(_cluster(), measured={"reduce_scatter": replace(rs, ranks=4)})
+    w4 = Workload.from_args(parse_run_args(GPT_1_3B), other)
+    assert grad_bucket_cost(n, w4, cfg_base, _rates()).seconds == pytest.approx(
+        ring_time(4 * n, 8, 2, 1, _cluster()))
+    with pytest.raises(ValueError, match="unknown measured collective"):
+        replace(_cluster(), measured={"broadcast": rs})
 
 
 def test_fits_recover_their_line():
@@ -236,7 +283,8 @@ def test_kernel_and_compute_json(tmp_path):
 
 
 def test_measurement_round_trip_and_damage(tmp_path):
-    c, r = _cluster(), _rates()
+    c = replace(_cluster(), measured={"all_gather": MeasuredCollective(8, ((1e6, 1e-3), (1e8, 0.1)))})
+    r = _rates()
     path = tmp_path / "m.json"
     write_measurement(str(path), c, r)
     c2, r2 = read_measurement(str(path))
@@ -283,6 +331,11 @@ def test_measure_on_four_gloo_ranks(tmp_path):
     assert rates.kernels_share_compute and rates.compute[0].tflops > 0
     assert rates.optimizer_seconds_per_element > 0
     assert set(rates.kernels) == set(calibration.KERNELS)
+    # the run's own collectives at two sizes on its groups (one node: no inter-node all-to-all)
+    assert set(cluster.measured) == {"all_to_all_intra", "reduce_scatter", "all_gather"}
+    for curve in cluster.measured.values():
+        assert curve.ranks == 4 and [b for b, _ in curve.points] == [1 << 16, 1 << 24]
+        assert all(t > 0 for _, t in curve.points)
     assert "| SDP4Bit |" in res.stdout and "| baseline |" in res.stdout
 
 
@@ -300,12 +353,16 @@ def test_bench_quant_json_feeds_the_planner(tmp_path):
 
 def test_a_one_node_measurement_needs_the_inter_node_link_stated(tmp_path):
     path = tmp_path / "one_node.json"
-    write_measurement(str(path), Cluster(1, 4, Link(1e9, 1e-4), Link(float("inf"), 0.0)), _rates())
+    intra = MeasuredCollective(4, ((1e6, 1e-3), (1e8, 0.1)))
+    write_measurement(str(path), Cluster(1, 4, Link(1e9, 1e-4), Link(float("inf"), 0.0),
+                                         measured={"all_to_all_intra": intra}), _rates())
     run = ["--", *GPT_1_3B[:12], "--global-batch-size", "64", *GPT_1_3B[14:]]
     out = _tool("--measured", str(path), "--nodes", "4", *run)
     assert out.returncode != 0 and "--inter-gbit" in out.stderr
     out = _tool("--measured", str(path), "--nodes", "4", "--inter-gbit", "100", *run)
     assert out.returncode == 0 and "| SDP4Bit |" in out.stdout, out.stderr[-2000:]
+    # timed on one node: not for four
+    assert "timed collectives are not used for another layout" in out.stderr
 
 
 def test_bad_plans_are_one_line_errors():

@@ -75,6 +75,12 @@ def _cluster(a: argparse.Namespace, measured: Optional[Cluster]) -> Cluster:
                  a.inter_latency_us * 1e-6 if a.inter_latency_us is not None else base.inter.latency)
     cluster = replace(base, nodes=a.nodes or base.nodes,
                       gpus_per_node=a.gpus_per_node or base.gpus_per_node, intra=intra, inter=inter)
+    if cluster.measured and (cluster.nodes, cluster.gpus_per_node, cluster.intra, cluster.inter) != (
+            base.nodes, base.gpus_per_node, base.intra, base.inter):
+        # the collectives were timed on the measured layout and links, not on the ones stated
+        print(f"note: {a.measured}'s timed collectives are not used for another layout or stated "
+              f"links; the formulas are", file=sys.stderr)
+        cluster = replace(cluster, measured={})
     for link, used, flag in (("inter", cluster.nodes > 1, "--inter-gbit"),
                              ("intra", cluster.gpus_per_node > 1, "--intra-gbyte")):
         if used and math.isinf(getattr(cluster, link).bandwidth):

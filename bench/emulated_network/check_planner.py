@@ -2,7 +2,8 @@
 """The speed planner against measured runs on the emulated two-node network (needs root).
 
 Per link speed: set up the two namespaces (setup_netns.sh), run ``tools/planner.py --measure``
-there (the links, kernels and compute of this launch), then train each variant REPEATS times
+there (the collectives, kernels and compute of this launch; through ``pretrain_a2a_rs.py``, so
+the reduce-scatter it times is the ring ``baseline-ring`` runs), then train each variant REPEATS times
 (bench_emulated.py's commands), and print predicted vs measured ms/iteration with the error:
 
     sudo python3 bench/emulated_network/check_planner.py --bandwidths 200mbit,500mbit,1gbit \\
@@ -48,8 +49,8 @@ def predicted_ms(measurement: str, trainer_argv: List[str]) -> Dict[str, float]:
             "kernels": 1e3 * p.kernels_on_compute_s}
 
 
-def trainer_argv(variant: str, model: dict, iters: int, jsonl: str) -> List[str]:
-    full = emu.train_args(model, variant, iters, jsonl)
+def trainer_argv(variant: str, model: dict, iters: int, jsonl: str, dp_size: int = 4) -> List[str]:
+    full = emu.train_args(model, variant, iters, jsonl, dp_size=dp_size)
     return full[len(emu.variant_script(variant)):]
 
 
@@ -61,6 +62,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--model", default="small")
+    ap.add_argument("--nproc-per-node", type=int, default=2,
+                    help="ranks per emulated node (2 nodes); 1 keeps one rank per core here")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default=str(REPO / "bench" / "out" / "planner_check.md"))
     a = ap.parse_args()
@@ -78,11 +81,14 @@ def main() -> int:
         subprocess.run(["bash", script, "up"], env=env, check=True)
         try:
             topo = emu.Topology(namespaces=[f"pc{os.getpid()}n0", f"pc{os.getpid()}n1"],
-                                ifnames=["emu0", "emu1"])
+                                ifnames=["emu0", "emu1"], nproc_per_node=a.nproc_per_node)
+            dp = 2 * a.nproc_per_node
             m_json = str(work / f"measure_{bw}.json")
-            base = trainer_argv("baseline", model, 2, str(work / "measure.jsonl"))
-            cmds = emu.node_commands(topo, [str(REPO / "tools" / "planner.py"), "--measure",
-                                            "--out", m_json, "--", *base])
+            base = trainer_argv("baseline", model, 2, str(work / "measure.jsonl"), dp)
+            # through the ring launcher: --measure times the reduce-scatter baseline-ring runs
+            cmds = emu.node_commands(topo, [*emu.variant_script("baseline-ring"), "--rs-script",
+                                            "tools/planner.py", "--measure", "--out", m_json,
+                                            "--", *base])
             for attempt in range(2):   # a launch that fails to start is retried once, said so
                 rc = emu.run_nodes(cmds, a.timeout, str(work / f"measure_{bw}_{attempt}"))
                 if not rc and Path(m_json).exists():
@@ -96,7 +102,7 @@ def main() -> int:
             for r in range(a.repeats):
                 for v in measured:
                     jsonl = str(work / f"{v}_{bw}_{r}.jsonl")
-                    cmds = emu.node_commands(topo, emu.train_args(model, v, a.iters, jsonl))
+                    cmds = emu.node_commands(topo, emu.train_args(model, v, a.iters, jsonl, dp_size=dp))
                     if emu.run_nodes(cmds, a.timeout, str(work / f"{v}_{bw}_{r}")):
                         print(f"{bw} {v} run {r} failed, logs in {work}", file=sys.stderr)
                         continue
@@ -105,13 +111,14 @@ def main() -> int:
                         measured[v].append(s["ms_per_iter_median"])
                     loads.append(os.getloadavg()[0])
             for v, runs in measured.items():
-                pred = predicted_ms(m_json, trainer_argv(v, model, a.iters, "/dev/null"))
+                pred = predicted_ms(m_json, trainer_argv(v, model, a.iters, "/dev/null", dp))
                 med = statistics.median(runs) if runs else float("nan")
                 rows.append((bw, v, pred, med, runs, max(loads) if loads else 0.0))
                 print(f"{bw} {v}: predicted {pred['ms']:.0f} ms, measured {med:.0f} ms {runs}", flush=True)
         finally:
             subprocess.run(["bash", script, "down"], env=env, check=False)
     lines = [f"Planner check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, model {a.model}, "
+             f"2 nodes x {a.nproc_per_node} ranks, "
              f"{a.repeats} runs per variant ({a.iters} iterations, median after {a.warmup}); "
              f"measurements in {work}", "",
              "| link | variant | predicted ms/iter (compute / grad exposed / weight exposed / kernels) "

@@ -8,7 +8,8 @@
 that replaces gloo's all-reduce-based one in megatron-core's gradient sync; ``--rs-async thread``
 (default) or ``sync`` says how the calls megatron-core makes with ``async_op=True``
 (``--overlap-grad-reduce``) are served: on a worker thread, overlapping the backward pass, or
-synchronously (see ``ring_volume_rs``). Works with fp32 and bf16 (``--grad-reduce-in-bf16``)
+synchronously (see ``ring_volume_rs``). ``--rs-script tools/planner.py`` runs the planner instead
+of ``pretrain_gpt.py`` (``--measure`` then times this reduce-scatter, the one the run calls). Works with fp32 and bf16 (``--grad-reduce-in-bf16``)
 gradient buffers. Every other flag goes to ``pretrain_gpt.py`` unchanged. Prints one
 ``[ring_volume_rs] ... calls=N ... async_calls=M`` line per rank at the end, so a run can show
 that the replacement was used. Not for training: benchmark baselines only.
@@ -28,7 +29,8 @@ for p in (HERE, REPO):
 import ring_volume_rs  # noqa: E402
 
 _OPTS = {"--rs-algo": ("a2a", ring_volume_rs.ALGOS),
-         "--rs-async": ("thread", ring_volume_rs.ASYNC_MODES)}
+         "--rs-async": ("thread", ring_volume_rs.ASYNC_MODES),
+         "--rs-script": ("pretrain_gpt.py", ("pretrain_gpt.py", "tools/planner.py"))}
 
 
 def parse_launcher_args(argv):
@@ -64,10 +66,14 @@ def split_argv(argv):
 def main(argv=None) -> int:
     vals, rest = parse_launcher_args(list(sys.argv[1:] if argv is None else argv))
     ring_volume_rs.install(vals["--rs-algo"], async_mode=vals["--rs-async"])
-    import pretrain_gpt
+    if vals["--rs-script"] == "tools/planner.py":   # --measure with this reduce-scatter
+        sys.path.insert(0, os.path.join(REPO, "tools"))
+        import planner as script
+    else:
+        import pretrain_gpt as script
 
     try:
-        return pretrain_gpt.main(rest)
+        return script.main(rest)
     finally:
         print(ring_volume_rs.summary() + f" rank={os.environ.get('RANK', '?')}", flush=True)
 

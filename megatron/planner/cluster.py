@@ -17,14 +17,33 @@ so a user can check a prediction by hand, and each is tested against a hand-comp
 * **All-to-all** with equal splits (the quantized two-level hops): every rank sends its pieces at
   once, so one latency and each rank's bytes; on the inter-node link the node's concurrent
   senders share the NICs.
+
+Where ``--measure`` timed a collective itself (the call the run makes, on the run's group, at
+several sizes), that curve replaces the formula (:class:`MeasuredCollective`): a real transport
+is not one straight line (TCP's congestion window behind a shaped link, NCCL's protocol switches,
+gloo's CPU-bound copies), and the run's messages fall between the sizes measured.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Tuple
 
-__all__ = ["Link", "Cluster", "GBIT", "ring_time", "all_reduce_time", "all_to_all_time", "p2p_time"]
+__all__ = ["Link", "Cluster", "MeasuredCollective", "COLLECTIVES", "GBIT", "ring_time",
+           "all_reduce_time", "all_to_all_time", "p2p_time"]
+
+COLLECTIVES = {
+    "reduce_scatter": "the gradient reduce-scatter of an unquantized bucket on the data-parallel "
+                      "group (megatron-core's call); bytes: the whole bucket",
+    "all_gather": "the parameter all-gather on the data-parallel group (megatron-core's, and the "
+                  "quantized layer's of codes); bytes: the whole gathered tensor",
+    "all_to_all_intra": "the quantized gradients' all-to-all among a node's ranks; bytes: one "
+                        "rank's input",
+    "all_to_all_inter": "the quantized gradients' all-to-all across nodes (ranks of the same local "
+                        "rank); bytes: one rank's input",
+}
+"""The collectives ``--measure`` times, by the name :meth:`Cluster.measured_time` takes."""
 
 GBIT = 1e9 / 8
 """Bytes per second in one Gbit/s."""
@@ -53,6 +72,41 @@ class Link:
 
 
 @dataclass(frozen=True)
+class MeasuredCollective:
+    """Seconds of one collective on its group at several sizes, all of the run's groups running it
+    at once (``--measure``); between two sizes the time is interpolated linearly, beyond the ends
+    the end segment is extended (never below zero). A larger message never takes less time: each
+    size's time is read as at most any larger size's (a small size's median can catch a
+    descheduled rank)."""
+
+    ranks: int
+    """The group's size it was measured on; it describes only a run with that group size."""
+    points: Tuple[Tuple[float, float], ...]
+    """(bytes, seconds), bytes as :data:`COLLECTIVES` defines them, at two or more sizes."""
+
+    def __post_init__(self) -> None:
+        pts = tuple(sorted((float(b), float(t)) for b, t in self.points))
+        if len(pts) < 2 or len({b for b, _ in pts}) != len(pts) or any(b <= 0 or t < 0 for b, t in pts):
+            raise ValueError(f"a measured collective needs two or more distinct positive sizes "
+                             f"with non-negative times, got {self.points}")
+        object.__setattr__(self, "points", pts)
+
+    def seconds(self, nbytes: float) -> float:
+        if nbytes <= 0:
+            return 0.0
+        pts, slowest = [], math.inf
+        for b, t in reversed(self.points):   # the lower envelope from the largest size down
+            slowest = min(slowest, t)
+            pts.append((b, slowest))
+        pts.reverse()
+        k = 1
+        while k < len(pts) - 1 and nbytes > pts[k][0]:
+            k += 1
+        (b0, t0), (b1, t1) = pts[k - 1], pts[k]
+        return max(0.0, t0 + (nbytes - b0) * (t1 - t0) / (b1 - b0))
+
+
+@dataclass(frozen=True)
 class Cluster:
     """Nodes of ``gpus_per_node`` ranks joined by ``inter``; ranks of a node joined by ``intra``."""
 
@@ -66,11 +120,26 @@ class Cluster:
     """A node's NICs together, per direction."""
     name: str = ""
     """What the figures describe, printed with the prediction."""
+    measured: Mapping[str, MeasuredCollective] = field(default_factory=dict)
+    """Collectives ``--measure`` timed on this layout (names: :data:`COLLECTIVES`); they replace
+    the formulas for a group of the size measured. Empty for stated links."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ValueError(f"nodes ({self.nodes}) and GPUs per node ({self.gpus_per_node}) must be "
                              f">= 1")
+        unknown = set(self.measured) - set(COLLECTIVES)
+        if unknown:
+            raise ValueError(f"unknown measured collective(s) {sorted(unknown)}; known: "
+                             f"{sorted(COLLECTIVES)}")
+
+    def measured_time(self, collective: str, nbytes: float, ranks: int) -> Optional[float]:
+        """Seconds of ``collective`` (:data:`COLLECTIVES`) on ``nbytes`` over a group of ``ranks``
+        from this layout's measurement, or None where none applies (then the formula does)."""
+        curve = self.measured.get(collective)
+        if curve is None or curve.ranks != ranks:
+            return None
+        return curve.seconds(nbytes)
 
     @property
     def world_size(self) -> int:

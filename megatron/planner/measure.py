@@ -4,12 +4,20 @@ Why measure and not ask: a user rarely knows the latency and usable bandwidth of
 the rate their GPUs reach on their model; under a minute of timing on the real launch (torchrun
 across the nodes, the run's own flags) gives all three. Every rank takes part:
 
-* **links**: the all-to-all the quantized hops call (``all_to_all_single`` of uint8 codes), on
-  the layer's two-level groups (:func:`~megatron.distributed.quant.topology.build_two_level_groups_for_all`:
-  the ranks of a node; the same local rank across nodes), all groups at once as in training, at a
-  small and a large size; latency and bandwidth are fitted through the two (medians of repeats);
+* **collectives**, each as the run calls it, all groups at once as in training, at 64 KiB and
+  16 MiB, each size repeated back to back (:data:`BACK_TO_BACK_BYTES`; medians of repeats): the
+  all-to-all the quantized hops call
+  (``all_to_all_single`` of uint8 codes) on the layer's two-level groups
+  (:func:`~megatron.distributed.quant.topology.build_two_level_groups_for_all`: the ranks of a
+  node; the same local rank across nodes), and megatron-core's gradient reduce-scatter and
+  parameter all-gather on the data-parallel group (whatever implements them in this process:
+  NCCL's, gloo's, or a benchmark's replacement). The timeline takes each collective's line
+  through its two sizes (:class:`~.cluster.MeasuredCollective`); the links' latency and bandwidth
+  printed with the prediction are fitted through the all-to-all's;
 * **kernels**: each quantization kernel the step calls, on the backend the trainer picks, at two
-  sizes (``fixed + bytes / bandwidth``), and a device copy;
+  sizes, the larger the run's largest bucket (up to 64M elements: on CPU ranks a bucket beyond
+  the caches costs more per byte than a small call, 4-18x for 16M elements against 4M here)
+  (``fixed + bytes / bandwidth``), and a device copy;
 * **compute**: the model's forward and backward for a few micro-batches on every rank at once,
   with no gradient communication, giving the model TFLOP/s the timeline scales; and the
   optimizer's update of the rank's shard, per element.
@@ -27,15 +35,16 @@ import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .calibration import SOURCES, ComputeRate, DeviceRates, KernelRate, fit_kernel, moved_bytes
-from .cluster import Cluster, Link
+from .cluster import Cluster, Link, MeasuredCollective
 
-__all__ = ["measure", "write_measurement", "read_measurement", "fit_link", "median_seconds"]
+__all__ = ["measure", "measure_collectives", "write_measurement", "read_measurement", "fit_link",
+           "median_seconds"]
 
 
 def fit_link(samples: List[Tuple[float, float]], concurrent: int = 1) -> Link:
@@ -62,35 +71,80 @@ def median_seconds(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]
     return statistics.median(times)
 
 
-def _probe(group: Any, size: int, nbytes: int, device: torch.device, repeats: int,
-           sync: Callable[[], None]) -> float:
-    """Median seconds of an all-to-all in which each rank sends ``nbytes`` split over ``size``."""
-    per = max(1, nbytes // size)
-    send = torch.zeros(per * size, dtype=torch.uint8, device=device)
-    recv = torch.empty_like(send)
+BACK_TO_BACK_BYTES = 64 << 20
+"""A probe repeats a small collective back to back until about this many bytes have gone: in
+training the buckets' collectives follow each other, so the link is busy, not idle; a single call
+after an idle pause rides on whatever the link lets through in a burst (a token bucket's credit,
+a congestion window kept from before) and measured 2-4x the rate training got on the emulated
+network (docs/planner.md)."""
 
-    def run() -> None:
-        dist.all_to_all_single(recv, send, group=group)
+
+def _probe(collective: str, group: Any, size: int, nbytes: int, device: torch.device,
+           repeats: int, sync: Callable[[], None]) -> float:
+    """Seconds per call of ``collective`` (:data:`~.cluster.COLLECTIVES`, ``nbytes`` as defined
+    there) on ``group`` of ``size`` ranks, through the same torch calls the run makes: the median
+    over ``repeats`` of back-to-back runs (:data:`BACK_TO_BACK_BYTES`), each divided by its calls."""
+    from megatron.distributed.quant.collectives.common import all_gather_flat, reduce_scatter_flat
+
+    per = max(1, nbytes // size)
+    if collective == "reduce_scatter":   # the gradient buffer's fp32 elements, summed
+        n = max(1, per // 4)
+        inp = torch.ones(n * size, dtype=torch.float32, device=device)
+        out = torch.empty(n, dtype=torch.float32, device=device)
+
+        def run() -> None:
+            reduce_scatter_flat(out, inp, group)
+    elif collective == "all_gather":
+        inp = torch.zeros(per, dtype=torch.uint8, device=device)
+        out = torch.empty(per * size, dtype=torch.uint8, device=device)
+
+        def run() -> None:
+            all_gather_flat(out, inp, group)
+    else:
+        send = torch.zeros(per * size, dtype=torch.uint8, device=device)
+        recv = torch.empty_like(send)
+
+        def run() -> None:
+            dist.all_to_all_single(recv, send, group=group)
 
     run()   # the communicator's first call sets it up
-    return median_seconds(run, repeats, sync, align=dist.barrier)
+    calls = max(1, min(64, BACK_TO_BACK_BYTES // max(1, nbytes)))
+
+    def back_to_back() -> None:
+        for _ in range(calls):
+            run()
+
+    return median_seconds(back_to_back, repeats, sync, align=dist.barrier) / calls
 
 
-def measure_links(device: torch.device, gpus_per_node: int, sizes: Tuple[int, int], repeats: int,
-                  sync: Callable[[], None]) -> Tuple[Link, Link]:
+def measure_collectives(device: torch.device, gpus_per_node: int, sizes: Tuple[int, ...],
+                        repeats: int, sync: Callable[[], None], data_parallel_group: Any = None
+                        ) -> Tuple[Optional[Link], Optional[Link], Dict[str, MeasuredCollective]]:
+    """(intra link, inter link, every :data:`~.cluster.COLLECTIVES` entry that applies) on this
+    launch; a link is None where the launch has none (one rank per node, or one node)."""
     from megatron.distributed.quant.topology import build_two_level_groups_for_all
 
     world = dist.get_world_size()
+    dp_group = data_parallel_group if data_parallel_group is not None else dist.group.WORLD
+    dp = dist.get_world_size(dp_group)
     groups = build_two_level_groups_for_all([list(range(world))], gpus_per_node)
     d, m = groups.intra_size, groups.inter_size
-    intra = inter = None
-    if d > 1:
-        intra = fit_link([((d - 1) / d * b, _probe(groups.intra_group, d, b, device, repeats, sync))
-                          for b in sizes])
-    if m > 1:
-        inter = fit_link([((m - 1) / m * b, _probe(groups.inter_group, m, b, device, repeats, sync))
-                          for b in sizes], concurrent=gpus_per_node)
-    return intra, inter
+    plan = [("all_to_all_intra", groups.intra_group, d), ("all_to_all_inter", groups.inter_group, m),
+            ("reduce_scatter", dp_group, dp), ("all_gather", dp_group, dp)]
+    curves: Dict[str, MeasuredCollective] = {}
+    for name, group, size in plan:
+        if size > 1:
+            points = tuple((float(b), _probe(name, group, size, b, device, repeats, sync))
+                           for b in sizes)
+            curves[name] = MeasuredCollective(ranks=size, points=points)
+
+    def link(name: str, size: int, concurrent: int = 1) -> Optional[Link]:
+        if name not in curves:
+            return None
+        pts = curves[name].points
+        return fit_link([((size - 1) / size * b, t) for b, t in (pts[0], pts[-1])], concurrent)
+
+    return link("all_to_all_intra", d), link("all_to_all_inter", m, gpus_per_node), curves
 
 
 def measure_kernels(device: torch.device, sizes: Tuple[int, int], sync: Callable[[], None],
@@ -132,7 +186,9 @@ def measure_kernels(device: torch.device, sizes: Tuple[int, int], sync: Callable
 def write_measurement(path: str, cluster: Cluster, rates: DeviceRates) -> None:
     data = {"cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
                         "name": cluster.name, "intra": asdict(cluster.intra),
-                        "inter": asdict(cluster.inter)},
+                        "inter": asdict(cluster.inter),
+                        "collectives": {k: {"ranks": v.ranks, "points": [list(p) for p in v.points]}
+                                        for k, v in cluster.measured.items()}},
             "rates": {"device": rates.device, "source": rates.source,
                       "compute": [asdict(c) for c in rates.compute],
                       "kernels": {k: asdict(v) for k, v in rates.kernels.items()},
@@ -152,7 +208,10 @@ def read_measurement(path: str) -> Tuple[Cluster, DeviceRates]:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         c, r = data["cluster"], data["rates"]
         cluster = Cluster(nodes=int(c["nodes"]), gpus_per_node=int(c["gpus_per_node"]),
-                          intra=Link(**c["intra"]), inter=Link(**c["inter"]), name=c.get("name", ""))
+                          intra=Link(**c["intra"]), inter=Link(**c["inter"]), name=c.get("name", ""),
+                          measured={k: MeasuredCollective(ranks=int(v["ranks"]),
+                                                          points=tuple(tuple(p) for p in v["points"]))
+                                    for k, v in c.get("collectives", {}).items()})
         rates = DeviceRates(
             device=r["device"], source=r["source"],
             compute=tuple(ComputeRate(**x) for x in r["compute"]),
@@ -166,10 +225,20 @@ def read_measurement(path: str) -> Tuple[Cluster, DeviceRates]:
     return cluster, rates
 
 
+def _largest_bucket(args: argparse.Namespace, world: int, gpus_per_node: int) -> int:
+    """Elements of the run's largest gradient bucket (:class:`~.workload.Workload`'s cut)."""
+    from .workload import Workload
+
+    stand_in = Link(bandwidth=1.0, latency=0.0)   # the buckets do not depend on the links
+    cluster = Cluster(nodes=world // gpus_per_node, gpus_per_node=gpus_per_node, intra=stand_in,
+                      inter=stand_in)
+    return max(Workload.from_args(argparse.Namespace(**vars(args)), cluster).buckets)
+
+
 def measure(args: argparse.Namespace, *,
             compute_seconds: Callable[[argparse.Namespace, int], Tuple[float, float, float]],
-            link_sizes: Tuple[int, int] = (1 << 16, 1 << 24),
-            kernel_sizes: Tuple[int, int] = (1 << 18, 1 << 22), repeats: int = 3,
+            link_sizes: Tuple[int, ...] = (1 << 16, 1 << 24),
+            kernel_sizes: Optional[Tuple[int, int]] = None, repeats: int = 3,
             compute_steps: int = 3) -> Tuple[Cluster, DeviceRates]:
     """Everything :mod:`.timeline` needs, timed on this launch (module docstring). The process
     group must be initialised; ``compute_seconds(args, steps)`` returns (seconds per
@@ -182,7 +251,14 @@ def measure(args: argparse.Namespace, *,
     cuda = args.device == "cuda" if hasattr(args, "device") else torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    intra, inter = measure_links(device, gpus_per_node, link_sizes, repeats, sync)
+    from megatron.core import parallel_state
+
+    dp_group = (parallel_state.get_data_parallel_group()
+                if parallel_state.model_parallel_is_initialized() else None)
+    intra, inter, curves = measure_collectives(device, gpus_per_node, link_sizes, repeats, sync,
+                                               dp_group)
+    if kernel_sizes is None:   # the largest call the run makes: a bucket (CPU caches, page faults)
+        kernel_sizes = (1 << 18, min(1 << 26, max(1 << 22, _largest_bucket(args, world, gpus_per_node))))
     kernels, copy_bw = measure_kernels(device, kernel_sizes, sync)
     seconds, flops, optimizer = compute_seconds(args, compute_steps)
     # every rank's compute ran at once; the slowest sets the pace of a synchronous step
@@ -198,7 +274,8 @@ def measure(args: argparse.Namespace, *,
     name = torch.cuda.get_device_name(device) if cuda else f"CPU ranks ({os.cpu_count()} cores)"
     absent = Link(bandwidth=float("inf"), latency=0.0)   # one node, or one rank per node
     cluster = Cluster(nodes=nodes, gpus_per_node=gpus_per_node, intra=intra or absent,
-                      inter=inter or absent, name=f"measured {time.strftime('%Y-%m-%d %H:%M')}")
+                      inter=inter or absent, name=f"measured {time.strftime('%Y-%m-%d %H:%M')}",
+                      measured=curves)
     rates = DeviceRates(
         device=name, source=f"tools/planner.py --measure, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         compute=(ComputeRate("measured", parameters, tflops),),

@@ -22,7 +22,9 @@ The model follows the run:
   with ``--overlap-param-gather``, beside it: bucket j's forward waits for its gather
   (``--overlap-param-gather-with-optimizer-step`` starts them during the step);
 * where the kernels run on the cores that compute (CPU ranks) they cannot hide: their time is
-  added to the iteration and only the links overlap.
+  added to the iteration and only the links overlap;
+* a collective ``--measure`` timed (the run's own call on its group, several sizes) takes its
+  measured time instead of the alpha-beta formula (:class:`~.cluster.MeasuredCollective`).
 
 Bytes per link come from :class:`~megatron.distributed.quant.accounting.CommAccounting`, recorded
 through the same calls the collectives make.
@@ -31,7 +33,7 @@ through the same calls the collectives make.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron.distributed.quant.accounting import CommAccounting
 from megatron.distributed.quant.config import QuantizationConfig
@@ -99,6 +101,11 @@ class Prediction:
         return self.grad_exposed_s + self.weight_exposed_s
 
 
+def _measured_or(measured: Optional[float], formula: Callable[[], float]) -> float:
+    """A collective's time from the cluster's measurement where it has one, else the formula."""
+    return formula() if measured is None else measured
+
+
 def _wire(numel: float, bits: int, group_size: int) -> float:
     return QuantizedTensor.wire_bytes(int(numel), bits, group_size)
 
@@ -112,7 +119,8 @@ def grad_bucket_cost(n: int, w: Workload, cfg: QuantizationConfig, rates: Device
     if p == 1:
         return BucketCost(0.0)
     if not cfg.quantized_gradients:
-        return BucketCost(ring_time(n * in_bytes, p, m, groups_per_node, cl))
+        return BucketCost(_measured_or(cl.measured_time("reduce_scatter", n * in_bytes, p),
+                                       lambda: ring_time(n * in_bytes, p, m, groups_per_node, cl)))
     two_level = d > 1 and m > 1
     bits1, gs1 = ((cfg.gradient_quantization_bits_intra, cfg.gq_group_size_intra) if d > 1
                   else (cfg.gradient_quantization_bits_inter, cfg.gq_group_size_inter))
@@ -125,13 +133,16 @@ def grad_bucket_cost(n: int, w: Workload, cfg: QuantizationConfig, rates: Device
     c = n / k   # one chunk
     q1 = _wire(c, bits1, gs1)
     if d > 1:
-        a = all_to_all_time((d - 1) / d * q1, cl.intra)
+        a = _measured_or(cl.measured_time("all_to_all_intra", q1, d),
+                         lambda: all_to_all_time((d - 1) / d * q1, cl.intra))
     else:
-        a = all_to_all_time((m - 1) / m * q1, cl.inter, cl.gpus_per_node)
+        a = _measured_or(cl.measured_time("all_to_all_inter", q1, m),
+                         lambda: all_to_all_time((m - 1) / m * q1, cl.inter, cl.gpus_per_node))
     if two_level:
         q2 = _wire(c / d, cfg.gradient_quantization_bits_inter, cfg.gq_group_size_inter)
         mid = rates.kernel("dequantize_sum_requantize").seconds(q1 + q2)
-        inter = all_to_all_time((m - 1) / m * q2, cl.inter, cl.gpus_per_node)
+        inter = _measured_or(cl.measured_time("all_to_all_inter", q2, m),
+                             lambda: all_to_all_time((m - 1) / m * q2, cl.inter, cl.gpus_per_node))
         fin = rates.kernel("dequantize_sum").seconds(q2 + 4 * c / p)
         b = mid + inter + fin
         chunk_kernels = mid + fin
@@ -150,7 +161,8 @@ def weight_bucket_cost(n: int, w: Workload, cfg: QuantizationConfig, rates: Devi
     if p == 1:
         return BucketCost(0.0)
     if not cfg.quantized_weights:
-        return BucketCost(ring_time(n * 2, p, m, groups_per_node, cl))
+        return BucketCost(_measured_or(cl.measured_time("all_gather", n * 2, p),
+                                       lambda: ring_time(n * 2, p, m, groups_per_node, cl)))
     shard = n / p
     bits, gs = cfg.weight_quantization_bits, cfg.wq_group_size
     if cfg.weight_quantization_mode == "diff":
@@ -159,7 +171,9 @@ def weight_bucket_cost(n: int, w: Workload, cfg: QuantizationConfig, rates: Devi
     else:
         send = rates.kernel("quantize").seconds(4 * shard + _wire(shard, bits, gs))
         recv = rates.kernel("dequantize").seconds(_wire(n, bits, gs) + 4 * n)
-    gather = ring_time(p * _wire(shard, bits, gs), p, m, groups_per_node, cl)
+    gathered = p * _wire(shard, bits, gs)
+    gather = _measured_or(cl.measured_time("all_gather", gathered, p),
+                          lambda: ring_time(gathered, p, m, groups_per_node, cl))
     return BucketCost(send + gather + recv, send + recv)
 
 

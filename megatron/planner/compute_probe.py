@@ -5,9 +5,10 @@ communication, measured on the user's device with every rank computing at once (
 training). The model is the trainer's own, wrapped as the trainer wraps it
 (``training_components.get_model``: mixed precision, the DDP wrapper whose backward hooks
 accumulate into the gradient buffers), on random tokens, its backward inside the wrapper's
-``no_sync()`` so no bucket is reduced; and the optimizer's own update on this rank's shard (the
-gradients copied to the main parameters and the torch optimizer's step), without the parameter
-all-gather that follows it in training.
+``no_sync()`` so no bucket is reduced; and the optimizer's own update on this rank's shard as the
+trainer's step does it (``training_step.optimizer_step``: the gradients copied to the main
+parameters, the global gradient norm with its all-reduce, the clip, the torch optimizer's step),
+without the parameter all-gather that follows it in training.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def forward_backward_seconds(args: argparse.Namespace, steps: int) -> Tuple[floa
     """(median seconds of one micro-batch's forward + backward on this rank, the model FLOPs of
     that micro-batch on this rank, median seconds of the optimizer's update of this rank's shard)
     after one warm-up step each. Needs ``initialize_megatron(args)``."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
     from megatron.training.config_builders import build_transformer_config
     from megatron.training.training_components import get_model, get_optimizer_and_scheduler
 
@@ -61,6 +64,10 @@ def forward_backward_seconds(args: argparse.Namespace, steps: int) -> Tuple[floa
     def update() -> None:
         for leaf in leaves:
             leaf.prepare_grads()
+            norm = leaf.get_grad_norm()
+            if leaf.config.clip_grad > 0 and leaf.get_parameters():
+                clip_grad_by_total_norm_fp32(leaf.get_parameters(), max_norm=leaf.config.clip_grad,
+                                             total_norm=norm)
             leaf.optimizer.step()
 
     opt = timed(update)

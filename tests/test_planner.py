@@ -337,6 +337,9 @@ def test_measure_on_four_gloo_ranks(tmp_path):
         assert curve.ranks == 4 and [b for b, _ in curve.points] == [1 << 16, 1 << 24]
         assert all(t > 0 for _, t in curve.points)
     assert "| SDP4Bit |" in res.stdout and "| baseline |" in res.stdout
+    # 4 ranks on this machine: over-subscribed where it has fewer cores, said with the rates
+    cores = len(os.sched_getaffinity(0))
+    assert ("over-subscribed" in rates.source) == (cores < 4), rates.source
 
 
 def test_bench_quant_json_feeds_the_planner(tmp_path):

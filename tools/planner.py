@@ -129,7 +129,7 @@ def run_measure(a: argparse.Namespace, run_argv: List[str]) -> int:
         if a.out:
             write_measurement(a.out, cluster, rates)
         print(f"[planner] measured: {cluster.describe()}; {rates.device}: "
-              f"{rates.compute[0].tflops:.3g} model TFLOP/s per rank", flush=True)
+              f"{rates.compute[0].tflops:.3g} model TFLOP/s per rank; {rates.source}", flush=True)
         rows, skipped, work = plan(run_argv, cluster, rates, [x for x in a.variants.split(",") if x])
         print(work.describe())
         print(report.format_table(rows, skipped), flush=True)

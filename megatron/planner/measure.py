@@ -225,6 +225,36 @@ def read_measurement(path: str) -> Tuple[Cluster, DeviceRates]:
     return cluster, rates
 
 
+def _machine_id() -> str:
+    """What tells two ranks apart as machines: the kernel's boot id where there is one (network
+    namespaces share it, so emulated nodes on one machine count as one), else the host name."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        import socket
+
+        return socket.gethostname()
+
+
+def oversubscription(cpu: bool) -> Optional[str]:
+    """For CPU ranks: a warning when more ranks share a machine than it has cores (collective over
+    all ranks; None where none does). The planner's premise is one rank per device: an
+    over-subscribed rank is descheduled while its peers wait in each blocking exchange, which no
+    probe with aligned ranks sees."""
+    ids: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, (_machine_id(), torch.get_num_threads()))
+    if not cpu:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    me = _machine_id()
+    ranks = [i for i, (m, _) in enumerate(ids) if m == me]
+    threads = sum(ids[i][1] for i in ranks)
+    if len(ranks) <= (cores or 1):
+        return None
+    return (f"{len(ranks)} ranks ({threads} threads) on a machine of {cores} cores: over-subscribed, "
+            f"ranks wait for descheduled peers in each exchange; predictions are optimistic")
+
+
 def _largest_bucket(args: argparse.Namespace, world: int, gpus_per_node: int) -> int:
     """Elements of the run's largest gradient bucket (:class:`~.workload.Workload`'s cut)."""
     from .workload import Workload
@@ -261,6 +291,7 @@ def measure(args: argparse.Namespace, *,
         kernel_sizes = (1 << 18, min(1 << 26, max(1 << 22, _largest_bucket(args, world, gpus_per_node))))
     kernels, copy_bw = measure_kernels(device, kernel_sizes, sync)
     seconds, flops, optimizer = compute_seconds(args, compute_steps)
+    crowded = oversubscription(not cuda)
     # every rank's compute ran at once; the slowest sets the pace of a synchronous step
     t = torch.tensor([seconds, optimizer], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -277,7 +308,8 @@ def measure(args: argparse.Namespace, *,
                       inter=inter or absent, name=f"measured {time.strftime('%Y-%m-%d %H:%M')}",
                       measured=curves)
     rates = DeviceRates(
-        device=name, source=f"tools/planner.py --measure, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        device=name, source=(f"tools/planner.py --measure, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+                             + (f"; warning: {crowded}" if crowded else "")),
         compute=(ComputeRate("measured", parameters, tflops),),
         kernels=kernels, copy_bandwidth=copy_bw, kernels_share_compute=not cuda,
         optimizer_seconds_per_element=t[1].item() / shard)

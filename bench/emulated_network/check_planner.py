@@ -3,8 +3,9 @@
 
 Per link speed: set up the two namespaces (setup_netns.sh), run ``tools/planner.py --measure``
 there (the collectives, kernels and compute of this launch; through ``pretrain_a2a_rs.py``, so
-the reduce-scatter it times is the ring ``baseline-ring`` runs), then train each variant REPEATS times
-(bench_emulated.py's commands), and print predicted vs measured ms/iteration with the error:
+the reduce-scatter it times is the ring ``baseline-ring`` runs), then train each variant REPEATS
+times (bench_emulated.py's commands), and print predicted vs measured ms/iteration with the error
+(``--nproc-per-node 1``: one rank per emulated node, one per core of this 2-core machine):
 
     sudo python3 bench/emulated_network/check_planner.py --bandwidths 200mbit,500mbit,1gbit \\
         --repeats 3 --out bench/out/planner_check.md
@@ -102,7 +103,8 @@ def main() -> int:
             for r in range(a.repeats):
                 for v in measured:
                     jsonl = str(work / f"{v}_{bw}_{r}.jsonl")
-                    cmds = emu.node_commands(topo, emu.train_args(model, v, a.iters, jsonl, dp_size=dp))
+                    cmds = emu.node_commands(topo, emu.train_args(model, v, a.iters, jsonl,
+                                                                  dp_size=dp))
                     if emu.run_nodes(cmds, a.timeout, str(work / f"{v}_{bw}_{r}")):
                         print(f"{bw} {v} run {r} failed, logs in {work}", file=sys.stderr)
                         continue

@@ -9,10 +9,10 @@ that replaces gloo's all-reduce-based one in megatron-core's gradient sync; ``--
 (default) or ``sync`` says how the calls megatron-core makes with ``async_op=True``
 (``--overlap-grad-reduce``) are served: on a worker thread, overlapping the backward pass, or
 synchronously (see ``ring_volume_rs``). ``--rs-script tools/planner.py`` runs the planner instead
-of ``pretrain_gpt.py`` (``--measure`` then times this reduce-scatter, the one the run calls). Works with fp32 and bf16 (``--grad-reduce-in-bf16``)
-gradient buffers. Every other flag goes to ``pretrain_gpt.py`` unchanged. Prints one
-``[ring_volume_rs] ... calls=N ... async_calls=M`` line per rank at the end, so a run can show
-that the replacement was used. Not for training: benchmark baselines only.
+of ``pretrain_gpt.py`` (``--measure`` then times this reduce-scatter, the one the run calls).
+Works with fp32 and bf16 (``--grad-reduce-in-bf16``) gradient buffers. Every other flag goes to
+``pretrain_gpt.py`` unchanged. Prints one ``[ring_volume_rs] ... calls=N ... async_calls=M`` line
+per rank at the end, so a run can show that the replacement was used. Not for training: benchmark baselines only.
 """
 
 from __future__ import annotations

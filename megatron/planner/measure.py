@@ -288,7 +288,8 @@ def measure(args: argparse.Namespace, *,
     intra, inter, curves = measure_collectives(device, gpus_per_node, link_sizes, repeats, sync,
                                                dp_group)
     if kernel_sizes is None:   # the largest call the run makes: a bucket (CPU caches, page faults)
-        kernel_sizes = (1 << 18, min(1 << 26, max(1 << 22, _largest_bucket(args, world, gpus_per_node))))
+        largest = _largest_bucket(args, world, gpus_per_node)
+        kernel_sizes = (1 << 18, min(1 << 26, max(1 << 22, largest)))
     kernels, copy_bw = measure_kernels(device, kernel_sizes, sync)
     seconds, flops, optimizer = compute_seconds(args, compute_steps)
     crowded = oversubscription(not cuda)
@@ -308,8 +309,9 @@ def measure(args: argparse.Namespace, *,
                       inter=inter or absent, name=f"measured {time.strftime('%Y-%m-%d %H:%M')}",
                       measured=curves)
     rates = DeviceRates(
-        device=name, source=(f"tools/planner.py --measure, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
-                             + (f"; warning: {crowded}" if crowded else "")),
+        device=name,
+        source=(f"tools/planner.py --measure, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+                + (f"; warning: {crowded}" if crowded else "")),
         compute=(ComputeRate("measured", parameters, tflops),),
         kernels=kernels, copy_bandwidth=copy_bw, kernels_share_compute=not cuda,
         optimizer_seconds_per_element=t[1].item() / shard)

@@ -611,7 +611,7 @@ def test_summary_reports_peak_rss_and_readable_tokenizer(env, tokenizers_under_t
 def test_a_bad_record_stops_the_worker_pool_without_terminate(env, capsys, monkeypatch):
     """A failed run closes the pool and lets the workers finish, never ``Pool.terminate()``:
     terminate kills a worker that may hold the result queue's lock mid-write, and CPython's pool
-    thread then waits on it forever (in a loop of this run, 1 in ~50-300 runs hung)."""
+    thread then waits on it forever (in a loop of this run, 2 of ~770 runs hung)."""
     import multiprocessing
     import multiprocessing.pool
 

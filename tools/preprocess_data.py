@@ -677,7 +677,7 @@ def preprocess(args):
     except Exception:
         # Not Pool.terminate(): it kills a worker that may be holding the result queue's lock
         # mid-write, and the pool's task thread then waits on that lock forever (CPython's pool;
-        # hung 1 run in ~50 here). The workers finish the chunks already queued and exit.
+        # hung 2 of ~770 runs here). The workers finish the chunks already queued and exit.
         stop_feeding.set()
         raise
     except BaseException:  # Ctrl-C: the workers got the signal too; don't wait for them

@@ -72,7 +72,7 @@ def test_all_to_all_shares_the_nic():
 
 
 def test_a_measured_collective_interpolates_between_its_sizes():
-    curve = MeasuredCollective(ranks=2, points=((4e6, 0.5), (1e6, 0.1), (16e6, 1.1)))
+    curve = MeasuredCollective(ranks=2, ranks_per_node=1, points=((4e6, 0.5), (1e6, 0.1), (16e6, 1.1)))
     assert curve.points[0] == (1e6, 0.1)                      # kept sorted by size
     assert curve.seconds(1e6) == pytest.approx(0.1)
     assert curve.seconds(2.5e6) == pytest.approx(0.3)         # half-way between 1 and 4 MB
@@ -81,21 +81,24 @@ def test_a_measured_collective_interpolates_between_its_sizes():
     assert curve.seconds(0.25e6) == pytest.approx(0.0)        # the first one, not below zero
     assert curve.seconds(0) == 0.0
     # a small size slower than a larger one (a descheduled rank) reads as the larger one's time
-    noisy = MeasuredCollective(ranks=2, points=((1e3, 0.2), (1e6, 0.1), (2e6, 0.2)))
+    noisy = MeasuredCollective(ranks=2, ranks_per_node=1, points=((1e3, 0.2), (1e6, 0.1), (2e6, 0.2)))
     assert noisy.seconds(1e3) == pytest.approx(0.1) and noisy.seconds(1.5e6) == pytest.approx(0.15)
     for bad in (((1e6, 0.1),), ((1e6, 0.1), (1e6, 0.2)), ((0, 0.1), (1e6, 0.2)),
                 ((1e3, -1.0), (1e6, 0.2))):
         with pytest.raises(ValueError, match="two or more distinct positive sizes"):
-            MeasuredCollective(ranks=2, points=bad)
+            MeasuredCollective(ranks=2, ranks_per_node=1, points=bad)
+    with pytest.raises(ValueError, match="1 to all of them per node"):
+        MeasuredCollective(ranks=2, ranks_per_node=3, points=((1e3, 0.1), (1e6, 0.2)))
 
 
 def test_measured_collectives_replace_the_formulas_for_their_group_size():
     cfg_base = QuantizationConfig()
     cfg_q = QuantizationConfig.from_args(parse_run_args(GPT_1_3B + [
         "--quantized-gradients", "--quantized-weights"]))
-    rs = MeasuredCollective(ranks=8, points=((1e6, 1e-3), (1e9, 1.001)))   # 1 ms + 1 ns/byte
-    ag = MeasuredCollective(ranks=8, points=((1e6, 2e-3), (1e9, 2.0)))
-    inter = MeasuredCollective(ranks=2, points=((1e6, 5e-3), (1e9, 5.0)))
+    # 2 nodes x 4: the data-parallel group of 8 has 4 ranks per node, the inter-node one 1
+    rs = MeasuredCollective(ranks=8, ranks_per_node=4, points=((1e6, 1e-3), (1e9, 1.001)))
+    ag = MeasuredCollective(ranks=8, ranks_per_node=4, points=((1e6, 2e-3), (1e9, 2.0)))
+    inter = MeasuredCollective(ranks=2, ranks_per_node=1, points=((1e6, 5e-3), (1e9, 5.0)))
     measured = replace(_cluster(), measured={"reduce_scatter": rs, "all_gather": ag,
                                              "all_to_all_inter": inter})
     w = Workload.from_args(parse_run_args(GPT_1_3B), measured)
@@ -105,15 +108,21 @@ def test_measured_collectives_replace_the_formulas_for_their_group_size():
     stated = Workload.from_args(parse_run_args(GPT_1_3B), _cluster())
     assert grad_bucket_cost(n, stated, cfg_base, _rates()).seconds == pytest.approx(
         ring_time(4 * n, 8, 2, 1, _cluster()))
-    # the quantized inter-node hop reads its curve; the intra-node one (not measured) the formula
+    # the quantized inter-node hop reads its curve; the intra-node one (not measured) the formula:
+    # one pipeline chunk, so the bucket's time differs by exactly the inter-node hop's
+    assert cfg_q.gradient_alltoall_pipeline == 1
     q_measured = grad_bucket_cost(n, w, cfg_q, _rates()).seconds
     q_stated = grad_bucket_cost(n, stated, cfg_q, _rates()).seconds
-    assert q_measured > q_stated
-    # measured on another group size: not used
-    other = replace(_cluster(), measured={"reduce_scatter": replace(rs, ranks=4)})
-    w4 = Workload.from_args(parse_run_args(GPT_1_3B), other)
-    assert grad_bucket_cost(n, w4, cfg_base, _rates()).seconds == pytest.approx(
-        ring_time(4 * n, 8, 2, 1, _cluster()))
+    q2 = QuantizedTensor.wire_bytes(n // 4, cfg_q.gradient_quantization_bits_inter,
+                                    cfg_q.gq_group_size_inter)
+    assert q_measured - q_stated == pytest.approx(
+        inter.seconds(q2) - all_to_all_time(q2 / 2, _cluster().inter, 4))
+    # measured on another group: another size, or as many ranks placed otherwise (one node)
+    for other_rs in (replace(rs, ranks=4), replace(rs, ranks_per_node=8)):
+        other = replace(_cluster(), measured={"reduce_scatter": other_rs})
+        w_other = Workload.from_args(parse_run_args(GPT_1_3B), other)
+        assert grad_bucket_cost(n, w_other, cfg_base, _rates()).seconds == pytest.approx(
+            ring_time(4 * n, 8, 2, 1, _cluster()))
     with pytest.raises(ValueError, match="unknown measured collective"):
         replace(_cluster(), measured={"broadcast": rs})
 
@@ -283,7 +292,7 @@ def test_kernel_and_compute_json(tmp_path):
 
 
 def test_measurement_round_trip_and_damage(tmp_path):
-    c = replace(_cluster(), measured={"all_gather": MeasuredCollective(8, ((1e6, 1e-3), (1e8, 0.1)))})
+    c = replace(_cluster(), measured={"all_gather": MeasuredCollective(8, 4, ((1e6, 1e-3), (1e8, 0.1)))})
     r = _rates()
     path = tmp_path / "m.json"
     write_measurement(str(path), c, r)
@@ -334,7 +343,8 @@ def test_measure_on_four_gloo_ranks(tmp_path):
     # the run's own collectives at two sizes on its groups (one node: no inter-node all-to-all)
     assert set(cluster.measured) == {"all_to_all_intra", "reduce_scatter", "all_gather"}
     for curve in cluster.measured.values():
-        assert curve.ranks == 4 and [b for b, _ in curve.points] == [1 << 16, 1 << 24]
+        assert (curve.ranks, curve.ranks_per_node) == (4, 4)
+        assert [b for b, _ in curve.points] == [1 << 16, 1 << 24]
         assert all(t > 0 for _, t in curve.points)
     assert "| SDP4Bit |" in res.stdout and "| baseline |" in res.stdout
     # 4 ranks on this machine: over-subscribed where it has fewer cores, said with the rates
@@ -356,7 +366,7 @@ def test_bench_quant_json_feeds_the_planner(tmp_path):
 
 def test_a_one_node_measurement_needs_the_inter_node_link_stated(tmp_path):
     path = tmp_path / "one_node.json"
-    intra = MeasuredCollective(4, ((1e6, 1e-3), (1e8, 0.1)))
+    intra = MeasuredCollective(4, 4, ((1e6, 1e-3), (1e8, 0.1)))
     write_measurement(str(path), Cluster(1, 4, Link(1e9, 1e-4), Link(float("inf"), 0.0),
                                          measured={"all_to_all_intra": intra}), _rates())
     run = ["--", *GPT_1_3B[:12], "--global-batch-size", "64", *GPT_1_3B[14:]]

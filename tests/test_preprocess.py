@@ -630,6 +630,26 @@ def test_a_bad_record_stops_the_worker_pool_without_terminate(env, capsys, monke
     assert multiprocessing.active_children() == []  # the workers were joined, none left behind
 
 
+def test_a_bad_record_stops_the_feed(env, capsys, monkeypatch):
+    """After an early bad record the pool is given no more records: the run stops reading the
+    input (a pipe's worth of queued chunks at most), it does not tokenize the rest first."""
+    path = env["dir"] / "bad_early.jsonl"
+    lines = [json.dumps({"text": NONEMPTY[i % len(NONEMPTY)]}) for i in range(20000)]
+    lines[1] = '{"text": null}'
+    path.write_text("\n".join(lines) + "\n")
+    pulled = []
+    real_iter_records = pp.iter_records
+
+    def counting(*a, **kw):
+        fmt, records = real_iter_records(*a, **kw)
+        return fmt, (pulled.append(1) or r for r in records)
+
+    monkeypatch.setattr(pp, "iter_records", counting)
+    assert _run(env, path, env["dir"] / "bad_early", "--workers", "2", "--chunk-size", "1") == 1
+    assert "line 2: value of 'text' is null" in capsys.readouterr().err
+    assert 2 <= len(pulled) < 10000, len(pulled)
+
+
 def test_null_or_non_string_text_is_a_bad_record(env, capsys):
     path = env["dir"] / "null_text.jsonl"
     path.write_text('{"text": "a b c"}\n{"text": null}\n{"text": "d e"}\n{"text": 7}\n')

@@ -685,17 +685,19 @@ def preprocess(args):
             pool.terminate()
         raise
     finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
-        for key, b in builders.items():
-            if ok:
-                b.finalize(get_idx_path(prefixes[key]))
-            else:
-                b.data_file.close()
-                for path in (get_bin_path(prefixes[key]), get_idx_path(prefixes[key])):
-                    if os.path.exists(path):
-                        os.remove(path)
+        try:   # the outputs first: a Ctrl-C while the pool drains must not leave partial files
+            for key, b in builders.items():
+                if ok:
+                    b.finalize(get_idx_path(prefixes[key]))
+                else:
+                    b.data_file.close()
+                    for path in (get_bin_path(prefixes[key]), get_idx_path(prefixes[key])):
+                        if os.path.exists(path):
+                            os.remove(path)
+        finally:
+            if pool is not None:
+                pool.close()
+                pool.join()
 
     elapsed = max(time.time() - start, 1e-9)
     if n_records == 0:

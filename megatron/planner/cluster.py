@@ -80,11 +80,17 @@ class MeasuredCollective:
     descheduled rank)."""
 
     ranks: int
-    """The group's size it was measured on; it describes only a run with that group size."""
+    """The group's size it was measured on; it describes only a group of that size ..."""
+    ranks_per_node: int
+    """... with as many of its ranks on each node (a group of 4 inside a node and one across two
+    nodes are different collectives)."""
     points: Tuple[Tuple[float, float], ...]
     """(bytes, seconds), bytes as :data:`COLLECTIVES` defines them, at two or more sizes."""
 
     def __post_init__(self) -> None:
+        if self.ranks < 2 or not 1 <= self.ranks_per_node <= self.ranks:
+            raise ValueError(f"a measured collective needs a group of 2 or more ranks with 1 to all "
+                             f"of them per node, got {self.ranks} ranks, {self.ranks_per_node} per node")
         pts = tuple(sorted((float(b), float(t)) for b, t in self.points))
         if len(pts) < 2 or len({b for b, _ in pts}) != len(pts) or any(b <= 0 or t < 0 for b, t in pts):
             raise ValueError(f"a measured collective needs two or more distinct positive sizes "
@@ -133,11 +139,13 @@ class Cluster:
             raise ValueError(f"unknown measured collective(s) {sorted(unknown)}; known: "
                              f"{sorted(COLLECTIVES)}")
 
-    def measured_time(self, collective: str, nbytes: float, ranks: int) -> Optional[float]:
-        """Seconds of ``collective`` (:data:`COLLECTIVES`) on ``nbytes`` over a group of ``ranks``
-        from this layout's measurement, or None where none applies (then the formula does)."""
+    def measured_time(self, collective: str, nbytes: float, ranks: int,
+                      ranks_per_node: int) -> Optional[float]:
+        """Seconds of ``collective`` (:data:`COLLECTIVES`) on ``nbytes`` over a group of ``ranks``,
+        ``ranks_per_node`` of them on each node, from this layout's measurement, or None where
+        none was measured on such a group (then the formula applies)."""
         curve = self.measured.get(collective)
-        if curve is None or curve.ranks != ranks:
+        if curve is None or (curve.ranks, curve.ranks_per_node) != (ranks, ranks_per_node):
             return None
         return curve.seconds(nbytes)
 

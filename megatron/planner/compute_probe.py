@@ -61,10 +61,12 @@ def forward_backward_seconds(args: argparse.Namespace, steps: int) -> Tuple[floa
     with model.no_sync():   # gradients for the update to read
         model(tokens, positions, None, labels=labels).float().mean().backward()
 
-    def update() -> None:
+    def update() -> None:   # training_step.optimizer_step without the parameter all-gather
+        optimizer.prepare_grads()
+        norm = optimizer.get_grad_norm()   # the chain's one global norm, one all-reduce
         for leaf in leaves:
-            leaf.prepare_grads()
-            norm = leaf.get_grad_norm()
+            if getattr(leaf, "is_stub_optimizer", False):
+                continue
             if leaf.config.clip_grad > 0 and leaf.get_parameters():
                 clip_grad_by_total_norm_fp32(leaf.get_parameters(), max_norm=leaf.config.clip_grad,
                                              total_norm=norm)

@@ -80,17 +80,19 @@ network (docs/planner.md)."""
 
 
 def _probe(collective: str, group: Any, size: int, nbytes: int, device: torch.device,
-           repeats: int, sync: Callable[[], None]) -> float:
+           repeats: int, sync: Callable[[], None], grad_dtype: torch.dtype = torch.float32) -> float:
     """Seconds per call of ``collective`` (:data:`~.cluster.COLLECTIVES`, ``nbytes`` as defined
-    there) on ``group`` of ``size`` ranks, through the same torch calls the run makes: the median
-    over ``repeats`` of back-to-back runs (:data:`BACK_TO_BACK_BYTES`), each divided by its calls."""
+    there) on ``group`` of ``size`` ranks, through the same torch calls the run makes (the
+    reduce-scatter sums ``grad_dtype``, the run's gradient buffers): the median over ``repeats``
+    of back-to-back runs (:data:`BACK_TO_BACK_BYTES`, at most 64 calls), each divided by its
+    calls."""
     from megatron.distributed.quant.collectives.common import all_gather_flat, reduce_scatter_flat
 
     per = max(1, nbytes // size)
-    if collective == "reduce_scatter":   # the gradient buffer's fp32 elements, summed
-        n = max(1, per // 4)
-        inp = torch.ones(n * size, dtype=torch.float32, device=device)
-        out = torch.empty(n, dtype=torch.float32, device=device)
+    if collective == "reduce_scatter":   # the gradient buffer's elements, summed
+        n = max(1, per // grad_dtype.itemsize)
+        inp = torch.ones(n * size, dtype=grad_dtype, device=device)
+        out = torch.empty(n, dtype=grad_dtype, device=device)
 
         def run() -> None:
             reduce_scatter_flat(out, inp, group)
@@ -118,10 +120,12 @@ def _probe(collective: str, group: Any, size: int, nbytes: int, device: torch.de
 
 
 def measure_collectives(device: torch.device, gpus_per_node: int, sizes: Tuple[int, ...],
-                        repeats: int, sync: Callable[[], None], data_parallel_group: Any = None
+                        repeats: int, sync: Callable[[], None], data_parallel_group: Any = None,
+                        grad_dtype: torch.dtype = torch.float32
                         ) -> Tuple[Optional[Link], Optional[Link], Dict[str, MeasuredCollective]]:
     """(intra link, inter link, every :data:`~.cluster.COLLECTIVES` entry that applies) on this
-    launch; a link is None where the launch has none (one rank per node, or one node)."""
+    launch; a link is None where the launch has none (one rank per node, or one node). Each time
+    is the slowest rank's (a collective ends when its last rank does)."""
     from megatron.distributed.quant.topology import build_two_level_groups_for_all
 
     world = dist.get_world_size()
@@ -129,14 +133,21 @@ def measure_collectives(device: torch.device, gpus_per_node: int, sizes: Tuple[i
     dp = dist.get_world_size(dp_group)
     groups = build_two_level_groups_for_all([list(range(world))], gpus_per_node)
     d, m = groups.intra_size, groups.inter_size
-    plan = [("all_to_all_intra", groups.intra_group, d), ("all_to_all_inter", groups.inter_group, m),
-            ("reduce_scatter", dp_group, dp), ("all_gather", dp_group, dp)]
-    curves: Dict[str, MeasuredCollective] = {}
-    for name, group, size in plan:
-        if size > 1:
-            points = tuple((float(b), _probe(name, group, size, b, device, repeats, sync))
-                           for b in sizes)
-            curves[name] = MeasuredCollective(ranks=size, points=points)
+    node = dist.get_rank() // gpus_per_node
+    dp_per_node = sum(1 for r in dist.get_process_group_ranks(dp_group) if r // gpus_per_node == node)
+    plan = [("all_to_all_intra", groups.intra_group, d, d),
+            ("all_to_all_inter", groups.inter_group, m, 1),
+            ("reduce_scatter", dp_group, dp, dp_per_node), ("all_gather", dp_group, dp, dp_per_node)]
+    plan = [p for p in plan if p[2] > 1]
+    seconds = torch.tensor([[_probe(name, group, size, b, device, repeats, sync, grad_dtype)
+                             for b in sizes] for name, group, size, _ in plan],
+                           dtype=torch.float64, device=device)   # NCCL reduces device tensors
+    if plan:
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    curves: Dict[str, MeasuredCollective] = {
+        name: MeasuredCollective(ranks=size, ranks_per_node=per_node,
+                                 points=tuple((float(b), t) for b, t in zip(sizes, row.tolist())))
+        for (name, _, size, per_node), row in zip(plan, seconds.cpu())}
 
     def link(name: str, size: int, concurrent: int = 1) -> Optional[Link]:
         if name not in curves:
@@ -187,7 +198,8 @@ def write_measurement(path: str, cluster: Cluster, rates: DeviceRates) -> None:
     data = {"cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
                         "name": cluster.name, "intra": asdict(cluster.intra),
                         "inter": asdict(cluster.inter),
-                        "collectives": {k: {"ranks": v.ranks, "points": [list(p) for p in v.points]}
+                        "collectives": {k: {"ranks": v.ranks, "ranks_per_node": v.ranks_per_node,
+                                            "points": [list(p) for p in v.points]}
                                         for k, v in cluster.measured.items()}},
             "rates": {"device": rates.device, "source": rates.source,
                       "compute": [asdict(c) for c in rates.compute],
@@ -210,6 +222,7 @@ def read_measurement(path: str) -> Tuple[Cluster, DeviceRates]:
         cluster = Cluster(nodes=int(c["nodes"]), gpus_per_node=int(c["gpus_per_node"]),
                           intra=Link(**c["intra"]), inter=Link(**c["inter"]), name=c.get("name", ""),
                           measured={k: MeasuredCollective(ranks=int(v["ranks"]),
+                                                          ranks_per_node=int(v["ranks_per_node"]),
                                                           points=tuple(tuple(p) for p in v["points"]))
                                     for k, v in c.get("collectives", {}).items()})
         rates = DeviceRates(
@@ -236,23 +249,31 @@ def _machine_id() -> str:
         return socket.gethostname()
 
 
+def _cores() -> frozenset:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return frozenset(os.sched_getaffinity(0))
+    return frozenset(range(os.cpu_count() or 1))
+
+
 def oversubscription(cpu: bool) -> Optional[str]:
-    """For CPU ranks: a warning when more ranks share a machine than it has cores (collective over
-    all ranks; None where none does). The planner's premise is one rank per device: an
-    over-subscribed rank is descheduled while its peers wait in each blocking exchange, which no
-    probe with aligned ranks sees."""
+    """For CPU ranks: a warning when the compute threads of the ranks on a machine outnumber the
+    cores they may run on together (collective over all ranks; None where they do not). The
+    planner's premise is one rank per device: an over-subscribed rank is descheduled while its
+    peers wait in each blocking exchange, which no probe with aligned ranks sees."""
     ids: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(ids, (_machine_id(), torch.get_num_threads()))
+    dist.all_gather_object(ids, (_machine_id(), torch.get_num_threads(), _cores()))
     if not cpu:
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     me = _machine_id()
-    ranks = [i for i, (m, _) in enumerate(ids) if m == me]
-    threads = sum(ids[i][1] for i in ranks)
-    if len(ranks) <= (cores or 1):
+    mine = [(threads, cores) for machine, threads, cores in ids if machine == me]
+    threads = sum(t for t, _ in mine)
+    cores = len(frozenset().union(*(c for _, c in mine)))
+    if threads <= cores:
         return None
-    return (f"{len(ranks)} ranks ({threads} threads) on a machine of {cores} cores: over-subscribed, "
-            f"ranks wait for descheduled peers in each exchange; predictions are optimistic")
+    return (f"{len(mine)} ranks ({threads} compute threads) on {cores} cores of one machine: "
+            f"over-subscribed, ranks wait for descheduled peers in each exchange; predictions are "
+            f"optimistic")
 
 
 def _largest_bucket(args: argparse.Namespace, world: int, gpus_per_node: int) -> int:
@@ -285,8 +306,9 @@ def measure(args: argparse.Namespace, *,
 
     dp_group = (parallel_state.get_data_parallel_group()
                 if parallel_state.model_parallel_is_initialized() else None)
+    grad_dtype = torch.bfloat16 if getattr(args, "grad_reduce_in_bf16", False) else torch.float32
     intra, inter, curves = measure_collectives(device, gpus_per_node, link_sizes, repeats, sync,
-                                               dp_group)
+                                               dp_group, grad_dtype)
     if kernel_sizes is None:   # the largest call the run makes: a bucket (CPU caches, page faults)
         largest = _largest_bucket(args, world, gpus_per_node)
         kernel_sizes = (1 << 18, min(1 << 26, max(1 << 22, largest)))
@@ -294,7 +316,7 @@ def measure(args: argparse.Namespace, *,
     seconds, flops, optimizer = compute_seconds(args, compute_steps)
     crowded = oversubscription(not cuda)
     # every rank's compute ran at once; the slowest sets the pace of a synchronous step
-    t = torch.tensor([seconds, optimizer], dtype=torch.float64)
+    t = torch.tensor([seconds, optimizer], dtype=torch.float64, device=device)  # NCCL: on the device
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     tflops = flops / t[0].item() / 1e12
     from .workload import count_parameters

@@ -119,7 +119,7 @@ def grad_bucket_cost(n: int, w: Workload, cfg: QuantizationConfig, rates: Device
     if p == 1:
         return BucketCost(0.0)
     if not cfg.quantized_gradients:
-        return BucketCost(_measured_or(cl.measured_time("reduce_scatter", n * in_bytes, p),
+        return BucketCost(_measured_or(cl.measured_time("reduce_scatter", n * in_bytes, p, d),
                                        lambda: ring_time(n * in_bytes, p, m, groups_per_node, cl)))
     two_level = d > 1 and m > 1
     bits1, gs1 = ((cfg.gradient_quantization_bits_intra, cfg.gq_group_size_intra) if d > 1
@@ -133,15 +133,15 @@ def grad_bucket_cost(n: int, w: Workload, cfg: QuantizationConfig, rates: Device
     c = n / k   # one chunk
     q1 = _wire(c, bits1, gs1)
     if d > 1:
-        a = _measured_or(cl.measured_time("all_to_all_intra", q1, d),
+        a = _measured_or(cl.measured_time("all_to_all_intra", q1, d, d),
                          lambda: all_to_all_time((d - 1) / d * q1, cl.intra))
     else:
-        a = _measured_or(cl.measured_time("all_to_all_inter", q1, m),
+        a = _measured_or(cl.measured_time("all_to_all_inter", q1, m, 1),
                          lambda: all_to_all_time((m - 1) / m * q1, cl.inter, cl.gpus_per_node))
     if two_level:
         q2 = _wire(c / d, cfg.gradient_quantization_bits_inter, cfg.gq_group_size_inter)
         mid = rates.kernel("dequantize_sum_requantize").seconds(q1 + q2)
-        inter = _measured_or(cl.measured_time("all_to_all_inter", q2, m),
+        inter = _measured_or(cl.measured_time("all_to_all_inter", q2, m, 1),
                              lambda: all_to_all_time((m - 1) / m * q2, cl.inter, cl.gpus_per_node))
         fin = rates.kernel("dequantize_sum").seconds(q2 + 4 * c / p)
         b = mid + inter + fin
@@ -161,7 +161,7 @@ def weight_bucket_cost(n: int, w: Workload, cfg: QuantizationConfig, rates: Devi
     if p == 1:
         return BucketCost(0.0)
     if not cfg.quantized_weights:
-        return BucketCost(_measured_or(cl.measured_time("all_gather", n * 2, p),
+        return BucketCost(_measured_or(cl.measured_time("all_gather", n * 2, p, d),
                                        lambda: ring_time(n * 2, p, m, groups_per_node, cl)))
     shard = n / p
     bits, gs = cfg.weight_quantization_bits, cfg.wq_group_size
@@ -172,7 +172,7 @@ def weight_bucket_cost(n: int, w: Workload, cfg: QuantizationConfig, rates: Devi
         send = rates.kernel("quantize").seconds(4 * shard + _wire(shard, bits, gs))
         recv = rates.kernel("dequantize").seconds(_wire(n, bits, gs) + 4 * n)
     gathered = p * _wire(shard, bits, gs)
-    gather = _measured_or(cl.measured_time("all_gather", gathered, p),
+    gather = _measured_or(cl.measured_time("all_gather", gathered, p, d),
                           lambda: ring_time(gathered, p, m, groups_per_node, cl))
     return BucketCost(send + gather + recv, send + recv)
 

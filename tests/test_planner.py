@@ -248,6 +248,24 @@ def test_a_measured_optimizer_rate_replaces_the_copy_estimate():
     assert p.optimizer_s == pytest.approx(w.rank_parameters / 8 * 1e-8)
 
 
+def test_weight_gathers_start_after_the_step_not_during_it():
+    """--overlap-param-gather-with-optimizer-step: the trainer dispatches every gather right
+    after the step (install_gather_after_step), so none hides behind the step itself: one after
+    another from the step's end, the forward of the last bucket starts when all are done."""
+    flags = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "200000000"]
+    w, cfg = _run(flags + ["--overlap-param-gather-with-optimizer-step"])
+    rates = replace(_rates(tflops=1e6), optimizer_seconds_per_element=1e-6)   # a long step
+    p = predict("b", w, cfg, rates)
+    assert len(w.buckets) > 2 and p.optimizer_s > p.weight_total_s
+    forward = p.compute_s / w.micro_batches / 3
+    last_share = w.buckets[0] / w.rank_parameters   # bucket 0 holds the last layers: forward's last
+    assert forward < 0.01 * p.weight_total_s        # the gathers, not the forward, set the pace
+    assert p.weight_exposed_s >= p.weight_total_s - (1 - last_share) * forward - 1e-12
+    # megatron-core's own one-ahead prefetch exposes at least as much
+    w1, cfg1 = _run(flags)
+    assert predict("b", w1, cfg1, rates).weight_exposed_s >= p.weight_exposed_s - 1e-12
+
+
 def test_overlap_hides_what_the_backward_covers():
     w, cfg = _run(["--overlap-grad-reduce", "--ddp-bucket-size", "200000000"])
     slow = predict("b", w, cfg, _rates(tflops=1.0))     # long backward: only the last bucket shows

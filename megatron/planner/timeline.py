@@ -19,8 +19,11 @@ The model follows the run:
   moments, the bf16 copy);
 * **weights**: each bucket's all-gather (quantized: the difference kernel on the shard, the
   gather of codes, the add kernel on the bucket), before the first micro-batch's forward or,
-  with ``--overlap-param-gather``, beside it: bucket j's forward waits for its gather
-  (``--overlap-param-gather-with-optimizer-step`` starts them during the step);
+  with ``--overlap-param-gather``, beside it: bucket j's forward waits for its gather, and
+  megatron-core's pre-hook starts bucket j+1's gather once bucket j's is done (one ahead; the
+  first is exposed); ``--overlap-param-gather-with-optimizer-step`` starts them all right after
+  the step (the trainer dispatches them there, integration.install_gather_after_step), one after
+  another;
 * where the kernels run on the cores that compute (CPU ranks) they cannot hide: their time is
   added to the iteration and only the links overlap;
 * a collective ``--measure`` timed (the run's own call on its group, several sizes) takes its
@@ -298,12 +301,15 @@ def predict(variant: str, w: Workload, cfg: QuantizationConfig, rates: DeviceRat
                  else shard * OPTIMIZER_BYTES_PER_ELEMENT / rates.copy_bandwidth)
     forward = slot / 3
     if w.overlap_param_gather and w.dp > 1:
-        start = -optimizer if getattr(a, "overlap_param_gather_with_optimizer_step", False) else 0.0
+        all_after_step = bool(getattr(a, "overlap_param_gather_with_optimizer_step", False))
         order = list(range(len(w.buckets)))[::-1]          # forward meets the first layers first
-        finish, t = start, 0.0
+        link_free = t = dispatch = 0.0   # the forward's clock from the end of the step
         for j in order:
-            finish += dur(weights[j])
-            t = max(t, finish) + share[j] * forward
+            finish = max(link_free, dispatch) + dur(weights[j])
+            link_free = finish
+            start = max(t, finish)                         # bucket j's forward waits for it
+            dispatch = 0.0 if all_after_step else start    # one ahead: the pre-hook starts j+1's
+            t = start + share[j] * forward
         weight_exposed = max(0.0, t - forward)
     else:
         weight_exposed = sum(dur(c) for c in weights)

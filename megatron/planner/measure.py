@@ -261,11 +261,11 @@ def oversubscription(cpu: bool) -> Optional[str]:
     cores they may run on together (collective over all ranks; None where they do not). The
     planner's premise is one rank per device: an over-subscribed rank is descheduled while its
     peers wait in each blocking exchange, which no probe with aligned ranks sees."""
+    me = _machine_id()
     ids: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(ids, (_machine_id(), torch.get_num_threads(), _cores()))
+    dist.all_gather_object(ids, (me, torch.get_num_threads(), _cores()))
     if not cpu:
         return None
-    me = _machine_id()
     mine = [(threads, cores) for machine, threads, cores in ids if machine == me]
     threads = sum(t for t, _ in mine)
     cores = len(frozenset().union(*(c for _, c in mine)))
@@ -276,14 +276,15 @@ def oversubscription(cpu: bool) -> Optional[str]:
             f"optimistic")
 
 
-def _largest_bucket(args: argparse.Namespace, world: int, gpus_per_node: int) -> int:
-    """Elements of the run's largest gradient bucket (:class:`~.workload.Workload`'s cut)."""
+def _workload(args: argparse.Namespace, world: int, gpus_per_node: int) -> Any:
+    """The run's :class:`~.workload.Workload` on this launch's layout: its parameters and buckets
+    (neither depends on the links, so they stand in)."""
     from .workload import Workload
 
-    stand_in = Link(bandwidth=1.0, latency=0.0)   # the buckets do not depend on the links
+    stand_in = Link(bandwidth=1.0, latency=0.0)
     cluster = Cluster(nodes=world // gpus_per_node, gpus_per_node=gpus_per_node, intra=stand_in,
                       inter=stand_in)
-    return max(Workload.from_args(argparse.Namespace(**vars(args)), cluster).buckets)
+    return Workload.from_args(argparse.Namespace(**vars(args)), cluster)
 
 
 def measure(args: argparse.Namespace, *,
@@ -309,9 +310,9 @@ def measure(args: argparse.Namespace, *,
     grad_dtype = torch.bfloat16 if getattr(args, "grad_reduce_in_bf16", False) else torch.float32
     intra, inter, curves = measure_collectives(device, gpus_per_node, link_sizes, repeats, sync,
                                                dp_group, grad_dtype)
+    work = _workload(args, world, gpus_per_node)
     if kernel_sizes is None:   # the largest call the run makes: a bucket (CPU caches, page faults)
-        largest = _largest_bucket(args, world, gpus_per_node)
-        kernel_sizes = (1 << 18, min(1 << 26, max(1 << 22, largest)))
+        kernel_sizes = (1 << 18, min(1 << 26, max(1 << 22, max(work.buckets))))
     kernels, copy_bw = measure_kernels(device, kernel_sizes, sync)
     seconds, flops, optimizer = compute_seconds(args, compute_steps)
     crowded = oversubscription(not cuda)
@@ -319,11 +320,8 @@ def measure(args: argparse.Namespace, *,
     t = torch.tensor([seconds, optimizer], dtype=torch.float64, device=device)  # NCCL: on the device
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     tflops = flops / t[0].item() / 1e12
-    from .workload import count_parameters
-
-    parameters = count_parameters(args)
-    shard = parameters / (args.tensor_model_parallel_size * args.pipeline_model_parallel_size) / (
-        world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
+    parameters = work.parameters
+    shard = parameters / (work.tp * work.pp) / work.dp
     nodes = world // gpus_per_node
     name = torch.cuda.get_device_name(device) if cuda else f"CPU ranks ({os.cpu_count()} cores)"
     absent = Link(bandwidth=float("inf"), latency=0.0)   # one node, or one rank per node

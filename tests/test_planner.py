@@ -17,13 +17,13 @@ from megatron.distributed.quant.accounting import CommAccounting
 from megatron.distributed.quant.config import QuantizationConfig
 from megatron.distributed.quant.kernels import QuantizedTensor
 from megatron.planner import calibration
-from megatron.planner.calibration import DeviceRates, KernelRate, fit_kernel
+from megatron.planner.calibration import Contention, DeviceRates, KernelRate, fit_kernel
 from megatron.planner.cluster import (Cluster, Link, MeasuredCollective, all_reduce_time,
                                       all_to_all_time, ring_time)
-from megatron.planner.measure import fit_link, read_measurement, write_measurement
-from megatron.planner.timeline import (OPTIMIZER_BYTES_PER_ELEMENT,
-                                                         grad_bucket_cost, predict,
-                                                         weight_bucket_cost)
+from megatron.planner.measure import (MAX_PROBE_BYTES, PROBE_SIZES, fit_link, probe_sizes,
+                                      read_measurement, write_measurement)
+from megatron.planner.timeline import (OPTIMIZER_BYTES_PER_ELEMENT, grad_bucket_cost, predict,
+                                       two_lanes, weight_bucket_cost)
 from megatron.planner.variants import (parse_run_args, recipe_variant_flags,
                                                          strip_quantization_flags)
 from megatron.planner.workload import Workload, count_parameters
@@ -40,8 +40,8 @@ def _cluster(nodes=2, gpn=4, intra_bw=100e9, intra_lat=2e-6, inter_bw=10e9, inte
     return Cluster(nodes, gpn, Link(intra_bw, intra_lat), Link(inter_bw, inter_lat))
 
 
-def _rates(kernel=KernelRate(1e-5, 1e11), share=False, tflops=100.0):
-    return DeviceRates(device="test", source="hand", kernels_share_compute=share,
+def _rates(kernel=KernelRate(1e-5, 1e11), tflops=100.0, contention=None):
+    return DeviceRates(device="test", source="hand", contention=contention or {},
                        compute=(calibration.ComputeRate("x", 1_000_000, tflops),),
                        kernels={k: kernel for k in calibration.KERNELS}, copy_bandwidth=1e12)
 
@@ -275,13 +275,37 @@ def test_overlap_hides_what_the_backward_covers():
     assert fast.grad_exposed_s == pytest.approx(fast.grad_total_s, rel=1e-3)
 
 
-def test_kernels_on_cpu_cores_cannot_hide():
-    w, cfg = _run(["--overlap-grad-reduce", "--ddp-bucket-size", "200000000"],
-                  ["--quantized-gradients", "--quantized-weights"])
-    gpu = predict("q", w, cfg, _rates(tflops=1.0))
-    cpu = predict("q", w, cfg, _rates(tflops=1.0, share=True))
-    assert gpu.kernels_on_compute_s == 0.0
-    assert cpu.kernels_on_compute_s > 0 and cpu.iteration_s > gpu.iteration_s
+def test_two_lanes_by_hand():
+    # job j waits for compute piece j; both busy: compute at 1/2 speed, the jobs at 1/3
+    slow = Contention(compute=2.0, communication=3.0)
+    # t 0-1 piece 0 alone; t 1-3 piece 1 (2 s at half speed) beside job 0 (2/3 done);
+    # t 3-3.33 job 0's last third alone; t 3.33-4.33 job 1 alone
+    assert two_lanes([1, 1], [1, 1], [0, 1], [-1, -1], slow) == pytest.approx((3.0, 13 / 3))
+    # alone speeds: the plain one-at-a-time chain
+    assert two_lanes([1, 1], [1, 1], [0, 1], [-1, -1]) == pytest.approx((2.0, 3.0))
+    # the forward's shape: piece k waits for gather k
+    assert two_lanes([1, 1], [0.5, 0.5], [-1, -1], [0, 1]) == pytest.approx((2.5, 1.0))
+    with pytest.raises(ValueError, match="cycle"):
+        two_lanes([1], [1], [0], [0])
+
+
+def test_measured_contention_costs_only_what_overlaps():
+    flags = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "200000000"]
+    quant = ["--quantized-gradients", "--quantized-weights"]
+    w, cfg = _run(flags, quant)
+    slow = {"quantized": Contention(compute=1.5, communication=2.0)}
+    alone = predict("q", w, cfg, _rates(tflops=1.0))
+    beside = predict("q", w, cfg, _rates(tflops=1.0, contention=slow))
+    assert alone.contention_s == 0.0
+    assert beside.contention_s > 0
+    assert beside.iteration_s == pytest.approx(alone.iteration_s + beside.contention_s)
+    # the kind that overlaps decides: a 'plain' slowdown leaves quantized collectives alone
+    plain = predict("q", w, cfg, _rates(tflops=1.0, contention={"plain": slow["quantized"]}))
+    assert plain.iteration_s == pytest.approx(alone.iteration_s)
+    # nothing overlaps without the overlap flags: nothing to contend
+    w0, cfg0 = _run(["--ddp-bucket-size", "200000000"], quant)
+    assert predict("q", w0, cfg0, _rates(contention=slow)).iteration_s == pytest.approx(
+        predict("q", w0, cfg0, _rates()).iteration_s)
 
 
 # -- variants, calibration files, the tool ---------------------------------------------------------
@@ -309,6 +333,12 @@ def test_kernel_and_compute_json(tmp_path):
     assert a100.tflops_for(1.3e9).tflops == pytest.approx(469.8 * 312 / 989)
 
 
+def test_probe_sizes_add_the_runs_largest_call():
+    assert probe_sizes(1 << 20) == PROBE_SIZES
+    assert probe_sizes(67_235_840) == PROBE_SIZES + (67_235_840,)   # a whole 16.8M fp32 bucket
+    assert probe_sizes(1 << 40) == PROBE_SIZES + (MAX_PROBE_BYTES,)
+
+
 def test_measurement_round_trip_and_damage(tmp_path):
     c = replace(_cluster(), measured={"all_gather": MeasuredCollective(8, 4, ((1e6, 1e-3), (1e8, 0.1)))})
     r = _rates()
@@ -316,6 +346,9 @@ def test_measurement_round_trip_and_damage(tmp_path):
     write_measurement(str(path), c, r)
     c2, r2 = read_measurement(str(path))
     assert c2 == c and r2.kernels == r.kernels and r2.compute == r.compute
+    r = _rates(contention={"quantized": Contention(1.25, 1.5)})
+    write_measurement(str(path), c, r)
+    assert read_measurement(str(path))[1].contention == r.contention
     path.write_text("{}")
     with pytest.raises(ValueError, match="not a planner measurement"):
         read_measurement(str(path))
@@ -355,14 +388,17 @@ def test_measure_on_four_gloo_ranks(tmp_path):
     cluster, rates = read_measurement(str(out_json))
     assert (cluster.nodes, cluster.gpus_per_node) == (1, 4)
     assert 0 < cluster.intra.bandwidth < 1e12 and cluster.intra.latency >= 0
-    assert rates.kernels_share_compute and rates.compute[0].tflops > 0
+    assert rates.compute[0].tflops > 0
+    # the compute beside each kind of collective, and the collective beside the compute
+    assert set(rates.contention) == {"quantized", "plain"}
+    assert all(c.compute >= 1.0 and c.communication >= 1.0 for c in rates.contention.values())
     assert rates.optimizer_seconds_per_element > 0
     assert set(rates.kernels) == set(calibration.KERNELS)
     # the run's own collectives at two sizes on its groups (one node: no inter-node all-to-all)
     assert set(cluster.measured) == {"all_to_all_intra", "reduce_scatter", "all_gather"}
     for curve in cluster.measured.values():
         assert (curve.ranks, curve.ranks_per_node) == (4, 4)
-        assert [b for b, _ in curve.points] == [1 << 16, 1 << 24]
+        assert [b for b, _ in curve.points] == [1 << 16, 1 << 20, 1 << 24]
         assert all(t > 0 for _, t in curve.points)
     assert "| SDP4Bit |" in res.stdout and "| baseline |" in res.stdout
     # 4 ranks on this machine: over-subscribed where it has fewer cores, said with the rates
@@ -401,3 +437,71 @@ def test_bad_plans_are_one_line_errors():
     assert out.returncode == 2 and "MICRO_BATCH_SIZE" in out.stderr and "Traceback" not in out.stderr
     out = _tool("--variants", "SDP8Bit", "--", *GPT_1_3B)
     assert out.returncode == 2 and "--variants: unknown ['SDP8Bit']" in out.stderr
+
+
+def test_side_by_side_sees_two_threads_share_a_core(tmp_path):
+    """Two pure-Python loops hold the GIL in turn: beside each other each runs at about half
+    speed, which the contention probe must report (one rank; a job that leaves the GIL alone is
+    what a real collective is, here the worst case it must not miss)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron.planner.compute_probe import side_by_side
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds   # CPU time of this thread: holds the GIL throughout
+        while time.thread_time() < end:
+            pass
+
+    calls = []
+
+    def job() -> None:
+        calls.append(1)
+        spin(0.004)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        step_alone = 0.012
+        slow = side_by_side(lambda: spin(step_alone), job, lambda: None, step_alone,
+                            torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert slow.compute > 1.3 and slow.communication > 1.3, slow   # about 2 each
+    assert len(calls) >= 1 + 3 + 9   # warm-up, the three timed alone, enough to last 3 steps
+
+
+def test_the_planner_reproduces_the_recorded_emulated_check():
+    """bench/results/planner_check (``check_planner.py --record``): from each link's stored
+    ``--measure`` output the planner predicts every recorded run again, as it did when the check
+    ran (a change to the model fails here: run the check again and record it), and each
+    prediction is within 15 % of the median of the runs it was checked against."""
+    record_dir = ROOT / "bench" / "results" / "planner_check"
+    record = json.loads((record_dir / "runs.json").read_text())
+    assert {c["variant"] for c in record["cells"]} == {"baseline-ring", "sdp4bit", "sdp4bit-overlap"}
+    assert len({c["link"] for c in record["cells"]}) == 3
+    for cell in record["cells"]:
+        cluster, rates = read_measurement(str(record_dir / cell["measurement"]))
+        assert rates.contention and cluster.measured   # what --measure adds to the links
+        args = parse_run_args(cell["trainer_argv"])
+        ms = 1e3 * predict(cell["variant"], Workload.from_args(args, cluster),
+                           QuantizationConfig.from_args(args), rates).iteration_s
+        where = f"{cell['link']} {cell['variant']}"
+        assert ms == pytest.approx(cell["predicted_ms"], rel=1e-9), where
+        assert abs(ms / cell["median_ms"] - 1) <= 0.15, (where, ms, cell["runs_ms"])
+
+
+def test_contention_is_at_worst_serial():
+    """A probe that reads both lanes slower together than one after the other (4 CPU ranks on 2
+    cores read 161x / 13x) is used at the serial bound, in its own proportion."""
+    fine = Contention(compute=2.0, communication=1.5)
+    assert not fine.worse_than_serial and fine.bounded() == fine
+    bad = Contention(compute=161.0, communication=13.0)
+    b = bad.bounded()
+    assert bad.worse_than_serial and 1 / b.compute + 1 / b.communication == pytest.approx(1.0)
+    assert b.compute / b.communication == pytest.approx(161.0 / 13.0)
+    assert _rates(contention={"quantized": bad}).contention_for("quantized") == b
+    # serial: two equal lanes at the bound take as long as one after the other
+    half = Contention(compute=2.0, communication=2.0)
+    assert two_lanes([1.0], [1.0], [-1], [-1], half) == pytest.approx((2.0, 2.0))

@@ -9,7 +9,8 @@ Plan a recipe on 16 nodes x 8 GPUs with 100 Gbit/s per node (no GPU needed):
 or any ``pretrain_gpt.py`` flags after ``--``. Rates default to the project's H200 measurements;
 ``--compute-json`` / ``--kernels-json`` take ``bench/gpu_throughput.py --out`` / ``bench/bench_quant.py
 --json`` files, ``--gpu A100`` carries them to another GPU by the ratio of peaks. On the real
-cluster, measure the links, kernels and compute of the launch (under a minute) and predict for it:
+cluster, measure the links, kernels and compute of the launch and what overlap costs (about a
+minute) and predict for it:
 
     torchrun --nnodes 16 --nproc-per-node 8 ... tools/planner.py --measure --out plan.json \\
         -- <pretrain_gpt.py flags>
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu-memory-gib", type=float, default=80.0, help="for the recommendation")
     ap.add_argument("--json", help="also write the predictions here")
     ap.add_argument("--measure", action="store_true",
-                    help="under torchrun: time this launch's links, kernels and compute")
+                    help="under torchrun: time this launch's links, kernels, compute and "
+                         "what overlap costs")
     ap.add_argument("--out", help="with --measure: where rank 0 writes the measurement")
     ap.add_argument("--compute-steps", type=int, default=3, help="with --measure")
     return ap
@@ -128,8 +130,11 @@ def run_measure(a: argparse.Namespace, run_argv: List[str]) -> int:
     if dist.get_rank() == 0:
         if a.out:
             write_measurement(a.out, cluster, rates)
+        slowdowns = ", ".join(f"{k} {c.compute:.2f}x, {c.communication:.2f}x"
+                              for k, c in sorted(rates.contention.items()))
         print(f"[planner] measured: {cluster.describe()}; {rates.device}: "
-              f"{rates.compute[0].tflops:.3g} model TFLOP/s per rank; {rates.source}", flush=True)
+              f"{rates.compute[0].tflops:.3g} model TFLOP/s per rank; overlap slowdowns "
+              f"(compute, collective): {slowdowns or 'none'}; {rates.source}", flush=True)
         rows, skipped, work = plan(run_argv, cluster, rates, [x for x in a.variants.split(",") if x])
         print(work.describe())
         print(report.format_table(rows, skipped), flush=True)

@@ -12,12 +12,19 @@ times (bench_emulated.py's commands), and print predicted vs measured ms/iterati
 
 Variants: ``baseline-ring`` (fp32 gradients, NCCL's ring reduce-scatter volume, no overlap: the
 baseline the planner models), ``sdp4bit``, ``sdp4bit-overlap``.
+
+``--record DIR`` keeps what a test needs to reproduce the check without root or a network: each
+link's measurement JSON and every run's median with the trainer flags it ran
+(bench/results/planner_check/, tests/test_planner.py); ``--from-dir WORK`` re-predicts a finished
+check from its stored measurements and runs (no root), e.g. after a change to the model.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -47,12 +54,35 @@ def predicted_ms(measurement: str, trainer_argv: List[str]) -> Dict[str, float]:
     p = predict("v", Workload.from_args(args, cluster), cfg, rates)
     return {"ms": 1e3 * p.iteration_s, "compute": 1e3 * p.compute_s,
             "grad": 1e3 * p.grad_exposed_s, "weight": 1e3 * p.weight_exposed_s,
-            "kernels": 1e3 * p.kernels_on_compute_s}
+            "contention": 1e3 * p.contention_s}
 
 
 def trainer_argv(variant: str, model: dict, iters: int, jsonl: str, dp_size: int = 4) -> List[str]:
     full = emu.train_args(model, variant, iters, jsonl, dp_size=dp_size)
     return full[len(emu.variant_script(variant)):]
+
+
+def collect(work: Path, bw: str, variants: List[str], warmup: int) -> Dict[str, List[float]]:
+    """Each variant's per-run medians at link ``bw`` from a check's work directory."""
+    measured: Dict[str, List[float]] = {v: [] for v in variants}
+    for v in variants:
+        for jsonl in sorted(work.glob(f"{v}_{bw}_*.jsonl")):
+            s = emu.summarize_iterations(emu.parse_jsonl(str(jsonl)), warmup)
+            if s["ms_per_iter_median"] is not None:
+                measured[v].append(s["ms_per_iter_median"])
+    return measured
+
+
+def write_record(out: Path, work: Path, rows: list, meta: dict) -> None:
+    """The check's measurements and runs, enough to predict every cell again (module docstring)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cells = []
+    for bw, v, pred, med, runs, load, argv in rows:
+        shutil.copyfile(work / f"measure_{bw}.json", out / f"measure_{bw}.json")
+        cells.append({"link": bw, "variant": v, "measurement": f"measure_{bw}.json",
+                      "trainer_argv": argv, "runs_ms": runs, "median_ms": med,
+                      "predicted_ms": pred["ms"], "max_load_avg": load})
+    (out / "runs.json").write_text(json.dumps({**meta, "cells": cells}, indent=1) + "\n")
 
 
 def main() -> int:
@@ -67,14 +97,28 @@ def main() -> int:
                     help="ranks per emulated node (2 nodes); 1 keeps one rank per core here")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default=str(REPO / "bench" / "out" / "planner_check.md"))
+    ap.add_argument("--record", default=None, help="also write the portable record to this folder")
+    ap.add_argument("--from-dir", default=None,
+                    help="re-predict a finished check from its work folder (no runs, no root)")
     a = ap.parse_args()
-    if os.geteuid() != 0:
+    model = emu.MODEL_PRESETS[a.model]
+    dp = 2 * a.nproc_per_node
+    variants = a.variants.split(",")
+    rows = []
+    if a.from_dir:
+        work = Path(a.from_dir)
+        for bw in a.bandwidths.split(","):
+            for v, runs in collect(work, bw, variants, a.warmup).items():
+                argv = trainer_argv(v, model, a.iters, "/dev/null", dp)
+                pred = predicted_ms(str(work / f"measure_{bw}.json"), argv)
+                rows.append((bw, v, pred, statistics.median(runs) if runs else float("nan"), runs,
+                             float("nan"), argv))
+    elif os.geteuid() != 0:
         print("check_planner.py needs root (ip netns / tc)", file=sys.stderr)
         return 2
-    model = emu.MODEL_PRESETS[a.model]
-    work = Path(tempfile.mkdtemp(prefix="planner_check_", dir=REPO / "bench" / "out"))
-    rows = []
-    for bw in a.bandwidths.split(","):
+    else:
+        work = Path(tempfile.mkdtemp(prefix="planner_check_", dir=REPO / "bench" / "out"))
+    for bw in ([] if a.from_dir else a.bandwidths.split(",")):
         state = work / f"state_{bw}"
         env = dict(os.environ, BANDWIDTH=bw, LATENCY="1ms", MTU="1500", NS_PREFIX=f"pc{os.getpid()}",
                    ADDR0="10.77.0.1", ADDR1="10.77.0.2", IF0="emu0", IF1="emu1", STATE_FILE=str(state))
@@ -83,7 +127,6 @@ def main() -> int:
         try:
             topo = emu.Topology(namespaces=[f"pc{os.getpid()}n0", f"pc{os.getpid()}n1"],
                                 ifnames=["emu0", "emu1"], nproc_per_node=a.nproc_per_node)
-            dp = 2 * a.nproc_per_node
             m_json = str(work / f"measure_{bw}.json")
             base = trainer_argv("baseline", model, 2, str(work / "measure.jsonl"), dp)
             # through the ring launcher: --measure times the reduce-scatter baseline-ring runs
@@ -98,24 +141,22 @@ def main() -> int:
             if rc or not Path(m_json).exists():
                 print(f"{bw}: --measure failed (rc {rc}), logs in {work}", file=sys.stderr)
                 return 1
-            measured: Dict[str, List[float]] = {v: [] for v in a.variants.split(",")}
             loads: List[float] = []
             for r in range(a.repeats):
-                for v in measured:
+                for v in variants:
                     jsonl = str(work / f"{v}_{bw}_{r}.jsonl")
                     cmds = emu.node_commands(topo, emu.train_args(model, v, a.iters, jsonl,
                                                                   dp_size=dp))
                     if emu.run_nodes(cmds, a.timeout, str(work / f"{v}_{bw}_{r}")):
                         print(f"{bw} {v} run {r} failed, logs in {work}", file=sys.stderr)
+                        Path(jsonl).unlink(missing_ok=True)
                         continue
-                    s = emu.summarize_iterations(emu.parse_jsonl(jsonl), a.warmup)
-                    if s["ms_per_iter_median"] is not None:
-                        measured[v].append(s["ms_per_iter_median"])
                     loads.append(os.getloadavg()[0])
-            for v, runs in measured.items():
-                pred = predicted_ms(m_json, trainer_argv(v, model, a.iters, "/dev/null", dp))
+            for v, runs in collect(work, bw, variants, a.warmup).items():
+                argv = trainer_argv(v, model, a.iters, "/dev/null", dp)
+                pred = predicted_ms(m_json, argv)
                 med = statistics.median(runs) if runs else float("nan")
-                rows.append((bw, v, pred, med, runs, max(loads) if loads else 0.0))
+                rows.append((bw, v, pred, med, runs, max(loads) if loads else 0.0, argv))
                 print(f"{bw} {v}: predicted {pred['ms']:.0f} ms, measured {med:.0f} ms {runs}", flush=True)
         finally:
             subprocess.run(["bash", script, "down"], env=env, check=False)
@@ -123,17 +164,25 @@ def main() -> int:
              f"2 nodes x {a.nproc_per_node} ranks, "
              f"{a.repeats} runs per variant ({a.iters} iterations, median after {a.warmup}); "
              f"measurements in {work}", "",
-             "| link | variant | predicted ms/iter (compute / grad exposed / weight exposed / kernels) "
+             "| link | variant | predicted ms/iter (compute / grad exposed / weight exposed / "
+             "of which contention) "
              "| measured median ms/iter | runs (ms) | error | spread of runs | max load avg |",
              "|---|---|---:|---:|---|---:|---:|---:|"]
-    for bw, v, pred, med, runs, load in rows:
+    for bw, v, pred, med, runs, load, _ in rows:
         spread = (max(runs) - min(runs)) / med if runs else float("nan")
         lines.append(f"| {bw} | {v} | {pred['ms']:.0f} ({pred['compute']:.0f} / {pred['grad']:.0f} / "
-                     f"{pred['weight']:.0f} / {pred['kernels']:.0f}) | {med:.0f} | "
+                     f"{pred['weight']:.0f} / {pred['contention']:.0f}) | {med:.0f} | "
                      f"{', '.join(f'{x:.0f}' for x in runs)} | {100 * (pred['ms'] / med - 1):+.1f} % | "
                      f"{100 * spread:.0f} % | {load:.1f} |")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text("\n".join(lines) + "\n")
+    if a.record:
+        write_record(Path(a.record), work, rows,
+                     {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                      "command": "python bench/emulated_network/check_planner.py "
+                                 + " ".join(sys.argv[1:]),
+                      "model": a.model, "nodes": 2, "nproc_per_node": a.nproc_per_node,
+                      "iterations": a.iters, "median_after": a.warmup})
     print("\n".join(lines))
     return 0
 

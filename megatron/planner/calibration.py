@@ -1,4 +1,5 @@
-"""Device rates the planner predicts from: model compute, quantization kernels, memory copy.
+"""Device rates the planner predicts from: model compute, quantization kernels, memory copy, and
+what overlap costs.
 
 Why measured rates and not peak figures: a GPT step reaches 40-50 % of a GPU's peak and the
 quantization kernels 6-85 % of its copy bandwidth (docs/performance.md), so a prediction from
@@ -10,7 +11,8 @@ date, command). Three ways in:
   bytes ``bench/bench_quant.py`` counts for each kernel;
 * ``--compute-json`` (``bench/gpu_throughput.py --out``) and ``--kernels-json``
   (``bench/bench_quant.py --json``): the user's own measurements;
-* ``tools/planner.py --measure``: timed on the user's launch (:mod:`.measure`).
+* ``tools/planner.py --measure``: timed on the user's launch (:mod:`.measure`), the only source
+  of what overlap costs (:class:`Contention`): the defaults and the JSON files carry none.
 
 A kernel's time is ``fixed + moved bytes / bandwidth``, fitted to its smallest and largest
 measured sizes (launch and per-call costs dominate small buckets). Compute is model TFLOP/s per
@@ -23,14 +25,15 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from megatron.distributed.quant.kernels import QuantizedTensor
 
-__all__ = ["KernelRate", "ComputeRate", "DeviceRates", "PEAK_TFLOPS", "KERNELS", "SOURCES", "moved_bytes", "default_rates",
-           "fit_kernel", "load_compute_json", "load_kernels_json", "for_gpu"]
+__all__ = ["KernelRate", "ComputeRate", "Contention", "CONTENTION_KINDS", "DeviceRates",
+           "PEAK_TFLOPS", "KERNELS", "SOURCES", "moved_bytes", "default_rates", "fit_kernel",
+           "load_compute_json", "load_kernels_json", "for_gpu"]
 
 PEAK_TFLOPS: Dict[str, float] = {
     "H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0,
@@ -79,6 +82,42 @@ class ComputeRate:
 
 
 @dataclass(frozen=True)
+class Contention:
+    """How much slower the compute and an overlapped collective run when they run at once, each
+    against itself alone (1.0: no interference). Measured by ``--measure``
+    (:mod:`.compute_probe`): on CPU ranks the collective's kernels, gloo's transport and the
+    model share the rank's cores; on a GPU the collective's kernels take SMs and memory
+    bandwidth from the model's."""
+
+    compute: float = 1.0
+    """The model's forward + backward, seconds beside the collective over seconds alone."""
+    communication: float = 1.0
+    """The collective (with its kernels), seconds beside the compute over seconds alone."""
+
+    @property
+    def worse_than_serial(self) -> bool:
+        """Each lane's speed beside the other, summed, below one lane alone: together they would
+        take longer than one after the other, which sharing a device cannot do. A probe reads
+        this when something else takes the device (more ranks than cores descheduling each
+        other: 161x and 13x were read with 4 CPU ranks on 2 cores)."""
+        return 1.0 / self.compute + 1.0 / self.communication < 1.0
+
+    def bounded(self) -> "Contention":
+        """At worst the two lanes serialise: a reading :attr:`worse_than_serial` scaled down, in
+        its own proportion, to the slowdowns at which they just do (1/compute + 1/communication
+        = 1)."""
+        if not self.worse_than_serial:
+            return self
+        return Contention(compute=1.0 + self.compute / self.communication,
+                          communication=1.0 + self.communication / self.compute)
+
+
+CONTENTION_KINDS = ("quantized", "plain")
+"""What overlaps the compute: 'quantized': a quantized hop (kernel, all-to-all of the codes,
+kernel); 'plain': megatron-core's reduce-scatter / all-gather of the unquantized buffers."""
+
+
+@dataclass(frozen=True)
 class DeviceRates:
     """Everything the timeline needs to know about the device."""
 
@@ -93,9 +132,9 @@ class DeviceRates:
     copy_bandwidth: float
     """Device memory copy, bytes moved (read + write) per second: the optimizer step and LoCo's
     elementwise passes run near it."""
-    kernels_share_compute: bool = False
-    """True when the kernels run on the cores that run the model (CPU ranks), so they cannot hide
-    behind the backward pass; on a GPU they run on a side stream, memory-bound beside matmuls."""
+    contention: Mapping[str, Contention] = field(default_factory=dict)
+    """By :data:`CONTENTION_KINDS`: what overlap costs the compute and the collective, measured
+    (``--measure``); a kind not measured runs as if alone (:meth:`contention_for`)."""
     peak_tflops: Optional[float] = None
     """The measured device's dense bf16 peak, to carry the compute rate to another GPU."""
     optimizer_seconds_per_element: Optional[float] = None
@@ -105,6 +144,13 @@ class DeviceRates:
     def tflops_for(self, parameters: float) -> ComputeRate:
         """The measured shape nearest (by log of parameters) to a model of ``parameters``."""
         return min(self.compute, key=lambda c: abs(math.log(max(c.parameters, 1) / max(parameters, 1))))
+
+    def contention_for(self, kind: str) -> Contention:
+        """The measured slowdowns of ``kind`` overlapping the compute, at worst serial
+        (:meth:`Contention.bounded`); none measured: 1.0."""
+        if kind not in CONTENTION_KINDS:
+            raise ValueError(f"unknown contention kind {kind!r}; choose from {CONTENTION_KINDS}")
+        return self.contention.get(kind, Contention()).bounded()
 
     def kernel(self, name: str) -> KernelRate:
         try:

@@ -1,4 +1,5 @@
-"""Time the model's forward and backward alone, and its optimizer's update, for ``--measure``.
+"""Time the model's forward and backward alone, its optimizer's update, and what overlap costs, for
+``--measure``.
 
 Why alone: the planner needs the compute a rank does per micro-batch without any data-parallel
 communication, measured on the user's device with every rank computing at once (as they do in
@@ -9,26 +10,102 @@ accumulate into the gradient buffers), on random tokens, its backward inside the
 trainer's step does it (``training_step.optimizer_step``: the gradients copied to the main
 parameters, the global gradient norm with its all-reduce, the clip, the torch optimizer's step),
 without the parameter all-gather that follows it in training.
+
+Then the forward and backward again, with a collective running beside them the way the
+overlapped run runs it (a thread, and on CUDA a side stream), for each kind the caller gives:
+how much slower each runs beside the other (:class:`~.calibration.Contention`). Why: on CPU ranks
+the collective's kernels and gloo's transport take the cores the model runs on; on a GPU, SMs
+and memory bandwidth; either way an overlapped collective hides less than its time alone says.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Tuple
+import math
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron.training.throughput import training_flops_per_iteration
 
+from .calibration import Contention
 from .measure import median_seconds
 
-__all__ = ["forward_backward_seconds"]
+__all__ = ["ComputeProbe", "forward_backward_seconds", "side_by_side"]
+
+MAX_JOBS_BESIDE = 64
+"""At most this many collectives run beside the compute per kind (at least 3)."""
 
 
-def forward_backward_seconds(args: argparse.Namespace, steps: int) -> Tuple[float, float, float]:
-    """(median seconds of one micro-batch's forward + backward on this rank, the model FLOPs of
-    that micro-batch on this rank, median seconds of the optimizer's update of this rank's shard)
-    after one warm-up step each. Needs ``initialize_megatron(args)``."""
+@dataclass(frozen=True)
+class ComputeProbe:
+    """What :func:`forward_backward_seconds` measured on this rank."""
+
+    forward_backward_s: float
+    """Median seconds of one micro-batch's forward + backward, alone."""
+    flops: float
+    """The model FLOPs of that micro-batch on this rank."""
+    optimizer_s: float
+    """Median seconds of the optimizer's update of this rank's shard."""
+    contention: Dict[str, Contention] = field(default_factory=dict)
+    """By the kinds of ``beside``: the compute and the collective side by side."""
+
+
+def side_by_side(step: Callable[[], None], job: Callable[[], None], sync: Callable[[], None],
+                 step_alone: float, device: torch.device) -> Contention:
+    """Run ``job`` (one collective and its kernels, synchronised) back to back on a thread while
+    this thread runs ``step`` (no collective on ``job``'s groups); each one's median beside the
+    other over its median alone. Every rank runs the same number of jobs (their collectives pair
+    up across ranks), enough to last three steps alone."""
+    job()   # warm-up: the communicator's first call sets it up
+    job_alone = median_seconds(job, 3, lambda: None, align=dist.barrier)
+    n = torch.tensor([math.ceil(3 * step_alone / max(job_alone, 1e-9))], dtype=torch.float64,
+                     device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    jobs = int(min(MAX_JOBS_BESIDE, max(3, n.item())))
+    job_times: List[float] = []
+    errors: List[BaseException] = []
+
+    def side() -> None:
+        try:
+            for _ in range(jobs):
+                t = time.perf_counter()
+                job()
+                job_times.append(time.perf_counter() - t)
+        except BaseException as e:  # noqa: BLE001 - raised again on the probe's thread
+            errors.append(e)
+
+    step_times: List[float] = []
+    sync()
+    dist.barrier()
+    thread = threading.Thread(target=side, name="planner-beside", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        t = time.perf_counter()
+        step()
+        sync()
+        if thread.is_alive():   # only steps the collectives ran beside all the way
+            step_times.append(time.perf_counter() - t)
+    thread.join()
+    if errors:
+        raise errors[0]
+    compute = statistics.median(step_times) / step_alone if step_times else 1.0
+    communication = statistics.median(job_times) / job_alone
+    # below 1.0 is noise: running beside something never speeds either up
+    return Contention(compute=max(1.0, compute), communication=max(1.0, communication))
+
+
+def forward_backward_seconds(args: argparse.Namespace, steps: int,
+                             beside: Optional[Mapping[str, Callable[[], None]]] = None
+                             ) -> ComputeProbe:
+    """The model's forward + backward and optimizer update on this rank (:class:`ComputeProbe`)
+    after one warm-up step each, then beside each of ``beside``'s collectives
+    (:func:`side_by_side`). Needs ``initialize_megatron(args)``."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     from megatron.training.config_builders import build_transformer_config
@@ -73,8 +150,10 @@ def forward_backward_seconds(args: argparse.Namespace, steps: int) -> Tuple[floa
             leaf.optimizer.step()
 
     opt = timed(update)
+    contention = {kind: side_by_side(step, job, sync, fwd_bwd, device)
+                  for kind, job in (beside or {}).items()}
     ns = argparse.Namespace(**vars(args))
     ns.global_batch_size = b
     flops = training_flops_per_iteration(ns) / (args.tensor_model_parallel_size
                                                 * args.pipeline_model_parallel_size)
-    return fwd_bwd, flops, opt
+    return ComputeProbe(fwd_bwd, flops, opt, contention)

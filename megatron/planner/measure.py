@@ -4,23 +4,27 @@ Why measure and not ask: a user rarely knows the latency and usable bandwidth of
 the rate their GPUs reach on their model; under a minute of timing on the real launch (torchrun
 across the nodes, the run's own flags) gives all three. Every rank takes part:
 
-* **collectives**, each as the run calls it, all groups at once as in training, at 64 KiB and
-  16 MiB, each size repeated back to back (:data:`BACK_TO_BACK_BYTES`; medians of repeats): the
+* **collectives**, each as the run calls it, all groups at once as in training, at 64 KiB,
+  1 MiB and 16 MiB (:data:`PROBE_SIZES`) and the run's largest bucket (:func:`probe_sizes`), each
+  size repeated back to back (:data:`BACK_TO_BACK_BYTES`; medians of repeats): the
   all-to-all the quantized hops call
   (``all_to_all_single`` of uint8 codes) on the layer's two-level groups
   (:func:`~megatron.distributed.quant.topology.build_two_level_groups_for_all`: the ranks of a
   node; the same local rank across nodes), and megatron-core's gradient reduce-scatter and
   parameter all-gather on the data-parallel group (whatever implements them in this process:
-  NCCL's, gloo's, or a benchmark's replacement). The timeline takes each collective's line
-  through its two sizes (:class:`~.cluster.MeasuredCollective`); the links' latency and bandwidth
-  printed with the prediction are fitted through the all-to-all's;
+  NCCL's, gloo's, or a benchmark's replacement). The timeline interpolates each collective
+  between its sizes (:class:`~.cluster.MeasuredCollective`); the links' latency and bandwidth
+  printed with the prediction are fitted through the all-to-all's smallest and largest;
 * **kernels**: each quantization kernel the step calls, on the backend the trainer picks, at two
   sizes, the larger the run's largest bucket (up to 64M elements: on CPU ranks a bucket beyond
   the caches costs more per byte than a small call, 4-18x for 16M elements against 4M here)
   (``fixed + bytes / bandwidth``), and a device copy;
 * **compute**: the model's forward and backward for a few micro-batches on every rank at once,
   with no gradient communication, giving the model TFLOP/s the timeline scales; and the
-  optimizer's update of the rank's shard, per element.
+  optimizer's update of the rank's shard, per element;
+* **contention**: the forward and backward again with a bucket's collective running beside them
+  as the overlapped run runs it (:func:`beside_jobs`: a quantized hop, and megatron-core's
+  reduce-scatter), each one's slowdown (:class:`~.calibration.Contention`).
 
 Rank 0 writes the result as JSON (:func:`write_measurement`, read back by
 :func:`read_measurement`).
@@ -40,16 +44,17 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .calibration import SOURCES, ComputeRate, DeviceRates, KernelRate, fit_kernel, moved_bytes
+from .calibration import (SOURCES, ComputeRate, Contention, DeviceRates, KernelRate, fit_kernel,
+                          moved_bytes)
 from .cluster import Cluster, Link, MeasuredCollective
 
-__all__ = ["measure", "measure_collectives", "write_measurement", "read_measurement", "fit_link",
-           "median_seconds"]
+__all__ = ["measure", "measure_collectives", "beside_jobs", "probe_sizes", "write_measurement",
+           "read_measurement", "fit_link", "median_seconds"]
 
 
 def fit_link(samples: List[Tuple[float, float]], concurrent: int = 1) -> Link:
-    """A link through (bytes each rank sent, seconds) at two sizes: latency = the intercept,
-    bandwidth = ``concurrent`` senders' bytes over the slope."""
+    """A link through (bytes each rank sent, seconds) at the smallest and largest size: latency =
+    the intercept, bandwidth = ``concurrent`` senders' bytes over the slope."""
     (b0, t0), (b1, t1) = sorted(samples)[0], sorted(samples)[-1]
     slope = (t1 - t0) / (b1 - b0) if b1 > b0 and t1 > t0 else t1 / max(b1, 1)
     latency = max(0.0, t0 - b0 * slope)
@@ -77,6 +82,22 @@ training the buckets' collectives follow each other, so the link is busy, not id
 after an idle pause rides on whatever the link lets through in a burst (a token bucket's credit,
 a congestion window kept from before) and measured 2-4x the rate training got on the emulated
 network (docs/planner.md)."""
+
+
+PROBE_SIZES = (1 << 16, 1 << 20, 1 << 24)
+"""Bytes per call ``--measure`` times every collective at: latency; a pipelined chunk or a small
+bucket; a large bucket."""
+MAX_PROBE_BYTES = 1 << 28
+"""The largest call ``--measure`` times (a 64M-element fp32 bucket)."""
+
+
+def probe_sizes(largest_call: int) -> Tuple[int, ...]:
+    """:data:`PROBE_SIZES`, and the run's largest call where it is larger (up to
+    :data:`MAX_PROBE_BYTES`): a whole-model bucket's call can cost more per byte than the line
+    through smaller sizes says (on the emulated network the trainer's 67 MB reduce-scatter took
+    650 ms where the line through 16 MiB gave 510, docs/planner.md)."""
+    largest = min(MAX_PROBE_BYTES, int(largest_call))
+    return PROBE_SIZES + ((largest,) if largest > PROBE_SIZES[-1] else ())
 
 
 def _probe(collective: str, group: Any, size: int, nbytes: int, device: torch.device,
@@ -194,6 +215,63 @@ def measure_kernels(device: torch.device, sizes: Tuple[int, int], sync: Callable
     return {k: fit_kernel(v) for k, v in samples.items()}, max(copy)
 
 
+def beside_jobs(device: torch.device, gpus_per_node: int, numel: int, data_parallel_group: Any,
+                grad_dtype: torch.dtype) -> Dict[str, Callable[[], None]]:
+    """One bucket's gradient collective of ``numel`` elements as an overlapped run runs it on its
+    communication stage, by :data:`~.calibration.CONTENTION_KINDS`, each a call that returns when
+    it is done (on CUDA on a side stream, synchronised): 'quantized' = the first hop's kernel
+    (Hadamard, 4 bits), the all-to-all of the codes on the slower of the layer's two-level groups,
+    the final hop's dequantize-and-sum; 'plain' = megatron-core's reduce-scatter on the
+    data-parallel group, in the run's gradient dtype."""
+    from megatron.distributed.quant import kernels as K
+    from megatron.distributed.quant.collectives.common import reduce_scatter_flat
+    from megatron.distributed.quant.kernels import QuantizedTensor
+    from megatron.distributed.quant.topology import build_two_level_groups_for_all
+
+    world = dist.get_world_size()
+    groups = build_two_level_groups_for_all([list(range(world))], gpus_per_node)
+    group, size = ((groups.inter_group, groups.inter_size) if groups.inter_size > 1
+                   else (groups.intra_group, groups.intra_size))
+    dp = dist.get_world_size(data_parallel_group)
+    bits, gs = 4, 128
+    whole_groups = SOURCES * 2048 * dp   # every partition and shard in whole quantization groups
+    numel = max(whole_groups, numel - numel % whole_groups)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(numel, device=device, generator=gen).to(grad_dtype)
+    whole = K.quantize(x, bits, gs, generator=gen)   # what the final hop sums
+    per = -(-QuantizedTensor.wire_bytes(numel, bits, gs) // size)
+    send = torch.zeros(per * size, dtype=torch.uint8, device=device)
+    recv = torch.empty_like(send)
+    out = torch.empty(numel // dp, dtype=grad_dtype, device=device)
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(device))
+
+    def on_side(fn: Callable[[], None]) -> Callable[[], None]:
+        if side is None:
+            return fn
+
+        def run() -> None:   # on the probe's thread, whose current device is not set
+            with torch.cuda.device(device), torch.cuda.stream(side):
+                fn()
+            side.synchronize()
+        return run
+
+    def quantized() -> None:
+        K.quantize_partitions(x, SOURCES, [0, 2, 1, 3], bits, gs, hadamard=True, generator=gen)
+        if size > 1:
+            dist.all_to_all_single(recv, send, group=group)
+        K.dequantize_sum(whole, SOURCES)
+
+    def plain() -> None:
+        reduce_scatter_flat(out, x, data_parallel_group)
+
+    jobs = {"quantized": on_side(quantized)}
+    if dp > 1:
+        jobs["plain"] = on_side(plain)
+    return jobs
+
+
 def write_measurement(path: str, cluster: Cluster, rates: DeviceRates) -> None:
     data = {"cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
                         "name": cluster.name, "intra": asdict(cluster.intra),
@@ -205,7 +283,7 @@ def write_measurement(path: str, cluster: Cluster, rates: DeviceRates) -> None:
                       "compute": [asdict(c) for c in rates.compute],
                       "kernels": {k: asdict(v) for k, v in rates.kernels.items()},
                       "copy_bandwidth": rates.copy_bandwidth,
-                      "kernels_share_compute": rates.kernels_share_compute,
+                      "contention": {k: asdict(v) for k, v in rates.contention.items()},
                       "peak_tflops": rates.peak_tflops,
                       "optimizer_seconds_per_element": rates.optimizer_seconds_per_element}}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -230,7 +308,8 @@ def read_measurement(path: str) -> Tuple[Cluster, DeviceRates]:
             compute=tuple(ComputeRate(**x) for x in r["compute"]),
             kernels={k: KernelRate(**v) for k, v in r["kernels"].items()},
             copy_bandwidth=float(r["copy_bandwidth"]),
-            kernels_share_compute=bool(r["kernels_share_compute"]), peak_tflops=r.get("peak_tflops"),
+            contention={k: Contention(**v) for k, v in r.get("contention", {}).items()},
+            peak_tflops=r.get("peak_tflops"),
             optimizer_seconds_per_element=r.get("optimizer_seconds_per_element"))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a planner measurement (tools/planner.py --measure --out): "
@@ -288,14 +367,13 @@ def _workload(args: argparse.Namespace, world: int, gpus_per_node: int) -> Any:
 
 
 def measure(args: argparse.Namespace, *,
-            compute_seconds: Callable[[argparse.Namespace, int], Tuple[float, float, float]],
-            link_sizes: Tuple[int, ...] = (1 << 16, 1 << 24),
+            compute_seconds: Callable[..., Any],
+            link_sizes: Optional[Tuple[int, ...]] = None,
             kernel_sizes: Optional[Tuple[int, int]] = None, repeats: int = 3,
             compute_steps: int = 3) -> Tuple[Cluster, DeviceRates]:
     """Everything :mod:`.timeline` needs, timed on this launch (module docstring). The process
-    group must be initialised; ``compute_seconds(args, steps)`` returns (seconds per
-    micro-batch's forward + backward, model FLOPs per micro-batch, seconds of the optimizer's
-    update of the rank's shard) on this rank."""
+    group must be initialised; ``compute_seconds(args, steps, beside)`` returns this rank's
+    :class:`~.compute_probe.ComputeProbe` (:func:`~.compute_probe.forward_backward_seconds`)."""
     world = dist.get_world_size()
     gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % gpus_per_node:
@@ -308,18 +386,28 @@ def measure(args: argparse.Namespace, *,
     dp_group = (parallel_state.get_data_parallel_group()
                 if parallel_state.model_parallel_is_initialized() else None)
     grad_dtype = torch.bfloat16 if getattr(args, "grad_reduce_in_bf16", False) else torch.float32
+    work = _workload(args, world, gpus_per_node)
+    if link_sizes is None:
+        link_sizes = probe_sizes(max(work.buckets) * grad_dtype.itemsize)
     intra, inter, curves = measure_collectives(device, gpus_per_node, link_sizes, repeats, sync,
                                                dp_group, grad_dtype)
-    work = _workload(args, world, gpus_per_node)
     if kernel_sizes is None:   # the largest call the run makes: a bucket (CPU caches, page faults)
         kernel_sizes = (1 << 18, min(1 << 26, max(1 << 22, max(work.buckets))))
     kernels, copy_bw = measure_kernels(device, kernel_sizes, sync)
-    seconds, flops, optimizer = compute_seconds(args, compute_steps)
+    beside = beside_jobs(device, gpus_per_node, min(1 << 24, max(1 << 20, max(work.buckets))),
+                         dp_group if dp_group is not None else dist.group.WORLD, grad_dtype)
+    probe = compute_seconds(args, compute_steps, beside)
     crowded = oversubscription(not cuda)
     # every rank's compute ran at once; the slowest sets the pace of a synchronous step
-    t = torch.tensor([seconds, optimizer], dtype=torch.float64, device=device)  # NCCL: on the device
+    kinds = sorted(probe.contention)
+    t = torch.tensor([probe.forward_backward_s, probe.optimizer_s]
+                     + [x for k in kinds for x in (probe.contention[k].compute,
+                                                   probe.contention[k].communication)],
+                     dtype=torch.float64, device=device)  # NCCL: on the device
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    tflops = flops / t[0].item() / 1e12
+    tflops = probe.flops / t[0].item() / 1e12
+    contention = {k: Contention(compute=t[2 + 2 * i].item(), communication=t[3 + 2 * i].item())
+                  for i, k in enumerate(kinds)}
     parameters = work.parameters
     shard = parameters / (work.tp * work.pp) / work.dp
     nodes = world // gpus_per_node
@@ -328,11 +416,15 @@ def measure(args: argparse.Namespace, *,
     cluster = Cluster(nodes=nodes, gpus_per_node=gpus_per_node, intra=intra or absent,
                       inter=inter or absent, name=f"measured {time.strftime('%Y-%m-%d %H:%M')}",
                       measured=curves)
+    warnings = [crowded] if crowded else []
+    warnings += [f"{k} beside the compute read {c.compute:.2f}x / {c.communication:.2f}x, worse "
+                 f"than one after the other: something else takes the device; used at the serial "
+                 f"bound" for k, c in sorted(contention.items()) if c.worse_than_serial]
     rates = DeviceRates(
         device=name,
         source=(f"tools/planner.py --measure, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
-                + (f"; warning: {crowded}" if crowded else "")),
+                + "".join(f"; warning: {w}" for w in warnings)),
         compute=(ComputeRate("measured", parameters, tflops),),
-        kernels=kernels, copy_bandwidth=copy_bw, kernels_share_compute=not cuda,
+        kernels=kernels, copy_bandwidth=copy_bw, contention=contention,
         optimizer_seconds_per_element=t[1].item() / shard)
     return cluster, rates

@@ -42,7 +42,7 @@ def format_table(rows: Sequence[Prediction], skipped: Sequence[Tuple[str, str]] 
     """A markdown table, one row per variant."""
     base = next((r for r in rows if r.variant == "baseline"), None)
     head = ("| variant | ms/iter | TFLOP/s/GPU | vs baseline | compute ms | grad exposed ms | "
-            "weight exposed ms | optimizer ms | kernels on compute ms | inter MB/GPU | "
+            "weight exposed ms | optimizer ms | contention ms | inter MB/GPU | "
             "intra MB/GPU | memory GiB/GPU |")
     columns = head.count("|") - 1
     lines: List[str] = [head, "|---|" + "---:|" * (columns - 1)]
@@ -51,7 +51,7 @@ def format_table(rows: Sequence[Prediction], skipped: Sequence[Tuple[str, str]] 
         lines.append(
             f"| {r.variant} | {1e3 * r.iteration_s:.1f} | {r.tflops_per_gpu:.1f} | {speed} | "
             f"{1e3 * r.compute_s:.1f} | {1e3 * r.grad_exposed_s:.1f} | {1e3 * r.weight_exposed_s:.1f} | "
-            f"{1e3 * r.optimizer_s:.1f} | {1e3 * r.kernels_on_compute_s:.1f} | "
+            f"{1e3 * r.optimizer_s:.1f} | {1e3 * r.contention_s:.1f} | "
             f"{_mb(r.bytes_per_link['inter'])} | {_mb(r.bytes_per_link['intra'])} | "
             f"{r.memory_bytes / 2**30:.1f} |")
     for label, why in skipped:

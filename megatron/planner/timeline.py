@@ -24,8 +24,10 @@ The model follows the run:
   first is exposed); ``--overlap-param-gather-with-optimizer-step`` starts them all right after
   the step (the trainer dispatches them there, integration.install_gather_after_step), one after
   another;
-* where the kernels run on the cores that compute (CPU ranks) they cannot hide: their time is
-  added to the iteration and only the links overlap;
+* **contention**: a collective that overlaps the compute slows it and is slowed by it (on CPU
+  ranks the kernels, gloo's transport and the model share the cores; on a GPU, SMs and memory
+  bandwidth); ``--measure`` times both side by side (:class:`~.calibration.Contention`), and
+  while both lanes are busy each runs at its measured slowdown (:func:`two_lanes`);
 * a collective ``--measure`` timed (the run's own call on its group, several sizes) takes its
   measured time instead of the alpha-beta formula (:class:`~.cluster.MeasuredCollective`).
 
@@ -35,6 +37,7 @@ through the same calls the collectives make.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -42,11 +45,11 @@ from megatron.distributed.quant.accounting import CommAccounting
 from megatron.distributed.quant.config import QuantizationConfig
 from megatron.distributed.quant.kernels import QuantizedTensor
 from megatron.distributed.quant.memory import layer_memory
-from .calibration import DeviceRates
+from .calibration import Contention, DeviceRates
 from .cluster import all_reduce_time, all_to_all_time, p2p_time, ring_time
 from .workload import Workload
 
-__all__ = ["BucketCost", "Prediction", "predict", "OPTIMIZER_BYTES_PER_ELEMENT",
+__all__ = ["BucketCost", "Prediction", "predict", "two_lanes", "OPTIMIZER_BYTES_PER_ELEMENT",
            "LOCO_BYTES_PER_ELEMENT"]
 
 OPTIMIZER_BYTES_PER_ELEMENT = 30
@@ -64,10 +67,6 @@ class BucketCost:
 
     seconds: float
     kernels: float = 0.0
-
-    @property
-    def link(self) -> float:
-        return self.seconds - self.kernels
 
 
 @dataclass
@@ -87,8 +86,9 @@ class Prediction:
     """Weight gathers the forward pass does not hide."""
     optimizer_s: float
     """The optimizer's update of the rank's shard."""
-    kernels_on_compute_s: float
-    """Quantization kernels that run on the compute cores (CPU ranks), added in full."""
+    contention_s: float
+    """What overlapping compute and collectives cost each other (the measured slowdowns of
+    :class:`~.calibration.Contention`), part of the exposed times."""
     grad_total_s: float
     """Every bucket's gradient reduction, hidden or not."""
     weight_total_s: float
@@ -246,12 +246,45 @@ def _memory(w: Workload, cfg: QuantizationConfig, buckets: Sequence[int]) -> flo
     return states + (layer.transient_bytes + layer.persistent_bytes if layer else 0) + act * in_flight
 
 
-def _overlapped(ready: Sequence[float], durations: Sequence[float]) -> float:
-    """Finish time of buckets served one at a time, bucket j not before ``ready[j]``."""
-    t = 0.0
-    for r, dur in zip(ready, durations):
-        t = max(t, r) + dur
-    return t
+def two_lanes(compute: Sequence[float], jobs: Sequence[float], job_after: Sequence[int],
+              compute_after: Sequence[int], contention: Contention = Contention()
+              ) -> Tuple[float, float]:
+    """(end of the compute, end of the jobs) of two lanes that run at once: the compute's pieces
+    in order, piece i not before job ``compute_after[i]`` has finished; the collectives' jobs in
+    order (one at a time, as the communication stage runs them), job j not before compute piece
+    ``job_after[j]`` has finished (-1: no such wait). While both lanes are busy each runs at its
+    measured slowdown (:class:`~.calibration.Contention`); alone, at full speed. Durations are
+    each one's seconds alone."""
+    left_c = list(compute)
+    left_j = list(jobs)
+    done_c = [False] * len(compute)
+    done_j = [False] * len(jobs)
+    t = end_c = end_j = 0.0
+    i = j = 0
+
+    def ready(after: int, done: List[bool]) -> bool:
+        return after < 0 or done[after]
+
+    while i < len(compute) or j < len(jobs):
+        run_c = i < len(compute) and ready(compute_after[i], done_j)
+        run_j = j < len(jobs) and ready(job_after[j], done_c)
+        if not (run_c or run_j):
+            raise ValueError("two_lanes: each lane waits for the other (a cycle in the waits)")
+        slow_c = contention.compute if run_j else 1.0
+        slow_j = contention.communication if run_c else 1.0
+        dt_c = left_c[i] * slow_c if run_c else math.inf
+        dt_j = left_j[j] * slow_j if run_j else math.inf
+        step = min(dt_c, dt_j)
+        t += step
+        if run_c:
+            left_c[i] -= step / slow_c
+            if dt_c <= step:
+                done_c[i], end_c, i = True, t, i + 1
+        if run_j:
+            left_j[j] -= step / slow_j
+            if dt_j <= step:
+                done_j[j], end_j, j = True, t, j + 1
+    return end_c, end_j
 
 
 def _micro_batch_seconds(w: Workload, rates: DeviceRates) -> float:
@@ -279,49 +312,54 @@ def predict(variant: str, w: Workload, cfg: QuantizationConfig, rates: DeviceRat
     buckets = padded_buckets(w, cfg)
     grads = [grad_bucket_cost(n, w, cfg, rates) for n in buckets]
     weights = [weight_bucket_cost(n, w, cfg, rates) for n in buckets]
-    on_compute = rates.kernels_share_compute
-    kernels_on_compute = sum(c.kernels for c in grads + weights) if on_compute else 0.0
-
-    def dur(c: BucketCost) -> float:
-        return c.link if on_compute else c.seconds
-
     backward = 2 * slot / 3
     share = [n / w.rank_parameters for n in w.buckets]
+    contention = 0.0
     if w.overlap_grad_reduce and w.dp > 1:
-        ready, acc = [], 0.0
-        for s in share:
-            acc += s * backward
-            ready.append(acc)
-        grad_exposed = max(0.0, _overlapped(ready, [dur(c) for c in grads]) - backward)
+        # the last micro-batch's backward fills bucket j at its share; its reduction then starts
+        pieces = [x * backward for x in share]
+
+        def grad_phase(slowdowns: Contention) -> float:
+            return max(two_lanes(pieces, [c.seconds for c in grads], list(range(len(grads))),
+                                 [-1] * len(pieces), slowdowns))
+
+        kind = "quantized" if cfg.quantized_gradients else "plain"
+        grad_exposed = grad_phase(rates.contention_for(kind)) - backward
+        contention += grad_exposed - (grad_phase(Contention()) - backward)
     else:
-        grad_exposed = sum(dur(c) for c in grads)
+        grad_exposed = sum(c.seconds for c in grads)
 
     shard = w.rank_parameters / w.dp
     optimizer = (shard * rates.optimizer_seconds_per_element if rates.optimizer_seconds_per_element
                  else shard * OPTIMIZER_BYTES_PER_ELEMENT / rates.copy_bandwidth)
     forward = slot / 3
     if w.overlap_param_gather and w.dp > 1:
-        all_after_step = bool(getattr(a, "overlap_param_gather_with_optimizer_step", False))
         order = list(range(len(w.buckets)))[::-1]          # forward meets the first layers first
-        link_free = t = dispatch = 0.0   # the forward's clock from the end of the step
-        for j in order:
-            finish = max(link_free, dispatch) + dur(weights[j])
-            link_free = finish
-            start = max(t, finish)                         # bucket j's forward waits for it
-            dispatch = 0.0 if all_after_step else start    # one ahead: the pre-hook starts j+1's
-            t = start + share[j] * forward
-        weight_exposed = max(0.0, t - forward)
-    else:
-        weight_exposed = sum(dur(c) for c in weights)
+        # bucket k's forward waits for its gather; megatron-core's pre-hook dispatches gather k
+        # when bucket k-1's forward starts (one ahead: after gather k-1 and forward k-2), the
+        # trainer's --overlap-param-gather-with-optimizer-step all of them at the step's end
+        all_after_step = bool(getattr(a, "overlap_param_gather_with_optimizer_step", False))
+        job_after = [-1 if all_after_step else k - 2 for k in range(len(order))]
 
-    total = compute + grad_exposed + optimizer + weight_exposed + kernels_on_compute
+        def weight_phase(slowdowns: Contention) -> float:
+            return max(two_lanes([share[j] * forward for j in order],
+                                 [weights[j].seconds for j in order], job_after,
+                                 list(range(len(order))), slowdowns))
+
+        kind = "quantized" if cfg.quantized_weights else "plain"
+        weight_exposed = weight_phase(rates.contention_for(kind)) - forward
+        contention += weight_exposed - (weight_phase(Contention()) - forward)
+    else:
+        weight_exposed = sum(c.seconds for c in weights)
+
+    total = compute + grad_exposed + optimizer + weight_exposed
     if w.tp > 1:
         notes.append(f"TP all-reduces {1e3 * tp_comm:.1f} ms per micro-batch, not overlapped")
     return Prediction(
         variant=variant, iteration_s=total,
         tflops_per_gpu=w.flops_per_rank / total / 1e12 if total > 0 else 0.0,
         compute_s=compute, grad_exposed_s=grad_exposed, weight_exposed_s=weight_exposed,
-        optimizer_s=optimizer, kernels_on_compute_s=kernels_on_compute,
+        optimizer_s=optimizer, contention_s=contention,
         grad_total_s=sum(c.seconds for c in grads), weight_total_s=sum(c.seconds for c in weights),
         bytes_per_link=_record_bytes(w, cfg, buckets), memory_bytes=_memory(w, cfg, buckets),
         notes=notes)
@@ -358,7 +396,7 @@ def predict_paro(strategy: str, w: Workload,
     return Prediction(
         variant=f"PaRO {strategy}", iteration_s=total, tflops_per_gpu=w.flops_per_rank / total / 1e12,
         compute_s=w.micro_batches * mb, grad_exposed_s=exposed, weight_exposed_s=0.0,
-        optimizer_s=optimizer, kernels_on_compute_s=0.0,
+        optimizer_s=optimizer, contention_s=0.0,
         grad_total_s=w.micro_batches * micro + once, weight_total_s=0.0,
         bytes_per_link={"intra": vol.intra, "inter": vol.inter}, memory_bytes=mem.total,
         notes=["exposed = per-micro-step collectives beyond the compute + the once-per-step ones"]), None

@@ -20,8 +20,8 @@ from megatron.planner import calibration
 from megatron.planner.calibration import Contention, DeviceRates, KernelRate, fit_kernel
 from megatron.planner.cluster import (Cluster, Link, MeasuredCollective, all_reduce_time,
                                       all_to_all_time, ring_time)
-from megatron.planner.measure import (MAX_PROBE_BYTES, PROBE_SIZES, fit_link, probe_sizes,
-                                      read_measurement, write_measurement)
+from megatron.planner.measure import (MAX_PROBE_BYTES, PROBE_SIZES, fit_link, median_seconds,
+                                      probe_sizes, read_measurement, write_measurement)
 from megatron.planner.timeline import (OPTIMIZER_BYTES_PER_ELEMENT, grad_bucket_cost, predict,
                                        two_lanes, weight_bucket_cost)
 from megatron.planner.variants import (parse_run_args, recipe_variant_flags,
@@ -352,6 +352,13 @@ def test_measurement_round_trip_and_damage(tmp_path):
     path.write_text("{}")
     with pytest.raises(ValueError, match="not a planner measurement"):
         read_measurement(str(path))
+    # a file from before contention was measured: measure again, not a silently faster plan
+    path.write_text(json.dumps({"cluster": {"nodes": 1, "gpus_per_node": 1, "intra": {}, "inter": {}},
+                                "rates": {"kernels_share_compute": True}}))
+    with pytest.raises(ValueError, match="measure again"):
+        read_measurement(str(path))
+    with pytest.raises(ValueError, match="finite number >= 1"):
+        Contention(compute=float("nan"))
 
 
 def _tool(*argv, env=None):
@@ -463,13 +470,13 @@ def test_side_by_side_sees_two_threads_share_a_core(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        step_alone = 0.012
-        slow = side_by_side(lambda: spin(step_alone), job, lambda: None, step_alone,
+        step_alone = median_seconds(lambda: spin(0.012), 3, lambda: None)
+        slow = side_by_side(lambda: spin(0.012), job, lambda: None, step_alone,
                             torch.device("cpu"))
     finally:
         dist.destroy_process_group()
     assert slow.compute > 1.3 and slow.communication > 1.3, slow   # about 2 each
-    assert len(calls) >= 1 + 3 + 9   # warm-up, the three timed alone, enough to last 3 steps
+    assert len(calls) >= 1 + 3 + 3   # warm-up, the three timed alone, at least three beside
 
 
 def test_the_planner_reproduces_the_recorded_emulated_check():

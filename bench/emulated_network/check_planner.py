@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -81,7 +82,8 @@ def write_record(out: Path, work: Path, rows: list, meta: dict) -> None:
         shutil.copyfile(work / f"measure_{bw}.json", out / f"measure_{bw}.json")
         cells.append({"link": bw, "variant": v, "measurement": f"measure_{bw}.json",
                       "trainer_argv": argv, "runs_ms": runs, "median_ms": med,
-                      "predicted_ms": pred["ms"], "max_load_avg": load})
+                      "predicted_ms": pred["ms"],
+                      "max_load_avg": None if math.isnan(load) else load})   # JSON has no NaN
     (out / "runs.json").write_text(json.dumps({**meta, "cells": cells}, indent=1) + "\n")
 
 

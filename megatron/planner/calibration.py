@@ -94,6 +94,12 @@ class Contention:
     communication: float = 1.0
     """The collective (with its kernels), seconds beside the compute over seconds alone."""
 
+    def __post_init__(self) -> None:
+        for name in ("compute", "communication"):
+            x = getattr(self, name)
+            if not (math.isfinite(x) and x >= 1.0):
+                raise ValueError(f"a contention slowdown is a finite number >= 1, got {name}={x}")
+
     @property
     def worse_than_serial(self) -> bool:
         """Each lane's speed beside the other, summed, below one lane alone: together they would

@@ -19,7 +19,7 @@ so a user can check a prediction by hand, and each is tested against a hand-comp
   senders share the NICs.
 
 Where ``--measure`` timed a collective itself (the call the run makes, on the run's group, back
-to back at three sizes), its measured curve replaces the formula (:class:`MeasuredCollective`): on
+to back at several sizes), its measured curve replaces the formula (:class:`MeasuredCollective`): on
 the same link gloo's CPU-bound all-to-all and a point-to-point ring differ by 1.6x at 1 Gbit/s,
 and NCCL picks its own algorithm and protocol per size; no formula knows which it gets.
 """

@@ -26,7 +26,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,8 +38,9 @@ from .measure import median_seconds
 
 __all__ = ["ComputeProbe", "forward_backward_seconds", "side_by_side"]
 
-MAX_JOBS_BESIDE = 64
-"""At most this many collectives run beside the compute per kind (at least 3)."""
+MAX_JOBS_BESIDE = 4096
+"""At most this many collectives run beside the compute per kind (at least 3); they are sized to
+last about three steps alone."""
 
 
 @dataclass(frozen=True)
@@ -59,15 +60,25 @@ class ComputeProbe:
 def side_by_side(step: Callable[[], None], job: Callable[[], None], sync: Callable[[], None],
                  step_alone: float, device: torch.device) -> Contention:
     """Run ``job`` (one collective and its kernels, synchronised) back to back on a thread while
-    this thread runs ``step`` (no collective on ``job``'s groups); each one's median beside the
-    other over its median alone. Every rank runs the same number of jobs (their collectives pair
-    up across ranks), enough to last three steps alone."""
+    this thread runs ``step`` (``sync`` waits for this thread's own work only: on CUDA its stream,
+    not the job's); each one's median beside the other over its median alone.
+
+    Every rank runs the same number of jobs (their collectives pair up across ranks), enough to
+    last about three steps alone, and the same number of steps (a step's own collectives, tensor
+    parallelism's, pair up too): enough to outlast the jobs at twice their time alone. Counted:
+    the steps that ended while the jobs ran, the jobs that ended while the steps ran; where no
+    step ended in time, the first step's slowdown from the part of it the jobs overlapped."""
     job()   # warm-up: the communicator's first call sets it up
     job_alone = median_seconds(job, 3, lambda: None, align=dist.barrier)
-    n = torch.tensor([math.ceil(3 * step_alone / max(job_alone, 1e-9))], dtype=torch.float64,
-                     device=device)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    jobs = int(min(MAX_JOBS_BESIDE, max(3, n.item())))
+    counts = torch.tensor([math.ceil(3 * step_alone / max(job_alone, 1e-9))], dtype=torch.float64,
+                          device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    jobs = int(min(MAX_JOBS_BESIDE, max(3, counts.item())))
+    counts = torch.tensor([math.ceil(2 * jobs * job_alone / step_alone) + 1], dtype=torch.float64,
+                          device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    steps = int(counts.item())
+    job_ends: List[float] = []
     job_times: List[float] = []
     errors: List[BaseException] = []
 
@@ -76,26 +87,37 @@ def side_by_side(step: Callable[[], None], job: Callable[[], None], sync: Callab
             for _ in range(jobs):
                 t = time.perf_counter()
                 job()
-                job_times.append(time.perf_counter() - t)
+                job_ends.append(time.perf_counter())
+                job_times.append(job_ends[-1] - t)
         except BaseException as e:  # noqa: BLE001 - raised again on the probe's thread
             errors.append(e)
 
-    step_times: List[float] = []
+    step_spans: List[Tuple[float, float]] = []
     sync()
     dist.barrier()
     thread = threading.Thread(target=side, name="planner-beside", daemon=True)
+    start = time.perf_counter()
     thread.start()
-    while thread.is_alive():
+    for _ in range(steps):
         t = time.perf_counter()
         step()
         sync()
-        if thread.is_alive():   # only steps the collectives ran beside all the way
-            step_times.append(time.perf_counter() - t)
+        step_spans.append((t, time.perf_counter()))
     thread.join()
     if errors:
         raise errors[0]
-    compute = statistics.median(step_times) / step_alone if step_times else 1.0
-    communication = statistics.median(job_times) / job_alone
+    jobs_end = job_ends[-1]
+    beside = [e - t for t, e in step_spans if e <= jobs_end]
+    if beside:
+        compute = statistics.median(beside) / step_alone
+    else:   # one step outlasted every job: work s = d / c + (T - d) for the d seconds overlapped
+        t0, t1 = step_spans[0]
+        d = jobs_end - start
+        left = step_alone - (t1 - t0) + d   # what it did in the overlap, at least a trace
+        compute = d / max(left, 1e-3 * step_alone)
+    steps_end = step_spans[-1][1]
+    overlapped = [x for x, e in zip(job_times, job_ends) if e <= steps_end] or job_times
+    communication = statistics.median(overlapped) / job_alone
     # below 1.0 is noise: running beside something never speeds either up
     return Contention(compute=max(1.0, compute), communication=max(1.0, communication))
 
@@ -150,7 +172,8 @@ def forward_backward_seconds(args: argparse.Namespace, steps: int,
             leaf.optimizer.step()
 
     opt = timed(update)
-    contention = {kind: side_by_side(step, job, sync, fwd_bwd, device)
+    own_stream = torch.cuda.current_stream(device).synchronize if cuda else sync
+    contention = {kind: side_by_side(step, job, own_stream, fwd_bwd, device)
                   for kind, job in (beside or {}).items()}
     ns = argparse.Namespace(**vars(args))
     ns.global_batch_size = b

@@ -297,6 +297,8 @@ def read_measurement(path: str) -> Tuple[Cluster, DeviceRates]:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         c, r = data["cluster"], data["rates"]
+        if "kernels_share_compute" in r and "contention" not in r:
+            raise ValueError("made before --measure timed what overlap costs; measure again")
         cluster = Cluster(nodes=int(c["nodes"]), gpus_per_node=int(c["gpus_per_node"]),
                           intra=Link(**c["intra"]), inter=Link(**c["inter"]), name=c.get("name", ""),
                           measured={k: MeasuredCollective(ranks=int(v["ranks"]),

@@ -324,8 +324,8 @@ def predict(variant: str, w: Workload, cfg: QuantizationConfig, rates: DeviceRat
                                  [-1] * len(pieces), slowdowns))
 
         kind = "quantized" if cfg.quantized_gradients else "plain"
-        grad_exposed = grad_phase(rates.contention_for(kind)) - backward
-        contention += grad_exposed - (grad_phase(Contention()) - backward)
+        grad_exposed = max(0.0, grad_phase(rates.contention_for(kind)) - backward)
+        contention += grad_exposed - max(0.0, grad_phase(Contention()) - backward)
     else:
         grad_exposed = sum(c.seconds for c in grads)
 
@@ -347,8 +347,8 @@ def predict(variant: str, w: Workload, cfg: QuantizationConfig, rates: DeviceRat
                                  list(range(len(order))), slowdowns))
 
         kind = "quantized" if cfg.quantized_weights else "plain"
-        weight_exposed = weight_phase(rates.contention_for(kind)) - forward
-        contention += weight_exposed - (weight_phase(Contention()) - forward)
+        weight_exposed = max(0.0, weight_phase(rates.contention_for(kind)) - forward)
+        contention += weight_exposed - max(0.0, weight_phase(Contention()) - forward)
     else:
         weight_exposed = sum(c.seconds for c in weights)
 

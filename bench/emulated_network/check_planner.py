@@ -58,9 +58,12 @@ def predicted_ms(measurement: str, trainer_argv: List[str]) -> Dict[str, float]:
             "contention": 1e3 * p.contention_s}
 
 
-def trainer_argv(variant: str, model: dict, iters: int, jsonl: str, dp_size: int = 4) -> List[str]:
-    full = emu.train_args(model, variant, iters, jsonl, dp_size=dp_size)
-    return full[len(emu.variant_script(variant)):]
+def trainer_argv(variant: str, model: dict, iters: int, jsonl: str, dp_size: int = 4,
+                 log_interval: int = 1, full: bool = False) -> List[str]:
+    """The variant's pretrain_gpt.py flags (``full``: with the script that runs them first)."""
+    cmd = emu.train_args(model, variant, iters, jsonl, dp_size=dp_size,
+                         extra=["--log-interval", str(log_interval)])
+    return cmd if full else cmd[len(emu.variant_script(variant)):]
 
 
 def collect(work: Path, bw: str, variants: List[str], warmup: int) -> Dict[str, List[float]]:
@@ -93,7 +96,10 @@ def main() -> int:
     ap.add_argument("--variants", default="baseline-ring,sdp4bit,sdp4bit-overlap")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--iters", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2, help="iterations left out of the median")
+    ap.add_argument("--log-interval", type=int, default=1,
+                    help="the trainer's --log-interval: rank 0's logging (about 20 ms per log "
+                         "here) is in every iteration at 1, which the planner does not price")
     ap.add_argument("--model", default="small")
     ap.add_argument("--nproc-per-node", type=int, default=2,
                     help="ranks per emulated node (2 nodes); 1 keeps one rank per core here")
@@ -111,7 +117,7 @@ def main() -> int:
         work = Path(a.from_dir)
         for bw in a.bandwidths.split(","):
             for v, runs in collect(work, bw, variants, a.warmup).items():
-                argv = trainer_argv(v, model, a.iters, "/dev/null", dp)
+                argv = trainer_argv(v, model, a.iters, "/dev/null", dp, a.log_interval)
                 pred = predicted_ms(str(work / f"measure_{bw}.json"), argv)
                 rows.append((bw, v, pred, statistics.median(runs) if runs else float("nan"), runs,
                              float("nan"), argv))
@@ -147,15 +153,16 @@ def main() -> int:
             for r in range(a.repeats):
                 for v in variants:
                     jsonl = str(work / f"{v}_{bw}_{r}.jsonl")
-                    cmds = emu.node_commands(topo, emu.train_args(model, v, a.iters, jsonl,
-                                                                  dp_size=dp))
+                    cmds = emu.node_commands(topo, trainer_argv(v, model, a.iters, jsonl, dp,
+                                                                log_interval=a.log_interval,
+                                                                full=True))
                     if emu.run_nodes(cmds, a.timeout, str(work / f"{v}_{bw}_{r}")):
                         print(f"{bw} {v} run {r} failed, logs in {work}", file=sys.stderr)
                         Path(jsonl).unlink(missing_ok=True)
                         continue
                     loads.append(os.getloadavg()[0])
             for v, runs in collect(work, bw, variants, a.warmup).items():
-                argv = trainer_argv(v, model, a.iters, "/dev/null", dp)
+                argv = trainer_argv(v, model, a.iters, "/dev/null", dp, a.log_interval)
                 pred = predicted_ms(m_json, argv)
                 med = statistics.median(runs) if runs else float("nan")
                 rows.append((bw, v, pred, med, runs, max(loads) if loads else 0.0, argv))

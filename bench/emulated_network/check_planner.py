@@ -77,6 +77,19 @@ def collect(work: Path, bw: str, variants: List[str], warmup: int) -> Dict[str, 
     return measured
 
 
+def predicted_rows(work: Path, bw: str, variants: List[str], model: dict, a: argparse.Namespace,
+                   load: float) -> list:
+    """(link, variant, prediction, median ms, runs, max load, trainer flags) per variant at link
+    ``bw``, predicted from the check's measurement there."""
+    rows = []
+    for v, runs in collect(work, bw, variants, a.warmup).items():
+        argv = trainer_argv(v, model, a.iters, "/dev/null", 2 * a.nproc_per_node, a.log_interval)
+        pred = predicted_ms(str(work / f"measure_{bw}.json"), argv)
+        rows.append((bw, v, pred, statistics.median(runs) if runs else float("nan"), runs, load,
+                     argv))
+    return rows
+
+
 def write_record(out: Path, work: Path, rows: list, meta: dict) -> None:
     """The check's measurements and runs, enough to predict every cell again (module docstring)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -116,11 +129,7 @@ def main() -> int:
     if a.from_dir:
         work = Path(a.from_dir)
         for bw in a.bandwidths.split(","):
-            for v, runs in collect(work, bw, variants, a.warmup).items():
-                argv = trainer_argv(v, model, a.iters, "/dev/null", dp, a.log_interval)
-                pred = predicted_ms(str(work / f"measure_{bw}.json"), argv)
-                rows.append((bw, v, pred, statistics.median(runs) if runs else float("nan"), runs,
-                             float("nan"), argv))
+            rows += predicted_rows(work, bw, variants, model, a, float("nan"))
     elif os.geteuid() != 0:
         print("check_planner.py needs root (ip netns / tc)", file=sys.stderr)
         return 2
@@ -161,11 +170,9 @@ def main() -> int:
                         Path(jsonl).unlink(missing_ok=True)
                         continue
                     loads.append(os.getloadavg()[0])
-            for v, runs in collect(work, bw, variants, a.warmup).items():
-                argv = trainer_argv(v, model, a.iters, "/dev/null", dp, a.log_interval)
-                pred = predicted_ms(m_json, argv)
-                med = statistics.median(runs) if runs else float("nan")
-                rows.append((bw, v, pred, med, runs, max(loads) if loads else 0.0, argv))
+            for row in predicted_rows(work, bw, variants, model, a, max(loads, default=0.0)):
+                rows.append(row)
+                _, v, pred, med, runs, _, _ = row
                 print(f"{bw} {v}: predicted {pred['ms']:.0f} ms, measured {med:.0f} ms {runs}", flush=True)
         finally:
             subprocess.run(["bash", script, "down"], env=env, check=False)

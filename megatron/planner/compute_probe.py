@@ -70,14 +70,12 @@ def side_by_side(step: Callable[[], None], job: Callable[[], None], sync: Callab
     step ended in time, the first step's slowdown from the part of it the jobs overlapped."""
     job()   # warm-up: the communicator's first call sets it up
     job_alone = median_seconds(job, 3, lambda: None, align=dist.barrier)
-    counts = torch.tensor([math.ceil(3 * step_alone / max(job_alone, 1e-9))], dtype=torch.float64,
-                          device=device)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-    jobs = int(min(MAX_JOBS_BESIDE, max(3, counts.item())))
-    counts = torch.tensor([math.ceil(2 * jobs * job_alone / step_alone) + 1], dtype=torch.float64,
-                          device=device)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-    steps = int(counts.item())
+    # the slowest rank's ratios, so every rank computes the same counts from them
+    ratios = torch.tensor([step_alone / max(job_alone, 1e-9), job_alone / step_alone],
+                          dtype=torch.float64, device=device)
+    dist.all_reduce(ratios, op=dist.ReduceOp.MAX)
+    jobs = int(min(MAX_JOBS_BESIDE, max(3, math.ceil(3 * ratios[0].item()))))
+    steps = math.ceil(2 * jobs * ratios[1].item()) + 1
     job_ends: List[float] = []
     job_times: List[float] = []
     errors: List[BaseException] = []

@@ -140,19 +140,16 @@ def _probe(collective: str, group: Any, size: int, nbytes: int, device: torch.de
     return median_seconds(back_to_back, repeats, sync, align=dist.barrier) / calls
 
 
-def measure_collectives(device: torch.device, gpus_per_node: int, sizes: Tuple[int, ...],
-                        repeats: int, sync: Callable[[], None], data_parallel_group: Any = None,
-                        grad_dtype: torch.dtype = torch.float32
+def measure_collectives(device: torch.device, gpus_per_node: int, groups: Any,
+                        sizes: Tuple[int, ...], repeats: int, sync: Callable[[], None],
+                        data_parallel_group: Any = None, grad_dtype: torch.dtype = torch.float32
                         ) -> Tuple[Optional[Link], Optional[Link], Dict[str, MeasuredCollective]]:
     """(intra link, inter link, every :data:`~.cluster.COLLECTIVES` entry that applies) on this
-    launch; a link is None where the launch has none (one rank per node, or one node). Each time
-    is the slowest rank's (a collective ends when its last rank does)."""
-    from megatron.distributed.quant.topology import build_two_level_groups_for_all
-
-    world = dist.get_world_size()
+    launch, ``groups`` the layer's two-level groups over it; a link is None where the launch has
+    none (one rank per node, or one node). Each time is the slowest rank's (a collective ends
+    when its last rank does)."""
     dp_group = data_parallel_group if data_parallel_group is not None else dist.group.WORLD
     dp = dist.get_world_size(dp_group)
-    groups = build_two_level_groups_for_all([list(range(world))], gpus_per_node)
     d, m = groups.intra_size, groups.inter_size
     node = dist.get_rank() // gpus_per_node
     dp_per_node = sum(1 for r in dist.get_process_group_ranks(dp_group) if r // gpus_per_node == node)
@@ -215,21 +212,18 @@ def measure_kernels(device: torch.device, sizes: Tuple[int, int], sync: Callable
     return {k: fit_kernel(v) for k, v in samples.items()}, max(copy)
 
 
-def beside_jobs(device: torch.device, gpus_per_node: int, numel: int, data_parallel_group: Any,
+def beside_jobs(device: torch.device, groups: Any, numel: int, data_parallel_group: Any,
                 grad_dtype: torch.dtype) -> Dict[str, Callable[[], None]]:
     """One bucket's gradient collective of ``numel`` elements as an overlapped run runs it on its
     communication stage, by :data:`~.calibration.CONTENTION_KINDS`, each a call that returns when
     it is done (on CUDA on a side stream, synchronised): 'quantized' = the first hop's kernel
     (Hadamard, 4 bits), the all-to-all of the codes on the slower of the layer's two-level groups,
-    the final hop's dequantize-and-sum; 'plain' = megatron-core's reduce-scatter on the
-    data-parallel group, in the run's gradient dtype."""
+    the final hop's dequantize-and-sum (``groups``: the layer's two-level groups); 'plain' =
+    megatron-core's reduce-scatter on the data-parallel group, in the run's gradient dtype."""
     from megatron.distributed.quant import kernels as K
     from megatron.distributed.quant.collectives.common import reduce_scatter_flat
     from megatron.distributed.quant.kernels import QuantizedTensor
-    from megatron.distributed.quant.topology import build_two_level_groups_for_all
 
-    world = dist.get_world_size()
-    groups = build_two_level_groups_for_all([list(range(world))], gpus_per_node)
     group, size = ((groups.inter_group, groups.inter_size) if groups.inter_size > 1
                    else (groups.intra_group, groups.intra_size))
     dp = dist.get_world_size(data_parallel_group)
@@ -385,19 +379,22 @@ def measure(args: argparse.Namespace, *,
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     from megatron.core import parallel_state
 
+    from megatron.distributed.quant.topology import build_two_level_groups_for_all
+
     dp_group = (parallel_state.get_data_parallel_group()
-                if parallel_state.model_parallel_is_initialized() else None)
+                if parallel_state.model_parallel_is_initialized() else dist.group.WORLD)
+    groups = build_two_level_groups_for_all([list(range(world))], gpus_per_node)
     grad_dtype = torch.bfloat16 if getattr(args, "grad_reduce_in_bf16", False) else torch.float32
     work = _workload(args, world, gpus_per_node)
     if link_sizes is None:
         link_sizes = probe_sizes(max(work.buckets) * grad_dtype.itemsize)
-    intra, inter, curves = measure_collectives(device, gpus_per_node, link_sizes, repeats, sync,
-                                               dp_group, grad_dtype)
+    intra, inter, curves = measure_collectives(device, gpus_per_node, groups, link_sizes, repeats,
+                                               sync, dp_group, grad_dtype)
     if kernel_sizes is None:   # the largest call the run makes: a bucket (CPU caches, page faults)
         kernel_sizes = (1 << 18, min(1 << 26, max(1 << 22, max(work.buckets))))
     kernels, copy_bw = measure_kernels(device, kernel_sizes, sync)
-    beside = beside_jobs(device, gpus_per_node, min(1 << 24, max(1 << 20, max(work.buckets))),
-                         dp_group if dp_group is not None else dist.group.WORLD, grad_dtype)
+    beside = beside_jobs(device, groups, min(1 << 24, max(1 << 20, max(work.buckets))), dp_group,
+                         grad_dtype)
     probe = compute_seconds(args, compute_steps, beside)
     crowded = oversubscription(not cuda)
     # every rank's compute ran at once; the slowest sets the pace of a synchronous step

@@ -257,17 +257,12 @@ def two_lanes(compute: Sequence[float], jobs: Sequence[float], job_after: Sequen
     each one's seconds alone."""
     left_c = list(compute)
     left_j = list(jobs)
-    done_c = [False] * len(compute)
-    done_j = [False] * len(jobs)
     t = end_c = end_j = 0.0
-    i = j = 0
-
-    def ready(after: int, done: List[bool]) -> bool:
-        return after < 0 or done[after]
+    i = j = 0   # each lane finishes in order: pieces before i and jobs before j are done
 
     while i < len(compute) or j < len(jobs):
-        run_c = i < len(compute) and ready(compute_after[i], done_j)
-        run_j = j < len(jobs) and ready(job_after[j], done_c)
+        run_c = i < len(compute) and compute_after[i] < j
+        run_j = j < len(jobs) and job_after[j] < i
         if not (run_c or run_j):
             raise ValueError("two_lanes: each lane waits for the other (a cycle in the waits)")
         slow_c = contention.compute if run_j else 1.0
@@ -279,11 +274,11 @@ def two_lanes(compute: Sequence[float], jobs: Sequence[float], job_after: Sequen
         if run_c:
             left_c[i] -= step / slow_c
             if dt_c <= step:
-                done_c[i], end_c, i = True, t, i + 1
+                end_c, i = t, i + 1
         if run_j:
             left_j[j] -= step / slow_j
             if dt_j <= step:
-                done_j[j], end_j, j = True, t, j + 1
+                end_j, j = t, j + 1
     return end_c, end_j
 
 

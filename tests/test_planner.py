@@ -380,12 +380,17 @@ def test_the_tool_plans_a_recipe():
 
 
 def test_measure_on_four_gloo_ranks(tmp_path):
+    """--measure with the flags of an SDP4Bit run with both overlaps (the run a user plans): the
+    compute probe must not gather parameters in its forward pass (megatron-core's pre-hooks
+    would, and quantized weights need the trainer's optimizer hook for that)."""
     out_json = tmp_path / "measure.json"
     run = ["--device", "cpu", "--distributed-backend", "gloo", "--mock-data",
            "--use-distributed-optimizer", "--num-layers", "2", "--hidden-size", "64",
            "--num-attention-heads", "4", "--seq-length", "8", "--max-position-embeddings", "8",
            "--vocab-size", "256", "--micro-batch-size", "1", "--global-batch-size", "4",
-           "--train-iters", "1", "--lr", "1e-4", "--eval-iters", "0"]
+           "--train-iters", "1", "--lr", "1e-4", "--eval-iters", "0",
+           "--bf16", "--quantized-weights", "--quantized-gradients", "--hadamard-transform",
+           "--overlap-grad-reduce", "--overlap-param-gather"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            str(ROOT / "tools" / "planner.py"), "--measure", "--out", str(out_json),
            "--variants", "baseline,SDP4Bit", "--", *run]
@@ -411,6 +416,43 @@ def test_measure_on_four_gloo_ranks(tmp_path):
     # 4 ranks on this machine: over-subscribed where it has fewer cores, said with the rates
     cores = len(os.sched_getaffinity(0))
     assert ("over-subscribed" in rates.source) == (cores < 4), rates.source
+
+
+def _slowest_rank_worker(rank: int, store: str, out: str) -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron.planner.measure import slowest_rank_median
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    slow = {0: (0, 1), 1: (2,)}[rank]   # the repeats this rank is the slow one in
+    repeat = iter(range(5))
+    own: list = []
+
+    def work() -> None:
+        k = next(repeat)
+        t = time.perf_counter()
+        time.sleep(0.05 if k in slow else 0.001)
+        own.append(time.perf_counter() - t)
+
+    got = slowest_rank_median(work, 5, lambda: None, torch.device("cpu"))
+    Path(f"{out}.{rank}").write_text(json.dumps({"slowest": got, "own": own}))
+    dist.destroy_process_group()
+
+
+def test_slowest_rank_median_takes_each_repeats_slowest_rank(tmp_path):
+    """A synchronous step waits for its last rank every time: with rank 0 slow in two repeats
+    and rank 1 in a third, each rank's own median is fast while three of five steps were slow;
+    every rank gets the same answer."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "res")
+    mp.spawn(_slowest_rank_worker, args=(str(tmp_path / "store"), out), nprocs=2, join=True)
+    res = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+    assert res[0]["slowest"] == res[1]["slowest"] >= 0.05
+    assert max(sorted(r["own"])[2] for r in res) < 0.05   # the larger of the ranks' medians
 
 
 def test_bench_quant_json_feeds_the_planner(tmp_path):

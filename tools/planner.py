@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="under torchrun: time this launch's links, kernels, compute and "
                          "what overlap costs")
     ap.add_argument("--out", help="with --measure: where rank 0 writes the measurement")
-    ap.add_argument("--compute-steps", type=int, default=3, help="with --measure")
+    ap.add_argument("--compute-steps", type=int, default=8,
+                    help="with --measure: forward + backward steps and optimizer updates timed")
     return ap
 
 

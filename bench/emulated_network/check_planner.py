@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -66,40 +66,65 @@ def trainer_argv(variant: str, model: dict, iters: int, jsonl: str, dp_size: int
     return cmd if full else cmd[len(emu.variant_script(variant)):]
 
 
-def collect(work: Path, bw: str, variants: List[str], warmup: int) -> Dict[str, List[float]]:
-    """Each variant's per-run medians at link ``bw`` from a check's work directory."""
-    measured: Dict[str, List[float]] = {v: [] for v in variants}
+EXPOSED_KEYS = {"grad": "comm_grad_exposed_ms", "weight": "comm_weight_exposed_ms"}
+"""The trainer's own per-iteration timers of the time its training thread waited for the
+quantized layer's collectives (streams.CommTiming; megatron-core's are not timed): what the
+planner's exposed terms predict."""
+
+
+def collect(work: Path, bw: str, variants: List[str], warmup: int
+            ) -> Dict[str, List[Dict[str, float]]]:
+    """Each variant's runs at link ``bw`` from a check's work directory: per run the median
+    ms/iteration ('ms') and, where the trainer timed them, the median exposed gradient and weight
+    communication ('grad', 'weight')."""
+    measured: Dict[str, List[Dict[str, float]]] = {v: [] for v in variants}
     for v in variants:
         for jsonl in sorted(work.glob(f"{v}_{bw}_*.jsonl")):
-            s = emu.summarize_iterations(emu.parse_jsonl(str(jsonl)), warmup)
+            records = emu.parse_jsonl(str(jsonl))
+            s = emu.summarize_iterations(records, warmup)
             if s["ms_per_iter_median"] is not None:
-                measured[v].append(s["ms_per_iter_median"])
+                comm = emu.comm_medians(records, warmup)
+                measured[v].append({"ms": s["ms_per_iter_median"],
+                                    **{k: comm[key] for k, key in EXPOSED_KEYS.items()
+                                       if key in comm}})
     return measured
+
+
+def _median(runs: List[Dict[str, float]], key: str) -> float:
+    vals = [r[key] for r in runs if key in r]
+    return statistics.median(vals) if vals else float("nan")
 
 
 def predicted_rows(work: Path, bw: str, variants: List[str], model: dict, a: argparse.Namespace,
                    load: float) -> list:
-    """(link, variant, prediction, median ms, runs, max load, trainer flags) per variant at link
-    ``bw``, predicted from the check's measurement there."""
+    """(link, variant, prediction, median ms, runs' ms, max load, trainer flags, median exposed
+    ms by term) per variant at link ``bw``, predicted from the check's measurement there."""
     rows = []
     for v, runs in collect(work, bw, variants, a.warmup).items():
         argv = trainer_argv(v, model, a.iters, "/dev/null", 2 * a.nproc_per_node, a.log_interval)
         pred = predicted_ms(str(work / f"measure_{bw}.json"), argv)
-        rows.append((bw, v, pred, statistics.median(runs) if runs else float("nan"), runs, load,
-                     argv))
+        exposed = {k: _median(runs, k) for k in EXPOSED_KEYS}
+        rows.append((bw, v, pred, _median(runs, "ms"), [r["ms"] for r in runs], load, argv,
+                     exposed))
     return rows
+
+
+def _json_number(x: float) -> Optional[float]:
+    return None if math.isnan(x) else x   # JSON has no NaN
 
 
 def write_record(out: Path, work: Path, rows: list, meta: dict) -> None:
     """The check's measurements and runs, enough to predict every cell again (module docstring)."""
     out.mkdir(parents=True, exist_ok=True)
     cells = []
-    for bw, v, pred, med, runs, load, argv in rows:
+    for bw, v, pred, med, runs, load, argv, exposed in rows:
         shutil.copyfile(work / f"measure_{bw}.json", out / f"measure_{bw}.json")
         cells.append({"link": bw, "variant": v, "measurement": f"measure_{bw}.json",
                       "trainer_argv": argv, "runs_ms": runs, "median_ms": med,
                       "predicted_ms": pred["ms"],
-                      "max_load_avg": None if math.isnan(load) else load})   # JSON has no NaN
+                      "predicted_exposed_ms": {k: pred[k] for k in EXPOSED_KEYS},
+                      "measured_exposed_ms": {k: _json_number(x) for k, x in exposed.items()},
+                      "max_load_avg": _json_number(load)})
     (out / "runs.json").write_text(json.dumps({**meta, "cells": cells}, indent=1) + "\n")
 
 
@@ -172,7 +197,7 @@ def main() -> int:
                     loads.append(os.getloadavg()[0])
             for row in predicted_rows(work, bw, variants, model, a, max(loads, default=0.0)):
                 rows.append(row)
-                _, v, pred, med, runs, _, _ = row
+                _, v, pred, med, runs, _, _, _ = row
                 print(f"{bw} {v}: predicted {pred['ms']:.0f} ms, measured {med:.0f} ms {runs}", flush=True)
         finally:
             subprocess.run(["bash", script, "down"], env=env, check=False)
@@ -182,12 +207,15 @@ def main() -> int:
              f"measurements in {work}", "",
              "| link | variant | predicted ms/iter (compute / grad exposed / weight exposed / "
              "of which contention) "
-             "| measured median ms/iter | runs (ms) | error | spread of runs | max load avg |",
+             "| measured median ms/iter (grad / weight exposed) | runs (ms) | error "
+             "| spread of runs | max load avg |",
              "|---|---|---:|---:|---|---:|---:|---:|"]
-    for bw, v, pred, med, runs, load, _ in rows:
+    for bw, v, pred, med, runs, load, _, exposed in rows:
         spread = (max(runs) - min(runs)) / med if runs else float("nan")
+        timed = ("" if any(math.isnan(x) for x in exposed.values())
+                 else f" ({exposed['grad']:.0f} / {exposed['weight']:.0f})")
         lines.append(f"| {bw} | {v} | {pred['ms']:.0f} ({pred['compute']:.0f} / {pred['grad']:.0f} / "
-                     f"{pred['weight']:.0f} / {pred['contention']:.0f}) | {med:.0f} | "
+                     f"{pred['weight']:.0f} / {pred['contention']:.0f}) | {med:.0f}{timed} | "
                      f"{', '.join(f'{x:.0f}' for x in runs)} | {100 * (pred['ms'] / med - 1):+.1f} % | "
                      f"{100 * spread:.0f} % | {load:.1f} |")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from megatron.training.throughput import training_flops_per_iteration
 
 from .calibration import Contention
-from .measure import median_seconds
+from .measure import median_seconds, slowest_rank_median
 
 __all__ = ["ComputeProbe", "forward_backward_seconds", "side_by_side"]
 
@@ -48,11 +48,12 @@ class ComputeProbe:
     """What :func:`forward_backward_seconds` measured on this rank."""
 
     forward_backward_s: float
-    """Median seconds of one micro-batch's forward + backward, alone."""
+    """Median seconds of one micro-batch's forward + backward, alone, each step at its slowest
+    rank."""
     flops: float
     """The model FLOPs of that micro-batch on this rank."""
     optimizer_s: float
-    """Median seconds of the optimizer's update of this rank's shard."""
+    """Median seconds of the optimizer's update of the ranks' shards, each at its slowest rank."""
     contention: Dict[str, Contention] = field(default_factory=dict)
     """By the kinds of ``beside``: the compute and the collective side by side."""
 
@@ -133,6 +134,11 @@ def forward_backward_seconds(args: argparse.Namespace, steps: int,
 
     config = build_transformer_config(args)
     (model,) = get_model(args, config, args.padded_vocab_size)
+    if getattr(model, "use_forward_hook", False):
+        # --overlap-param-gather: megatron-core's forward pre-hooks would gather the parameters
+        # (a collective, and with quantized weights one that needs the trainer's optimizer hook);
+        # the probe times the compute alone, as the hooks find nothing left to wait for
+        model.disable_forward_pre_hook(param_sync=False)
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     b, s = args.micro_batch_size, args.seq_length
@@ -148,9 +154,9 @@ def forward_backward_seconds(args: argparse.Namespace, steps: int,
             loss.backward()
         model.zero_grad_buffer()
 
-    def timed(fn: Callable[[], None]) -> float:
+    def timed(fn: Callable[[], None]) -> float:   # each step at its slowest rank
         fn()   # warm-up
-        return median_seconds(fn, max(1, steps), sync)
+        return slowest_rank_median(fn, max(1, steps), sync, device)
 
     fwd_bwd = timed(step)
     optimizer, _ = get_optimizer_and_scheduler(args, [model])

@@ -19,9 +19,11 @@ across the nodes, the run's own flags) gives all three. Every rank takes part:
   sizes, the larger the run's largest bucket (up to 64M elements: on CPU ranks a bucket beyond
   the caches costs more per byte than a small call, 4-18x for 16M elements against 4M here)
   (``fixed + bytes / bandwidth``), and a device copy;
-* **compute**: the model's forward and backward for a few micro-batches on every rank at once,
+* **compute**: the model's forward and backward for a few micro-batches (``--compute-steps``)
   with no gradient communication, giving the model TFLOP/s the timeline scales; and the
   optimizer's update of the rank's shard, per element;
+* every rank runs the kernels and the compute at once, as in a step, and each repeat counts at
+  its slowest rank (:func:`slowest_rank_median`): a synchronous step waits for its last rank;
 * **contention**: the forward and backward again with a bucket's collective running beside them
   as the overlapped run runs it (:func:`beside_jobs`: a quantized hop, and megatron-core's
   reduce-scatter), each one's slowdown (:class:`~.calibration.Contention`).
@@ -49,7 +51,7 @@ from .calibration import (SOURCES, ComputeRate, Contention, DeviceRates, KernelR
 from .cluster import Cluster, Link, MeasuredCollective
 
 __all__ = ["measure", "measure_collectives", "beside_jobs", "probe_sizes", "write_measurement",
-           "read_measurement", "fit_link", "median_seconds"]
+           "read_measurement", "fit_link", "median_seconds", "slowest_rank_median"]
 
 
 def fit_link(samples: List[Tuple[float, float]], concurrent: int = 1) -> Link:
@@ -74,6 +76,29 @@ def median_seconds(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]
         sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def slowest_rank_median(fn: Callable[[], Any], repeats: int, sync: Callable[[], None],
+                        device: torch.device) -> float:
+    """Median over ``repeats`` of the slowest rank's seconds of ``fn``, every rank running it at
+    once after a barrier (a collective call: every rank calls it with the same ``repeats``).
+
+    Why the slowest rank of each repeat and not each rank's median: a synchronous step waits,
+    at each collective, for the last rank to arrive, and ranks do not run at an even pace --
+    on the emulated network the two ranks arrived at each bucket's collective 20 ms apart on
+    average (one rank's optimizer step and kernels 52 ms, the other's 71 ms, in the same
+    iterations), where the larger of the two ranks' medians is the pace of neither."""
+    times = []
+    for _ in range(repeats):
+        sync()
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)   # NCCL: on the device
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return statistics.median(slowest.tolist())
 
 
 BACK_TO_BACK_BYTES = 64 << 20
@@ -125,10 +150,9 @@ def _probe(collective: str, group: Any, size: int, nbytes: int, device: torch.de
             all_gather_flat(out, inp, group)
     else:
         send = torch.zeros(per * size, dtype=torch.uint8, device=device)
-        recv = torch.empty_like(send)
 
-        def run() -> None:
-            dist.all_to_all_single(recv, send, group=group)
+        def run() -> None:   # a new receive buffer per call, as the layer's hops allocate one
+            dist.all_to_all_single(torch.empty_like(send), send, group=group)
 
     run()   # the communicator's first call sets it up
     calls = max(1, min(64, BACK_TO_BACK_BYTES // max(1, nbytes)))
@@ -137,7 +161,7 @@ def _probe(collective: str, group: Any, size: int, nbytes: int, device: torch.de
         for _ in range(calls):
             run()
 
-    return median_seconds(back_to_back, repeats, sync, align=dist.barrier) / calls
+    return slowest_rank_median(back_to_back, repeats, sync, device) / calls
 
 
 def measure_collectives(device: torch.device, gpus_per_node: int, groups: Any,
@@ -158,14 +182,11 @@ def measure_collectives(device: torch.device, gpus_per_node: int, groups: Any,
             ("reduce_scatter", dp_group, dp, dp_per_node), ("all_gather", dp_group, dp, dp_per_node)]
     plan = [p for p in plan if p[2] > 1]
     seconds = torch.tensor([[_probe(name, group, size, b, device, repeats, sync, grad_dtype)
-                             for b in sizes] for name, group, size, _ in plan],
-                           dtype=torch.float64, device=device)   # NCCL reduces device tensors
-    if plan:
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+                             for b in sizes] for name, group, size, _ in plan], dtype=torch.float64)
     curves: Dict[str, MeasuredCollective] = {
         name: MeasuredCollective(ranks=size, ranks_per_node=per_node,
                                  points=tuple((float(b), t) for b, t in zip(sizes, row.tolist())))
-        for (name, _, size, per_node), row in zip(plan, seconds.cpu())}
+        for (name, _, size, per_node), row in zip(plan, seconds)}
 
     def link(name: str, size: int, concurrent: int = 1) -> Optional[Link]:
         if name not in curves:
@@ -178,7 +199,9 @@ def measure_collectives(device: torch.device, gpus_per_node: int, groups: Any,
 
 def measure_kernels(device: torch.device, sizes: Tuple[int, int], sync: Callable[[], None],
                     repeats: int = 3) -> Tuple[Dict[str, KernelRate], float]:
-    """Each kernel's fitted rate on this device's backend, and the copy bandwidth."""
+    """Each kernel's fitted rate on this device's backend, and the copy bandwidth: every rank
+    runs each kernel at once, as in a step, and each repeat counts at its slowest rank
+    (:func:`slowest_rank_median`; a collective call)."""
     from megatron.distributed.quant import kernels as K
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -189,7 +212,7 @@ def measure_kernels(device: torch.device, sizes: Tuple[int, int], sync: Callable
         n -= n % (SOURCES * 2048)
         x = torch.randn(n, device=device, generator=gen)
         y = torch.empty_like(x)
-        copy.append(8 * n / median_seconds(lambda: y.copy_(x), repeats, sync))
+        copy.append(8 * n / slowest_rank_median(lambda: y.copy_(x), repeats, sync, device))
         ref = x.bfloat16()
         q = K.quantize(x, bits, gs, generator=gen)
         qd = K.quantize_difference(x, ref, bits, gs, generator=gen)
@@ -208,7 +231,8 @@ def measure_kernels(device: torch.device, sizes: Tuple[int, int], sync: Callable
         for name, fn in calls.items():
             fn()
             samples.setdefault(name, []).append((float(moved_bytes(name, n, bits, gs)),
-                                                 median_seconds(fn, repeats, sync)))
+                                                 slowest_rank_median(fn, repeats, sync,
+                                                                     device)))
     return {k: fit_kernel(v) for k, v in samples.items()}, max(copy)
 
 
@@ -366,7 +390,7 @@ def measure(args: argparse.Namespace, *,
             compute_seconds: Callable[..., Any],
             link_sizes: Optional[Tuple[int, ...]] = None,
             kernel_sizes: Optional[Tuple[int, int]] = None, repeats: int = 3,
-            compute_steps: int = 3) -> Tuple[Cluster, DeviceRates]:
+            compute_steps: int = 8) -> Tuple[Cluster, DeviceRates]:
     """Everything :mod:`.timeline` needs, timed on this launch (module docstring). The process
     group must be initialised; ``compute_seconds(args, steps, beside)`` returns this rank's
     :class:`~.compute_probe.ComputeProbe` (:func:`~.compute_probe.forward_backward_seconds`)."""

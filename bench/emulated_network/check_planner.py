@@ -136,8 +136,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2, help="iterations left out of the median")
     ap.add_argument("--log-interval", type=int, default=1,
-                    help="the trainer's --log-interval: rank 0's logging (about 20 ms per log "
-                         "here) is in every iteration at 1, which the planner does not price")
+                    help="the trainer's --log-interval (each run's median is over the logged "
+                         "intervals; py-spy puts rank 0's logging at 0.3-2 ms per iteration)")
     ap.add_argument("--model", default="small")
     ap.add_argument("--nproc-per-node", type=int, default=2,
                     help="ranks per emulated node (2 nodes); 1 keeps one rank per core here")

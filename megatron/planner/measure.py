@@ -197,6 +197,19 @@ def measure_collectives(device: torch.device, gpus_per_node: int, groups: Any,
     return link("all_to_all_intra", d), link("all_to_all_inter", m, gpus_per_node), curves
 
 
+PROBE_BITS, PROBE_GROUP_SIZE = 4, 128
+"""The quantized hop the probes time: SDP4Bit's inter-node gradients (4 bits, groups of 128)."""
+
+
+def first_hop_kernel(x: torch.Tensor, generator: torch.Generator) -> Any:
+    """The first hop's kernel as the probes time it: Hadamard, then :data:`PROBE_BITS`-bit codes
+    of :data:`~.calibration.SOURCES` partitions in a swizzled order."""
+    from megatron.distributed.quant import kernels as K
+
+    return K.quantize_partitions(x, SOURCES, [0, 2, 1, 3], PROBE_BITS, PROBE_GROUP_SIZE,
+                                 hadamard=True, generator=generator)
+
+
 def measure_kernels(device: torch.device, sizes: Tuple[int, int], sync: Callable[[], None],
                     repeats: int = 3) -> Tuple[Dict[str, KernelRate], float]:
     """Each kernel's fitted rate on this device's backend, and the copy bandwidth: every rank
@@ -207,7 +220,7 @@ def measure_kernels(device: torch.device, sizes: Tuple[int, int], sync: Callable
     gen = torch.Generator(device=device).manual_seed(0)
     samples: Dict[str, List[Tuple[float, float]]] = {}
     copy: List[float] = []
-    bits, gs = 4, 128
+    bits, gs = PROBE_BITS, PROBE_GROUP_SIZE
     for n in sizes:
         n -= n % (SOURCES * 2048)
         x = torch.randn(n, device=device, generator=gen)
@@ -219,8 +232,7 @@ def measure_kernels(device: torch.device, sizes: Tuple[int, int], sync: Callable
         calls = {
             "quantize": lambda: K.quantize(x, bits, gs, generator=gen),
             "quantize_ht": lambda: K.quantize(x, bits, gs, hadamard=True, generator=gen),
-            "quantize_partitions_ht": lambda: K.quantize_partitions(
-                x, SOURCES, [0, 2, 1, 3], bits, gs, hadamard=True, generator=gen),
+            "quantize_partitions_ht": lambda: first_hop_kernel(x, gen),
             "dequantize_sum_requantize": lambda: K.dequantize_sum_requantize(q, SOURCES, bits,
                                                                              generator=gen),
             "dequantize_sum": lambda: K.dequantize_sum(q, SOURCES),
@@ -251,7 +263,7 @@ def beside_jobs(device: torch.device, groups: Any, numel: int, data_parallel_gro
     group, size = ((groups.inter_group, groups.inter_size) if groups.inter_size > 1
                    else (groups.intra_group, groups.intra_size))
     dp = dist.get_world_size(data_parallel_group)
-    bits, gs = 4, 128
+    bits, gs = PROBE_BITS, PROBE_GROUP_SIZE
     whole_groups = SOURCES * 2048 * dp   # every partition and shard in whole quantization groups
     numel = max(whole_groups, numel - numel % whole_groups)
     gen = torch.Generator(device=device).manual_seed(1)
@@ -259,7 +271,6 @@ def beside_jobs(device: torch.device, groups: Any, numel: int, data_parallel_gro
     whole = K.quantize(x, bits, gs, generator=gen)   # what the final hop sums
     per = -(-QuantizedTensor.wire_bytes(numel, bits, gs) // size)
     send = torch.zeros(per * size, dtype=torch.uint8, device=device)
-    recv = torch.empty_like(send)
     out = torch.empty(numel // dp, dtype=grad_dtype, device=device)
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
     if side is not None:
@@ -276,9 +287,9 @@ def beside_jobs(device: torch.device, groups: Any, numel: int, data_parallel_gro
         return run
 
     def quantized() -> None:
-        K.quantize_partitions(x, SOURCES, [0, 2, 1, 3], bits, gs, hadamard=True, generator=gen)
+        first_hop_kernel(x, gen)
         if size > 1:
-            dist.all_to_all_single(recv, send, group=group)
+            dist.all_to_all_single(torch.empty_like(send), send, group=group)   # as the layer
         K.dequantize_sum(whole, SOURCES)
 
     def plain() -> None:

@@ -31,7 +31,8 @@ def test_two_rank_cpu_training_loss_falls(tmp_path: Path, run_pretrain) -> None:
         "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
         "--overlap-param-gather", "--log-interval", "4", "--eval-interval", "8",
         "--eval-iters", "2", "--log-throughput", "--jsonl-log", str(jsonl),
-        "--tensorboard-dir", str(tb), "--log-validation-ppl-to-tensorboard"])
+        "--tensorboard-dir", str(tb), "--log-validation-ppl-to-tensorboard",
+        "--timing-log-level", "2"])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = [m for m in LOG_RE.finditer(res.stdout)]
     assert [int(m.group(1)) for m in lines] == [4, 8, 12, 16], res.stdout[-3000:]
@@ -54,6 +55,17 @@ def test_two_rank_cpu_training_loss_falls(tmp_path: Path, run_pretrain) -> None:
     assert records[-1]["type"] == "summary" and records[-1]["nan_iterations"] == 0
     assert train[0]["lr"] > train[-1]["lr"] >= 1e-4  # cosine decay to min-lr
     assert list(tb.glob("events.out.tfevents.*")), "no tensorboard event file"
+    # --timing-log-level 2: a timers line after each iteration line, the parts inside the step
+    timer_lines = re.findall(r" timers \(ms per iteration, slowest rank\) \| (.*) \|\n",
+                             res.stdout)
+    assert len(timer_lines) == 4, res.stdout[-3000:]
+    for r in train:
+        t = r["timers_ms"]
+        assert list(t) == ["forward-backward", "optimizer", "batch-generator", "zero-grad"]
+        assert t["forward-backward"] > 0 and t["optimizer"] > 0 and t["batch-generator"] >= 0
+        # each timer is one rank's slowest and the iteration time rank 0's: a little slack
+        assert t["forward-backward"] + t["optimizer"] + t["zero-grad"] <= 1.2 * r["ms_per_iteration"]
+        assert t["batch-generator"] <= t["forward-backward"]   # the batches are read inside it
 
 
 def _nan_skip_worker(rank: int, port: int, out: str) -> None:
@@ -161,3 +173,31 @@ def test_log_interval_rates_count_the_iterations_run() -> None:
     interval.add(loss=float("nan"), seconds=0.5, skipped=True, is_nan=True)
     assert interval.mean_loss() == pytest.approx(5.0) and (interval.skipped, interval.nan) == (2, 1)
     assert LogInterval().ms_per_iteration() == 0.0 and math.isnan(LogInterval().mean_loss())
+
+
+def test_step_timers_levels_and_report() -> None:
+    """Level 0 times nothing; level 1 the two main parts; each report is per iteration and
+    resets; an unknown timer name is an error, not a silent zero."""
+    import time
+
+    from megatron.training.step_timers import StepTimers
+
+    off = StepTimers(0)
+    with off.time("forward-backward"):
+        pass
+    assert off.report(1) == {}
+    timers = StepTimers(1)
+    for _ in range(2):
+        with timers.time("forward-backward"):
+            time.sleep(0.01)
+        with timers.time("batch-generator"):   # a level-2 timer: not shown at level 1
+            pass
+    got = timers.report(2)
+    assert list(got) == ["forward-backward", "optimizer"]
+    assert got["forward-backward"] >= 10.0 and got["optimizer"] == 0.0
+    assert timers.report(1) == {"forward-backward": 0.0, "optimizer": 0.0}
+    with pytest.raises(KeyError, match="unknown timer"):
+        with timers.time("forward_backward"):
+            pass
+    with pytest.raises(ValueError, match="--timing-log-level"):
+        StepTimers(3)

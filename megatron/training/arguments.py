@@ -303,8 +303,13 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0,
-                   help="0: iteration time only; 1: + forward-backward/optimizer; 2: + finer timers.")
-    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+                   help="0: iteration time only; 1: + the forward-backward pass and the "
+                        "optimizer step, ms per iteration of the slowest rank, on a line after "
+                        "each iteration line and in --jsonl-log (the device is synchronised "
+                        "around each timed part); 2: + the batch generator and zeroing the "
+                        "gradients.")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="The iteration time and the --timing-log-level timers in tensorboard.")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--log-throughput", action="store_true", help="tokens/s in the log line.")
     g.add_argument("--log-loss-scale", action="store_true",

@@ -31,7 +31,7 @@ import torch
 
 from megatron.distributed.quant import failures, integration
 
-from . import checkpointing, save_guard, writer_processes
+from . import checkpointing, save_guard, step_timers, writer_processes
 from .arguments import padded_vocab_size
 from .config_builders import build_transformer_config
 from .errors import StartupError
@@ -132,10 +132,11 @@ def _setup(args: argparse.Namespace, forward_step_func, cleanup: Any) -> Trainin
     valid_iter = build_data_iterator(valid_ds, consumed_valid, args, cyclic=True)
     metrics = MetricsLogger(args, active=torch.distributed.get_rank() == 0)
     _report_startup(args, model, optimizer, exits, save_dir, device)
+    timers = step_timers.configure(args.timing_log_level, device)
     return TrainingRun(
         args=args, forward_step_func=forward_step_func, device=device, model=model,
         optimizer=optimizer, scheduler=scheduler, train_iter=train_iter, valid_iter=valid_iter,
-        exits=exits, save_dir=save_dir, log=TrainingLog(args, metrics), iteration=iteration,
+        exits=exits, save_dir=save_dir, log=TrainingLog(args, metrics, timers), iteration=iteration,
         consumed_train=consumed_train, consumed_valid=consumed_valid,
         skipped_total=int(train_state.get("skipped_iterations", 0)),
         nan_total=int(train_state.get("nan_iterations", 0)),

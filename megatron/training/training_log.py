@@ -21,6 +21,7 @@ from megatron.distributed.quant import integration
 
 from .logging_utils import MetricsLogger, print_rank_0
 from .profiling import memory_report
+from .step_timers import StepTimers
 from .throughput import tflops_per_gpu
 from .training_step import current_loss_scale
 
@@ -101,9 +102,11 @@ class TrainingLog:
     """The loop's log of one run: call :meth:`iteration` after every step, :meth:`validation`
     after every evaluation, :meth:`final_interval` and :meth:`summary` once at the end."""
 
-    def __init__(self, args: argparse.Namespace, metrics: MetricsLogger) -> None:
+    def __init__(self, args: argparse.Namespace, metrics: MetricsLogger,
+                 timers: Optional[StepTimers] = None) -> None:
         self.args = args
         self.metrics = metrics
+        self.timers = timers if timers is not None else StepTimers()
         self.tokens_per_iteration = args.global_batch_size * args.seq_length
         self.interval = LogInterval()
         self.memory_reported = False
@@ -131,10 +134,14 @@ class TrainingLog:
             avg_loss = interval.mean_loss()
             tps = interval.tokens_per_s(self.tokens_per_iteration)
             comm = integration.communication_report(model, reset=True)
+            timed = self.timers.report(interval.iterations)   # every rank: an all-reduce
             line = _fmt_log_line(iteration, args, consumed_samples, ms, lr, avg_loss,
                                  current_loss_scale(optimizer), grad_norm, interval.skipped,
                                  interval.nan, tps, comm)
             print_rank_0(line)
+            if timed:   # Megatron-LM prints its timers on a line of their own, after the iteration's
+                print_rank_0(" timers (ms per iteration, slowest rank) | " + " | ".join(
+                    f"{name}: {ms_:.2f}" for name, ms_ in timed.items()) + " |")
             if not self.memory_reported:   # Megatron-LM's report, once, after the first interval
                 self.memory_reported = True
                 print_rank_0(memory_report(args.device, iteration, torch.distributed.get_rank()))
@@ -145,9 +152,12 @@ class TrainingLog:
                             "nan_iterations": interval.nan, "ms_per_iteration": ms,
                             "iterations_in_interval": interval.iterations,
                             "tokens_per_s": tps,
-                            "tflops_per_gpu": tflops_per_gpu(args, ms / 1000.0), **comm})
+                            "tflops_per_gpu": tflops_per_gpu(args, ms / 1000.0), **comm,
+                            **({"timers_ms": timed} if timed else {})})
             if comm:
                 metrics.scalars({f"comm/{k}": v for k, v in comm.items()}, iteration)
+            if timed and args.log_timers_to_tensorboard:
+                metrics.scalars({f"timers/{k}-time-ms": v for k, v in timed.items()}, iteration)
             self.interval = LogInterval()
 
     def validation(self, iteration: int, val: float, label: str) -> None:

@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import math
 import weakref
+from contextlib import nullcontext
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from megatron.distributed.quant import integration
+from megatron.training import step_timers
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -35,7 +37,9 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(args: argparse.Namespace, data_iterator: Iterator, model: torch.nn.Module):
-    batch = next(data_iterator)
+    # evaluation (the model in eval mode) reads batches too: not part of a training step's time
+    with step_timers.current().time("batch-generator") if model.training else nullcontext():
+        batch = next(data_iterator)
     dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
     tokens = batch["tokens"]
     labels = batch["labels"]
@@ -168,14 +172,17 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
+    timers = step_timers.current()
+    with timers.time("zero-grad"):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
     fwd_bwd = get_forward_backward_func()
-    losses = fwd_bwd(forward_step_func=forward_step_func, data_iterator=data_iterator,
-                     model=model, num_microbatches=get_num_microbatches(),
-                     seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                     decoder_seq_length=args.seq_length, forward_only=False)
+    with timers.time("forward-backward"):
+        losses = fwd_bwd(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                         model=model, num_microbatches=get_num_microbatches(),
+                         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                         decoder_seq_length=args.seq_length, forward_only=False)
     # The loss reduction is queued now and read inside optimizer_step, right after the gradient
     # norm has waited for the device. Read after the update, it would make the host wait for the
     # optimizer instead of queuing the next iteration behind it; read right here, it would stop
@@ -196,7 +203,8 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
         if scaled:  # prepare_grads has updated the scale by now
             _LOSS_SCALE_AFTER_LAST_STEP[optimizer] = _loss_scale(optimizer)
 
-    ok, grad_norm, reason = optimizer_step(optimizer, before_update=before_update)
+    with timers.time("optimizer"):
+        ok, grad_norm, reason = optimizer_step(optimizer, before_update=before_update)
     loss = read[0]
     scale_after = _LOSS_SCALE_AFTER_LAST_STEP.get(optimizer, 1.0) if scaled else 1.0
     if ok:

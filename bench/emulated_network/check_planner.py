@@ -54,39 +54,51 @@ def predicted_ms(measurement: str, trainer_argv: List[str]) -> Dict[str, float]:
     cfg = QuantizationConfig.from_args(args)
     p = predict("v", Workload.from_args(args, cluster), cfg, rates)
     return {"ms": 1e3 * p.iteration_s, "compute": 1e3 * p.compute_s,
-            "grad": 1e3 * p.grad_exposed_s, "weight": 1e3 * p.weight_exposed_s,
-            "contention": 1e3 * p.contention_s}
+            "optimizer": 1e3 * p.optimizer_s, "grad": 1e3 * p.grad_exposed_s,
+            "weight": 1e3 * p.weight_exposed_s, "contention": 1e3 * p.contention_s}
 
 
 def trainer_argv(variant: str, model: dict, iters: int, jsonl: str, dp_size: int = 4,
                  log_interval: int = 1, full: bool = False) -> List[str]:
-    """The variant's pretrain_gpt.py flags (``full``: with the script that runs them first)."""
+    """The variant's pretrain_gpt.py flags (``full``: with the script that runs them first),
+    with the trainer's level-1 timers (:data:`MEASURED_PARTS`)."""
     cmd = emu.train_args(model, variant, iters, jsonl, dp_size=dp_size,
-                         extra=["--log-interval", str(log_interval)])
+                         extra=["--log-interval", str(log_interval), "--timing-log-level", "1"])
     return cmd if full else cmd[len(emu.variant_script(variant)):]
 
 
-EXPOSED_KEYS = {"grad": "comm_grad_exposed_ms", "weight": "comm_weight_exposed_ms"}
-"""The trainer's own per-iteration timers of the time its training thread waited for the
-quantized layer's collectives (streams.CommTiming; megatron-core's are not timed): what the
-planner's exposed terms predict."""
+MEASURED_PARTS = {"fwd-bwd": ("timers_ms", "forward-backward"), "optimizer": ("timers_ms", "optimizer"),
+                  "grad": (None, "comm_grad_exposed_ms"), "weight": (None, "comm_weight_exposed_ms")}
+"""What the trainer times of each iteration, by the names the table uses: ``--timing-log-level
+1``'s forward-backward pass (with the gradient reduction it waits for) and optimizer step (with,
+without ``--overlap-param-gather``, the parameter gather), and the time its training thread waited
+for the quantized layer's gradient and weight collectives (streams.CommTiming; megatron-core's
+collectives are not timed)."""
+
+
+def _parts(record: dict) -> Dict[str, float]:
+    out = {}
+    for name, (inside, key) in MEASURED_PARTS.items():
+        value = (record.get(inside) or {}).get(key) if inside else record.get(key)
+        if isinstance(value, (int, float)):
+            out[name] = float(value)
+    return out
 
 
 def collect(work: Path, bw: str, variants: List[str], warmup: int
             ) -> Dict[str, List[Dict[str, float]]]:
     """Each variant's runs at link ``bw`` from a check's work directory: per run the median
-    ms/iteration ('ms') and, where the trainer timed them, the median exposed gradient and weight
-    communication ('grad', 'weight')."""
+    ms/iteration ('ms') and of each of :data:`MEASURED_PARTS` the trainer logged."""
     measured: Dict[str, List[Dict[str, float]]] = {v: [] for v in variants}
     for v in variants:
         for jsonl in sorted(work.glob(f"{v}_{bw}_*.jsonl")):
             records = emu.parse_jsonl(str(jsonl))
             s = emu.summarize_iterations(records, warmup)
             if s["ms_per_iter_median"] is not None:
-                comm = emu.comm_medians(records, warmup)
+                parts = [_parts(r) for r in records if int(r["iteration"]) > warmup]
                 measured[v].append({"ms": s["ms_per_iter_median"],
-                                    **{k: comm[key] for k, key in EXPOSED_KEYS.items()
-                                       if key in comm}})
+                                    **{k: statistics.median(p[k] for p in parts)
+                                       for k in MEASURED_PARTS if parts and all(k in p for p in parts)}})
     return measured
 
 
@@ -97,15 +109,16 @@ def _median(runs: List[Dict[str, float]], key: str) -> float:
 
 def predicted_rows(work: Path, bw: str, variants: List[str], model: dict, a: argparse.Namespace,
                    load: float) -> list:
-    """(link, variant, prediction, median ms, runs' ms, max load, trainer flags, median exposed
-    ms by term) per variant at link ``bw``, predicted from the check's measurement there."""
+    """(link, variant, prediction, median ms, runs' ms, max load, trainer flags, the median of
+    each of :data:`MEASURED_PARTS`) per variant at link ``bw``, predicted from the check's
+    measurement there."""
     rows = []
     for v, runs in collect(work, bw, variants, a.warmup).items():
         argv = trainer_argv(v, model, a.iters, "/dev/null", 2 * a.nproc_per_node, a.log_interval)
         pred = predicted_ms(str(work / f"measure_{bw}.json"), argv)
-        exposed = {k: _median(runs, k) for k in EXPOSED_KEYS}
+        parts = {k: _median(runs, k) for k in MEASURED_PARTS}
         rows.append((bw, v, pred, _median(runs, "ms"), [r["ms"] for r in runs], load, argv,
-                     exposed))
+                     parts))
     return rows
 
 
@@ -117,13 +130,13 @@ def write_record(out: Path, work: Path, rows: list, meta: dict) -> None:
     """The check's measurements and runs, enough to predict every cell again (module docstring)."""
     out.mkdir(parents=True, exist_ok=True)
     cells = []
-    for bw, v, pred, med, runs, load, argv, exposed in rows:
+    for bw, v, pred, med, runs, load, argv, parts in rows:
         shutil.copyfile(work / f"measure_{bw}.json", out / f"measure_{bw}.json")
         cells.append({"link": bw, "variant": v, "measurement": f"measure_{bw}.json",
                       "trainer_argv": argv, "runs_ms": runs, "median_ms": med,
                       "predicted_ms": pred["ms"],
-                      "predicted_exposed_ms": {k: pred[k] for k in EXPOSED_KEYS},
-                      "measured_exposed_ms": {k: _json_number(x) for k, x in exposed.items()},
+                      "predicted_parts_ms": {k: x for k, x in pred.items() if k != "ms"},
+                      "measured_parts_ms": {k: _json_number(x) for k, x in parts.items()},
                       "max_load_avg": _json_number(load)})
     (out / "runs.json").write_text(json.dumps({**meta, "cells": cells}, indent=1) + "\n")
 
@@ -205,16 +218,17 @@ def main() -> int:
              f"2 nodes x {a.nproc_per_node} ranks, "
              f"{a.repeats} runs per variant ({a.iters} iterations, median after {a.warmup}); "
              f"measurements in {work}", "",
-             "| link | variant | predicted ms/iter (compute / grad exposed / weight exposed / "
-             "of which contention) "
-             "| measured median ms/iter (grad / weight exposed) | runs (ms) | error "
-             "| spread of runs | max load avg |",
+             "| link | variant | predicted ms/iter (compute / optimizer / grad exposed / "
+             "weight exposed / of which contention) "
+             "| measured median ms/iter (fwd-bwd / optimizer / grad exposed / weight exposed) "
+             "| runs (ms) | error | spread of runs | max load avg |",
              "|---|---|---:|---:|---|---:|---:|---:|"]
-    for bw, v, pred, med, runs, load, _, exposed in rows:
+    for bw, v, pred, med, runs, load, _, parts in rows:
         spread = (max(runs) - min(runs)) / med if runs else float("nan")
-        timed = ("" if any(math.isnan(x) for x in exposed.values())
-                 else f" ({exposed['grad']:.0f} / {exposed['weight']:.0f})")
-        lines.append(f"| {bw} | {v} | {pred['ms']:.0f} ({pred['compute']:.0f} / {pred['grad']:.0f} / "
+        timed = ("" if all(math.isnan(x) for x in parts.values()) else " (" + " / ".join(
+            "-" if math.isnan(parts[k]) else f"{parts[k]:.0f}" for k in MEASURED_PARTS) + ")")
+        lines.append(f"| {bw} | {v} | {pred['ms']:.0f} ({pred['compute']:.0f} / "
+                     f"{pred['optimizer']:.0f} / {pred['grad']:.0f} / "
                      f"{pred['weight']:.0f} / {pred['contention']:.0f}) | {med:.0f}{timed} | "
                      f"{', '.join(f'{x:.0f}' for x in runs)} | {100 * (pred['ms'] / med - 1):+.1f} % | "
                      f"{100 * spread:.0f} % | {load:.1f} |")

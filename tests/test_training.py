@@ -62,10 +62,9 @@ def test_two_rank_cpu_training_loss_falls(tmp_path: Path, run_pretrain) -> None:
     for r in train:
         t = r["timers_ms"]
         assert list(t) == ["forward-backward", "optimizer", "batch-generator", "zero-grad"]
-        assert t["forward-backward"] > 0 and t["optimizer"] > 0 and t["batch-generator"] >= 0
+        assert all(t[k] > 0 for k in t), t   # each one wired to its part of the step
         # each timer is one rank's slowest and the iteration time rank 0's: a little slack
         assert t["forward-backward"] + t["optimizer"] + t["zero-grad"] <= 1.2 * r["ms_per_iteration"]
-        assert t["batch-generator"] <= t["forward-backward"]   # the batches are read inside it
 
 
 def _nan_skip_worker(rank: int, port: int, out: str) -> None:

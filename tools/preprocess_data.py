@@ -79,7 +79,8 @@ from typing import Any, Iterator, List
 
 import numpy
 
-# Run as a script, sys.path[0] is tools/: make the repository root importable for megatron.training.
+# Run as a script, sys.path[0] is tools/: make the repository root importable (megatron.training,
+# and this script's own modules as tools.*).
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)

@@ -45,7 +45,7 @@ last about three steps alone."""
 
 @dataclass(frozen=True)
 class ComputeProbe:
-    """What :func:`forward_backward_seconds` measured on this rank."""
+    """What :func:`forward_backward_seconds` measured (the times each step's slowest rank's)."""
 
     forward_backward_s: float
     """Median seconds of one micro-batch's forward + backward, alone, each step at its slowest
@@ -124,9 +124,10 @@ def side_by_side(step: Callable[[], None], job: Callable[[], None], sync: Callab
 def forward_backward_seconds(args: argparse.Namespace, steps: int,
                              beside: Optional[Mapping[str, Callable[[], None]]] = None
                              ) -> ComputeProbe:
-    """The model's forward + backward and optimizer update on this rank (:class:`ComputeProbe`)
-    after one warm-up step each, then beside each of ``beside``'s collectives
-    (:func:`side_by_side`). Needs ``initialize_megatron(args)``."""
+    """The model's forward + backward and optimizer update (:class:`ComputeProbe`) after one
+    warm-up step each, every rank at once and each step at its slowest rank, then beside each of
+    ``beside``'s collectives (:func:`side_by_side`). A collective call: every rank calls it with
+    the same ``steps``. Needs ``initialize_megatron(args)``."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     from megatron.training.config_builders import build_transformer_config

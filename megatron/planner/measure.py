@@ -403,7 +403,7 @@ def measure(args: argparse.Namespace, *,
             kernel_sizes: Optional[Tuple[int, int]] = None, repeats: int = 3,
             compute_steps: int = 8) -> Tuple[Cluster, DeviceRates]:
     """Everything :mod:`.timeline` needs, timed on this launch (module docstring). The process
-    group must be initialised; ``compute_seconds(args, steps, beside)`` returns this rank's
+    group must be initialised; ``compute_seconds(args, steps, beside)`` returns the
     :class:`~.compute_probe.ComputeProbe` (:func:`~.compute_probe.forward_backward_seconds`)."""
     world = dist.get_world_size()
     gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -432,7 +432,8 @@ def measure(args: argparse.Namespace, *,
                          grad_dtype)
     probe = compute_seconds(args, compute_steps, beside)
     crowded = oversubscription(not cuda)
-    # every rank's compute ran at once; the slowest sets the pace of a synchronous step
+    # every rank's compute ran at once; the slowest sets the pace of a synchronous step (the
+    # step times are each step's slowest rank's already; the contention readings are each rank's)
     kinds = sorted(probe.contention)
     t = torch.tensor([probe.forward_backward_s, probe.optimizer_s]
                      + [x for k in kinds for x in (probe.contention[k].compute,

@@ -3,7 +3,8 @@
 Level 1 times the forward-backward pass (every micro-batch, with the gradient reduction the
 schedule waits for) and the optimizer step (gradient norm, update and, without
 ``--overlap-param-gather``, the parameter gather); level 2 adds the batch generator (the data
-iterator's ``next``) and zeroing the gradient buffers. At each log interval every rank reports
+iterator's ``next`` in the trainer's own forward step; a ``forward_step_func`` passed to
+``pretrain`` is not timed there) and zeroing the gradient buffers. At each log interval every rank reports
 its mean milliseconds per iteration and the log shows the slowest rank's, as Megatron-LM's
 timers do (one small all-reduce per log interval, on every rank).
 

@@ -133,6 +133,11 @@ def _setup(args: argparse.Namespace, forward_step_func, cleanup: Any) -> Trainin
     metrics = MetricsLogger(args, active=torch.distributed.get_rank() == 0)
     _report_startup(args, model, optimizer, exits, save_dir, device)
     timers = step_timers.configure(args.timing_log_level, device)
+    cleanup.callback(step_timers.configure, 0, torch.device("cpu"))   # not into the next run
+    if args.timing_log_level:
+        # rank 0 alone opened the logs above: the first forward-backward would time the other
+        # ranks waiting for it, not their work
+        torch.distributed.barrier()
     return TrainingRun(
         args=args, forward_step_func=forward_step_func, device=device, model=model,
         optimizer=optimizer, scheduler=scheduler, train_iter=train_iter, valid_iter=valid_iter,

@@ -181,12 +181,14 @@ class TrainingLog:
         interval = self.interval
         tail = integration.communication_report(model, reset=True)
         since_log = interval.iterations
+        timed = self.timers.report(since_log) if since_log else {}   # every rank (an all-reduce)
         if since_log or any(v for k, v in tail.items() if k.endswith(("_bytes", "_calls"))):
             final = {"iterations": since_log, "skipped_iterations": interval.skipped,
                      "nan_iterations": interval.nan, **tail}
             print_rank_0(f" final interval (after the last log line, to iteration {iteration}) | "
                          + " | ".join(f"{k}: {v:g}" for k, v in final.items()) + " |")
-            self.metrics.record({"type": "final_interval", "iteration": iteration, **final})
+            self.metrics.record({"type": "final_interval", "iteration": iteration, **final,
+                                 **({"timers_ms": timed} if timed else {})})
 
     def summary(self, summary: Dict[str, Any]) -> None:
         """The training summary line and record; closes the records."""

@@ -432,17 +432,15 @@ def measure(args: argparse.Namespace, *,
                          grad_dtype)
     probe = compute_seconds(args, compute_steps, beside)
     crowded = oversubscription(not cuda)
-    # every rank's compute ran at once; the slowest sets the pace of a synchronous step (the
-    # step times are each step's slowest rank's already; the contention readings are each rank's)
+    # the step times are each step's slowest rank's already (the same on every rank); the
+    # contention readings are each rank's: the slowest sets the pace of a synchronous step
     kinds = sorted(probe.contention)
-    t = torch.tensor([probe.forward_backward_s, probe.optimizer_s]
-                     + [x for k in kinds for x in (probe.contention[k].compute,
-                                                   probe.contention[k].communication)],
-                     dtype=torch.float64, device=device)  # NCCL: on the device
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    tflops = probe.flops / t[0].item() / 1e12
-    contention = {k: Contention(compute=t[2 + 2 * i].item(), communication=t[3 + 2 * i].item())
-                  for i, k in enumerate(kinds)}
+    slowest = torch.tensor([x for k in kinds for x in (probe.contention[k].compute,
+                                                       probe.contention[k].communication)],
+                           dtype=torch.float64, device=device)  # NCCL: on the device
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    contention = {k: Contention(*slowest[2 * i:2 * i + 2].tolist()) for i, k in enumerate(kinds)}
+    tflops = probe.flops / probe.forward_backward_s / 1e12
     parameters = work.parameters
     shard = parameters / (work.tp * work.pp) / work.dp
     nodes = world // gpus_per_node
@@ -461,5 +459,5 @@ def measure(args: argparse.Namespace, *,
                 + "".join(f"; warning: {w}" for w in warnings)),
         compute=(ComputeRate("measured", parameters, tflops),),
         kernels=kernels, copy_bandwidth=copy_bw, contention=contention,
-        optimizer_seconds_per_element=t[1].item() / shard)
+        optimizer_seconds_per_element=probe.optimizer_s / shard)
     return cluster, rates

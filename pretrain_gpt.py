@@ -26,7 +26,7 @@ from megatron.training.arguments import parse_args  # noqa: E402
 
 def dry_run(args) -> None:
     """Print the parsed args, the QuantizationConfig and the built configs as JSON lines."""
-    from megatron.training.config_builders import config_summary
+    from megatron.training.model.config_builders import config_summary
 
     print("DRY_RUN_ARGS " + json.dumps(vars(args), default=str), flush=True)
     print("DRY_RUN_QUANT " + json.dumps(args.quant_config.to_dict(), default=str), flush=True)
@@ -42,8 +42,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from megatron.distributed.quant.failures import CommunicationFailure
     from megatron.training.errors import StartupError
-    from megatron.training.save_guard import CheckpointWriteError
-    from megatron.training.training import pretrain
+    from megatron.training.checkpoint.save_guard import CheckpointWriteError
+    from megatron.training.pretrain import pretrain
 
     try:
         pretrain(args)

@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from megatron.training import checkpoint_integrity as ci  # noqa: E402
+from megatron.training.checkpoint import integrity as ci  # noqa: E402
 
 
 def best(fn: Callable[[], None], repeats: int) -> float:

@@ -18,7 +18,7 @@ it runs, each as its own subprocess:
 
 ms/iteration is the median of the iterations after ``--warmup`` (ours: the ``ms_per_iteration``
 of each ``--jsonl-log`` record, Megatron's "elapsed time per iteration", ``--log-interval 1``);
-TFLOP/s is Megatron-LM's model-FLOPs count (``megatron/training/throughput.py``, one definition
+TFLOP/s is Megatron-LM's model-FLOPs count (``megatron/training/model/flops.py``, one definition
 for every row) at that median; peak memory is ``torch.cuda.max_memory_allocated`` at the end of
 the run in every process (ours: read by the small wrapper ``--_trainer`` that torchrun starts and
 that runs ``pretrain_gpt.py`` in-process; the trainer's own memory report, when its log or jsonl
@@ -273,7 +273,7 @@ def _run_child(cmd: List[str], log: Any, device: str, timeout: int) -> Any:
 
 def run_one(shape_name: str, run: str, a: argparse.Namespace, work: Path) -> Dict[str, Any]:
     from reference_gpt import flops_args
-    from megatron.training.throughput import tflops_per_gpu, training_flops_per_iteration
+    from megatron.training.model.flops import tflops_per_gpu, training_flops_per_iteration
 
     shape = _shapes()[shape_name]
     mbs = a.micro_batch_size or shape["micro_batch_size"]
@@ -412,10 +412,11 @@ def count_parameters(shapes: Sequence[str]) -> List[Dict[str, Any]]:
 
     import reference_gpt
     from megatron.training import cpu_mode
-    from megatron.training.arguments import padded_vocab_size, parse_args
+    from megatron.training.arguments.parser import padded_vocab_size
+    from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_megatron
-    from megatron.training.config_builders import build_transformer_config
-    from megatron.training.training_components import model_provider
+    from megatron.training.model.config_builders import build_transformer_config
+    from megatron.training.components import model_provider
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")

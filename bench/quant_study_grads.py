@@ -66,11 +66,12 @@ class GptGradients:
                  num_layers: int = 2, hidden_size: int = 128, heads: int = 4,
                  lr: float = 1e-3, warmup_steps: int = 10) -> None:
         from megatron.training import cpu_mode
-        from megatron.training.arguments import padded_vocab_size, parse_args
+        from megatron.training.arguments.parser import padded_vocab_size
+        from megatron.training.arguments import parse_args
         from megatron.training.initialize import initialize_megatron
-        from megatron.training.tokenizer import build_tokenizer
-        from megatron.training.config_builders import build_transformer_config
-        from megatron.training.training_components import model_provider
+        from megatron.training.data.tokenizer import build_tokenizer
+        from megatron.training.model.config_builders import build_transformer_config
+        from megatron.training.components import model_provider
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         prefix = ensure_quickstart_data()

@@ -27,7 +27,7 @@ What a plain PyTorch trainer would run, and nothing more:
   step, as a trainer that logs every step). ``--compile`` wraps the model in ``torch.compile``.
 
 Prints ms/iteration (median over the iterations after ``--warmup``), TFLOP/s by Megatron-LM's
-model-FLOPs formula (``megatron/training/throughput.py``, imported: one definition for ours and
+model-FLOPs formula (``megatron/training/model/flops.py``, imported: one definition for ours and
 the reference) and the peak memory: ``torch.cuda.max_memory_allocated`` on CUDA, the process's
 peak RSS on CPU. ``--json PATH`` writes the same as one JSON object.
 
@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from megatron.training.throughput import tflops_per_gpu, training_flops_per_iteration  # noqa: E402
+from megatron.training.model.flops import tflops_per_gpu, training_flops_per_iteration  # noqa: E402
 
 # The recipes' shapes (examples/sdp4bit/run_*.sh) and micro-batch sizes; global batch 16 is what
 # issue 23 measured on one H100. "toy" is for CPU tests.
@@ -77,7 +77,7 @@ def padded_vocab(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
 
 
 def flops_args(shape: Dict[str, int], global_batch_size: int) -> argparse.Namespace:
-    """The fields of the trainer's args that megatron/training/throughput.py reads."""
+    """The fields of the trainer's args that megatron/training/model/flops.py reads."""
     return argparse.Namespace(
         num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
         num_attention_heads=shape["num_attention_heads"], seq_length=shape["seq_length"],

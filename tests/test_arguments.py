@@ -16,8 +16,9 @@ from typing import List
 
 import pytest
 
-from megatron.training.arguments import build_parser, parse_args
-from megatron.training.arguments_validation import ArgumentError, validate_args
+from megatron.training.arguments import parse_args
+from megatron.training.arguments.parser import build_parser
+from megatron.training.arguments.validation import ArgumentError, validate_args
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -69,7 +70,7 @@ def test_every_listed_flag_parses_and_acts(tmp_path: Path) -> None:
     assert a.data_parallel_size == 1 and a.global_batch_size == 8
     assert a.quant_config.enabled is False and a.seed == 7 and a.exit_interval == 7
 
-    from megatron.training.config_builders import (build_ddp_config, build_optimizer_config,
+    from megatron.training.model.config_builders import (build_ddp_config, build_optimizer_config,
                                                    build_transformer_config)
 
     tc = build_transformer_config(a)
@@ -187,7 +188,7 @@ def test_short_form_contradicting_inter_bits_is_refused(capsys) -> None:
 def test_explicit_flags_are_the_given_ones() -> None:
     """parse_args records what was given (defaults excluded, default values given included);
     flags_given falls back to 'differs from the default' for other namespaces."""
-    from megatron.training.arguments import flags_given
+    from megatron.training.arguments.parser import flags_given
 
     a = parse_args(BASE + ["--seed", "1234", "--use-distributed-optimizer"])
     assert {"seed", "use_distributed_optimizer", "num_layers"} <= flags_given(a)
@@ -235,9 +236,9 @@ def test_intra_node_size_must_divide_dp_size(monkeypatch, world, local, extra, i
 def test_errors_are_printed_by_rank_0_only(monkeypatch, capsys, argv_extra) -> None:
     """Every rank parses the same line: rank 0 prints usage + message; other ranks exit with
     the same status and at most one short line (torchrun stops them first in practice)."""
-    from megatron.training import arguments
+    from megatron.training.arguments import parser
 
-    monkeypatch.setattr(arguments, "NONZERO_RANK_ERROR_GRACE_S", 0.0)
+    monkeypatch.setattr(parser, "NONZERO_RANK_ERROR_GRACE_S", 0.0)
     with pytest.raises(SystemExit) as e:
         parse_args(BASE + argv_extra)
     err0 = capsys.readouterr().err
@@ -292,7 +293,7 @@ def test_paro_strategy_flags():
     """Every effective PaRO strategy is accepted; NNN / NNG (megatron-core) need the matching
     --use-distributed-optimizer setting; ineffective ones are rejected with the reason."""
     from megatron.training.arguments import parse_args
-    from megatron.training.arguments_validation import ArgumentError, validate_args
+    from megatron.training.arguments.validation import ArgumentError, validate_args
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -324,7 +325,7 @@ def test_paro_strategy_flags():
 
 def test_data_blend_forms():
     """--data-path PREFIX... and W1 PREFIX1 W2 PREFIX2 ... both reach megatron-core's blend shape."""
-    from megatron.training.arguments import data_blend
+    from megatron.training.data.blend import data_blend
 
     assert data_blend(["data/a_text_document"]) == (["data/a_text_document"], None)
     assert data_blend(["a", "b"]) == (["a", "b"], None)
@@ -335,7 +336,7 @@ def test_megatron_gradient_reduction_knobs_resolve_in_one_place() -> None:
     """--grad-reduce-in-bf16 / --ddp-reduce-scatter-with-fp32-accumulation /
     --ddp-average-in-collective: Megatron-LM's names, their DDP config, and every contradiction
     refused naming both flags."""
-    from megatron.training.config_builders import build_ddp_config
+    from megatron.training.model.config_builders import build_ddp_config
 
     base = BASE + ["--global-batch-size", "8", "--bf16", "--use-distributed-optimizer"]
     args = parse_args(base + ["--grad-reduce-in-bf16", "--ddp-reduce-scatter-with-fp32-accumulation",

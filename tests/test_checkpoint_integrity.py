@@ -3,7 +3,7 @@
 Why: 8 flipped bytes in a ``.pt`` or a ``.distcp`` shard loaded silently (a resumed loss of
 2.9e3; a diverging grad norm), and a truncated ``.pt`` gave a raw ``PytorchStreamReader``
 traceback naming no file.  Every checkpoint now has a manifest of its files' sizes and digests,
-written before the tracker moves and checked at load (:mod:`megatron.training.checkpoint_integrity`).
+written before the tracker moves and checked at load (:mod:`megatron.training.checkpoint.integrity`).
 
 How the damage is made: the bytes flipped are the middle of the saved word-embedding weights,
 found in the file by their exact bytes.  So a load that skips the check (``--no-verify-checkpoint``)
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from megatron.training import checkpoint_integrity as ci
+from megatron.training.checkpoint import integrity as ci
 
 WORLD = 2
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -197,14 +197,14 @@ def _job(rank: int, world: int, root: str) -> Dict[str, Any]:
     """Train 4 steps, save 2 and 4 in both formats, then try each load (every rank takes part;
     rank 0 damages and restores the files between barriers)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    from megatron.training import checkpointing
+    from megatron.training.checkpoint import save_load as checkpointing
     from megatron.training.arguments import parse_args
-    from megatron.training.config_builders import build_transformer_config
+    from megatron.training.model.config_builders import build_transformer_config
     from megatron.training.errors import StartupError
     from megatron.training.initialize import initialize_megatron
-    from megatron.training.training_components import (configure_schedule, get_model,
+    from megatron.training.components import (configure_schedule, get_model,
                                                        get_optimizer_and_scheduler)
-    from megatron.training.training_step import forward_step, train_step
+    from megatron.training.step import forward_step, train_step
     from tools.paro_strategy_table import synthetic_batches
 
     args = parse_args(TINY)

@@ -45,7 +45,7 @@ def test_intervals_sum_to_totals_with_overlapped_param_gather(tmp_path: Path, ru
     assert "comm_grad_exposed_ms: " in res.stdout
     # The iteration line is Megatron-LM's plus at most four communication figures (issue 23:
     # it was ~2,000 characters); everything else is in the jsonl records above.
-    from megatron.training.training_log import LOG_LINE_COMM_KEYS
+    from megatron.training.log import LOG_LINE_COMM_KEYS
 
     lines = [l for l in res.stdout.splitlines() if l.startswith(" iteration ")]
     assert len(lines) == 2

@@ -294,7 +294,7 @@ def test_checkpoint_gpt2_bpe_tokenizer_is_exported_as_trained(tmp_path: Path) ->
     from tokenizers import ByteLevelBPETokenizer
     from transformers import AutoTokenizer
 
-    from megatron.training.tokenizer import GPT2BPETokenizer
+    from megatron.training.data.tokenizer import GPT2BPETokenizer
     from tools.checkpoint.convert_to_hf import install_tokenizer
 
     bpe = ByteLevelBPETokenizer()
@@ -332,8 +332,8 @@ def _reference_logits(args: argparse.Namespace, model: List[torch.nn.Module], pa
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
 
-    from megatron.training.config_builders import build_transformer_config
-    from megatron.training.training_components import model_provider
+    from megatron.training.model.config_builders import build_transformer_config
+    from megatron.training.components import model_provider
 
     live = model[0].module
     live = live.module if isinstance(live, Float16Module) else live
@@ -366,7 +366,7 @@ def _reference_logits(args: argparse.Namespace, model: List[torch.nn.Module], pa
 def _training_main(argv: List[str]) -> int:
     """pretrain_gpt.main, plus the reference logits after the checkpoint is written."""
     import pretrain_gpt
-    from megatron.training import checkpointing
+    from megatron.training.checkpoint import save_load as checkpointing
 
     save = checkpointing.save_checkpoint
 

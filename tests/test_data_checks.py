@@ -1,4 +1,4 @@
-"""Startup data checks (megatron/training/data.py): nothing hangs, nothing is silently wrong.
+"""Startup data checks (megatron/training/data/datasets.py): nothing hangs, nothing is silently wrong.
 
 Why: megatron-core 0.16.1's GPTDataset loops forever when a split that is asked for samples has
 no documents, and the trainer used to ask for test samples it threw away -- a ~100 document
@@ -67,7 +67,7 @@ def _args(corpora, prefix: str, *extra: str):
 
 
 def _tokenizer(args):
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.data.tokenizer import build_tokenizer
 
     return build_tokenizer(args)
 
@@ -83,7 +83,7 @@ def _copy(prefix: str, dst: Path) -> str:
 # ----------------------------------------------------------------------------- .bin / .idx
 def test_index_check_accepts_preprocessed_file(corpora):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
-    from megatron.training.data import check_indexed_files
+    from megatron.training.data.datasets import check_indexed_files
 
     info = check_indexed_files(corpora["c100"])
     ds = IndexedDataset(corpora["c100"])
@@ -95,7 +95,7 @@ def test_index_check_accepts_preprocessed_file(corpora):
 
 @pytest.mark.parametrize("cut", ["few_bytes", "half", "appended"])
 def test_bin_size_mismatch_names_file(corpora, tmp_path, cut):
-    from megatron.training.data import check_indexed_files
+    from megatron.training.data.datasets import check_indexed_files
     from megatron.training.errors import StartupError
 
     prefix = _copy(corpora["c100"], tmp_path)
@@ -113,7 +113,7 @@ def test_bin_size_mismatch_names_file(corpora, tmp_path, cut):
 
 @pytest.mark.parametrize("damage", ["dtype_code", "truncated_idx", "not_an_index"])
 def test_unreadable_index_names_file(corpora, tmp_path, damage):
-    from megatron.training.data import check_indexed_files
+    from megatron.training.data.datasets import check_indexed_files
     from megatron.training.errors import StartupError
 
     prefix = _copy(corpora["c100"], tmp_path)
@@ -136,7 +136,7 @@ def test_unreadable_index_names_file(corpora, tmp_path, damage):
 
 # ----------------------------------------------------------------------------- splits
 def test_split_request_reads_only_what_the_run_uses(corpora):
-    from megatron.training.data import split_request
+    from megatron.training.data.datasets import split_request
 
     r = split_request(_args(corpora, corpora["c100"], "--eval-iters", "3", "--eval-interval", "2"))
     assert r.used == (True, True, False)  # the test split is never read by the trainer
@@ -152,7 +152,7 @@ def test_split_ranges_are_megatron_cores(corpora):
     from megatron.core.datasets.blended_megatron_dataset_builder import \
         BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
-    from megatron.training.data import (SplitRequest, dataset_config, split_parts,
+    from megatron.training.data.datasets import (SplitRequest, dataset_config, split_parts,
                                         split_tokens)
 
     args = _args(corpora, corpora["c100"], "--split", "80,15,5")
@@ -172,7 +172,7 @@ def test_split_ranges_are_megatron_cores(corpora):
 
 
 def test_corpus_without_documents_is_an_error(corpora, tmp_path):
-    from megatron.training.data import check_indexed_files
+    from megatron.training.data.datasets import check_indexed_files
     from megatron.training.errors import StartupError
 
     src = tmp_path / "empty.jsonl"
@@ -186,7 +186,7 @@ def test_corpus_without_documents_is_an_error(corpora, tmp_path):
 
 
 def test_empty_validation_split_is_an_error(corpora):
-    from megatron.training.data import (SplitRequest, check_data, dataset_config,
+    from megatron.training.data.datasets import (SplitRequest, check_data, dataset_config,
                                         split_parts, split_request)
     from megatron.training.errors import StartupError
 
@@ -216,7 +216,7 @@ def test_empty_validation_split_is_an_error(corpora):
 
 
 def test_zero_weight_split_the_run_reads_is_an_error(corpora):
-    from megatron.training.data import check_data, dataset_config, split_request
+    from megatron.training.data.datasets import check_data, dataset_config, split_request
     from megatron.training.errors import StartupError
 
     for extra, words in ((["--split", "100,0,0", "--eval-iters", "5"],
@@ -232,7 +232,7 @@ def test_zero_weight_split_the_run_reads_is_an_error(corpora):
 
 
 def test_unweighted_blend_needs_a_sample_per_file(corpora):
-    from megatron.training.data import check_data, dataset_config, split_request
+    from megatron.training.data.datasets import check_data, dataset_config, split_request
     from megatron.training.errors import StartupError
 
     # two files, no weights: one epoch of each file's split; 12 short documents at 90,10,0 leave
@@ -256,7 +256,7 @@ def test_build_skips_unused_splits_and_keeps_train_data(corpora):
     from megatron.core.datasets.blended_megatron_dataset_builder import \
         BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
-    from megatron.training.data import SplitRequest, build_datasets, dataset_config
+    from megatron.training.data.datasets import SplitRequest, build_datasets, dataset_config
 
     args = _args(corpora, corpora["c100"], "--split", "90,5,5", "--eval-iters", "2",
                  "--eval-interval", "2")
@@ -278,7 +278,7 @@ def test_build_skips_unused_splits_and_keeps_train_data(corpora):
 
 
 def _agree_worker(rank: int, world: int, problem_rank: int) -> dict:
-    from megatron.training.data import raise_if_any_rank_failed
+    from megatron.training.data.datasets import raise_if_any_rank_failed
     from megatron.training.errors import StartupError
 
     import torch

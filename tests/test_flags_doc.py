@@ -1,6 +1,6 @@
 """docs/flags.md is generated from the parser and must match it."""
 
-from megatron.training.arguments import build_parser
+from megatron.training.arguments.parser import build_parser
 from tools import generate_flags_doc
 
 

@@ -1,4 +1,4 @@
-"""The fusion resolver (megatron/training/fusions.py): one decision from what is installed.
+"""The fusion resolver (megatron/training/model/fusions.py): one decision from what is installed.
 
 Why (issue 23): the trainer set ``persist_layer_norm`` and ``masked_softmax_fusion`` whenever it
 ran on CUDA. Without Apex megatron-core's torch norm asserts at model build, and without Megatron's
@@ -17,8 +17,8 @@ import torch
 
 from dist_harness import model_parallel_world_of_one
 from megatron.training.arguments import parse_args
-from megatron.training.arguments_validation import ArgumentError, validate_args
-from megatron.training.fusions import apply_optimizer_fusions, fusion_plan, resolve_fusions
+from megatron.training.arguments.validation import ArgumentError, validate_args
+from megatron.training.model.fusions import apply_optimizer_fusions, fusion_plan, resolve_fusions
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3",
@@ -152,7 +152,7 @@ def test_cuda_settings_without_apex_build_a_model_and_train_a_step_on_cpu(monkey
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
-    from megatron.training.layer_specs import gpt_layer_spec
+    from megatron.training.model.layer_specs import gpt_layer_spec
 
     plan = _plan("cuda", NOTHING)
     with model_parallel_world_of_one(seed=1):

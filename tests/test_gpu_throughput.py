@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import gpu_throughput  # noqa: E402
 import reference_gpt  # noqa: E402
-from megatron.training.throughput import tflops_per_gpu, training_flops_per_iteration  # noqa: E402
+from megatron.training.model.flops import tflops_per_gpu, training_flops_per_iteration  # noqa: E402
 
 RUNS = ["baseline", "sdp4bit", "reference"]
 
@@ -121,7 +121,7 @@ def test_toy_runs_are_like_for_like(toy: tuple) -> None:
 
 def _megatron_lm_flops(b: int, s: int, layers: int, h: int, heads: int, ffn: int, vocab: int,
                        kv_channels: int, query_groups: int, swiglu: bool = False) -> float:
-    """Megatron-LM's ``num_floating_point_operations`` (megatron/training/training.py), dense
+    """Megatron-LM's ``num_floating_point_operations`` (megatron/training/pretrain.py), dense
     GPT branch (no MoE, no MTP), transcribed."""
     query_projection_to_hidden_size_ratio = kv_channels * heads / h
     gated_linear_multiplier = 3 / 2 if swiglu else 1

@@ -69,7 +69,7 @@ class HostSyncCounter:
 def _worker(rank: int, world: int) -> Dict[str, Any]:
     from megatron.distributed.quant import integration
     from megatron.training.arguments import parse_args
-    from megatron.training.training_step import forward_step, train_step
+    from megatron.training.step import forward_step, train_step
 
     _setup(rank, world, ["--bf16"])
     out: Dict[str, Any] = {}

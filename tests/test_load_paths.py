@@ -19,7 +19,7 @@ from typing import Optional
 
 import pytest
 
-from megatron.training.checkpoint_discovery import LoadTarget, find_checkpoint_to_load
+from megatron.training.checkpoint.discovery import LoadTarget, find_checkpoint_to_load
 from megatron.training.errors import StartupError
 
 
@@ -174,7 +174,7 @@ def test_a_damaged_tracker_is_one_error_naming_it_and_the_way_out(tmp_path: Path
 
 
 def _damaged_on_one_rank_worker(rank: int, world: int, root: str) -> dict:
-    from megatron.training import checkpoint_discovery
+    from megatron.training.checkpoint import discovery as checkpoint_discovery
 
     try:
         target = checkpoint_discovery.agreed_checkpoint_to_load(
@@ -202,7 +202,7 @@ def _agree_worker(rank: int, world: int, root: str, rank1_tracker: Optional[int]
                   rank1_fails: bool) -> dict:
     """Every rank resolves --load; on rank 1 the tracker reads another iteration (a stale
     cache), or the resolution fails."""
-    from megatron.training import checkpoint_discovery
+    from megatron.training.checkpoint import discovery as checkpoint_discovery
 
     if rank == 1 and rank1_tracker is not None:   # a stale view: the newer folders unseen too
         checkpoint_discovery.read_tracker = lambda load: rank1_tracker
@@ -247,7 +247,7 @@ def test_torch_format_optimizer_state_in_other_buckets_is_named() -> None:
     --overlap-grad-reduce it failed inside megatron-core's loader; now the flags are named."""
     import torch
 
-    from megatron.training import checkpoint_torch_format
+    from megatron.training.checkpoint import torch_format as checkpoint_torch_format
 
     class Leaf:   # what the check reads of a DistributedOptimizer: its buckets per buffer
         gbuf_ranges = [{torch.float32: [{}, {}, {}]}]

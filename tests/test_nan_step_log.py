@@ -52,9 +52,9 @@ LINE_RE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: (\S+) \|.*?"
 def _worker(rank: int, world: int, jsonl: str, path_flags: List[str]) -> Dict[str, Any]:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))
-    from megatron.training import training_step
+    from megatron.training import step as training_step
     from megatron.training.arguments import parse_args
-    from megatron.training.training import pretrain
+    from megatron.training.pretrain import pretrain
     from test_fault_injection import _poison
 
     args = parse_args(TINY_GPT + FLAGS + path_flags + ["--jsonl-log", jsonl])

@@ -233,7 +233,7 @@ def test_optimizer_setup_host_bytes_are_per_shard_element(strategy):
 
 # --------------------------------------------------------------------- 2. save without a clone
 def _old_save_path(engine) -> Dict[str, Any]:
-    """What megatron/training/checkpointing.py's _model_state_dicts did for an engine chunk."""
+    """What megatron/training/checkpoint/save_load.py's _model_state_dicts did for an engine chunk."""
     with engine.full_params():
         sd = engine.module.state_dict()
         return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in sd.items()}
@@ -421,7 +421,7 @@ def test_resume_layout_check_names_another_paro_group_size():
     """The torch format's layout check: the engine's shards depend on --paro-group-size too."""
     import argparse
 
-    from megatron.training import checkpoint_torch_format
+    from megatron.training.checkpoint import torch_format as checkpoint_torch_format
     from megatron.training.errors import StartupError
 
     args = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,

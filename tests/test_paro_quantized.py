@@ -84,9 +84,9 @@ CPU tensors, under its allocation check (no GPU here)."""
 
 
 def _build(args):
-    from megatron.training.config_builders import build_transformer_config
+    from megatron.training.model.config_builders import build_transformer_config
     from megatron.training.initialize import set_random_seed
-    from megatron.training.training_components import (configure_schedule, get_model,
+    from megatron.training.components import (configure_schedule, get_model,
                                                        get_optimizer_and_scheduler)
 
     set_random_seed(1234, "cpu")
@@ -100,7 +100,7 @@ def _build(args):
 
 def _step(args, model, opt, sched, rank: int, step: int):
     from megatron.distributed.quant import integration
-    from megatron.training.training_step import forward_step, train_step
+    from megatron.training.step import forward_step, train_step
 
     integration.set_iteration(model, step + 1)  # as the training loop does (1-based)
     it = synthetic_batches(rank, step, 1, micro=MICRO, mbs=MBS, seq=SEQ, vocab=VOCAB)

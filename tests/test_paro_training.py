@@ -81,9 +81,9 @@ def _build(args, strategy: str, engine: bool, seed: int = 1234, bucket_numel=Non
     """Model, optimizer and scheduler of ``strategy``, from the same seed as every other build."""
     from megatron.core.transformer.module import Float16Module
     from megatron.distributed.quant import integration
-    from megatron.training.config_builders import build_ddp_config, build_transformer_config
+    from megatron.training.model.config_builders import build_ddp_config, build_transformer_config
     from megatron.training.initialize import set_random_seed
-    from megatron.training.training_components import (configure_schedule, get_model,
+    from megatron.training.components import (configure_schedule, get_model,
                                                        get_optimizer_and_scheduler,
                                                        model_provider)
 
@@ -113,7 +113,7 @@ def _train(args, model, opt, sched, first_step: int, steps: int, rank: int,
            measure: bool = False) -> Dict[str, Any]:
     from megatron.distributed.quant.paro.engine import ParoDataParallel
     from megatron.distributed.quant.paro.optimizer import model_state_bytes
-    from megatron.training.training_step import forward_step, train_step
+    from megatron.training.step import forward_step, train_step
 
     it = _batches(rank, first_step, steps)
     out: Dict[str, Any] = {"losses": [], "norms": []}
@@ -160,11 +160,11 @@ def _strategies_worker(rank: int, world: int, runs: List[tuple]) -> Dict[str, An
         res[label] = _train(args, model, opt, sched, 0, STEPS, rank, measure=engine)
     # auto: with room for only ~0.6 MB of model states per rank, ZeRO-1 does not fit.
     args32.paro_strategy, args32.paro_gpu_memory_gb = "auto", 0.0006
-    from megatron.training.config_builders import build_transformer_config
+    from megatron.training.model.config_builders import build_transformer_config
     from megatron.training.initialize import set_random_seed
-    from megatron.training.training_components import (configure_schedule, get_model,
+    from megatron.training.components import (configure_schedule, get_model,
                                                        get_optimizer_and_scheduler)
-    from megatron.training.training_step import optimizer_step
+    from megatron.training.step import optimizer_step
 
     set_random_seed(1234, "cpu")
     config = build_transformer_config(args32)
@@ -336,7 +336,7 @@ def test_non_finite_gradient_skips_the_step_everywhere(results):
 # ------------------------------------------------------------------------------------------------
 
 def _resume_worker(rank: int, world: int, root: str) -> Dict[str, Any]:
-    from megatron.training import checkpointing
+    from megatron.training.checkpoint import save_load as checkpointing
 
     from megatron.training.arguments import parse_args
 
@@ -383,7 +383,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 
 def _validated(monkeypatch, *extra, world: int = 4):
     from megatron.training.arguments import parse_args
-    from megatron.training.arguments_validation import validate_args
+    from megatron.training.arguments.validation import validate_args
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
@@ -399,7 +399,7 @@ def test_every_effective_strategy_is_accepted(monkeypatch, strategy):
 
 
 def test_auto_and_rejections(monkeypatch):
-    from megatron.training.arguments_validation import ArgumentError
+    from megatron.training.arguments.validation import ArgumentError
 
     assert _validated(monkeypatch, "--paro-strategy", "auto").paro_strategy == "auto"
     assert _validated(monkeypatch, "--paro-strategy", "NIG").paro_group_size == 4  # one group

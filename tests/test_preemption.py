@@ -216,7 +216,7 @@ def fork_launch(world: int, argv: List[str]) -> int:
     ``pretrain_gpt.main(argv)``; the first rank that fails takes the others down."""
     sys.path.insert(0, str(REPO))
     import pretrain_gpt  # quiets the libraries' warnings before they load
-    import megatron.training.training  # noqa: F401 -- the heavy imports, once
+    import megatron.training.pretrain  # noqa: F401 -- the heavy imports, once
     from megatron.core.models.gpt import GPTModel  # noqa: F401
     from dist_harness import free_port
 

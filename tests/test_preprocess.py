@@ -73,7 +73,7 @@ def test_tokenizer_matches_reference(env):
         ref = GPT2TokenizerFast(vocab=env["vocab"], merges=env["merges"])  # transformers >= 5
     except TypeError:
         ref = GPT2TokenizerFast(vocab_file=env["vocab"], merges_file=env["merges"])
-    from megatron.training.tokenizer import GPT2BPETokenizer as TrainerGPT2
+    from megatron.training.data.tokenizer import GPT2BPETokenizer as TrainerGPT2
 
     trainer_tok = TrainerGPT2(env["vocab"], env["merges"])  # what pretrain_gpt.py will use
     assert (trainer_tok.eod, trainer_tok.vocab_size) == (tok.eod, tok.vocab_size)

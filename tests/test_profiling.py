@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron.training.arguments import parse_args
-from megatron.training.arguments_validation import ArgumentError, validate_args
+from megatron.training.arguments.validation import ArgumentError, validate_args
 
 
 def test_profiled_iterations_leave_a_trace_and_a_top_operator_table(tmp_path: Path,

@@ -330,7 +330,7 @@ def test_quickstart_pipeline_until_training(tmp_path):
     assert (tmp_path / "run/train.log").exists()
     # the trainer's tokenizer and the dataset agree on vocabulary / EOD
     from megatron.core.datasets.indexed_dataset import IndexedDataset
-    from megatron.training.tokenizer import GPT2BPETokenizer
+    from megatron.training.data.tokenizer import GPT2BPETokenizer
 
     tok = GPT2BPETokenizer(_opt(cmd, "--vocab-file"), _opt(cmd, "--merge-file"))
     ds = IndexedDataset(data_path)

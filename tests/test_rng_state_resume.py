@@ -1,4 +1,4 @@
-"""The generators of a checkpoint on resume, across devices (megatron/training/rng_state.py).
+"""The generators of a checkpoint on resume, across devices (megatron/training/checkpoint/rng_state.py).
 
 The tensor-parallel RNG tracker (dropout) holds CUDA generator states on a GPU and CPU generator
 states in CPU mode; megatron-core's ``set_states`` checks nothing, so a checkpoint written on one
@@ -11,7 +11,7 @@ from typing import List
 import torch
 
 from dist_harness import model_parallel_world_of_one
-from megatron.training import rng_state
+from megatron.training.checkpoint import rng_state
 
 
 def _dropout_draw() -> torch.Tensor:

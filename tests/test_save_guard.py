@@ -1,4 +1,4 @@
-"""``--save`` guarded at startup and while saving (megatron/training/save_guard.py, save_lock.py).
+"""``--save`` guarded at startup and while saving (megatron/training/checkpoint/save_guard.py, save_lock.py).
 
 Why: a second run on the same ``--save`` used to load from under the first and delete its
 temporary folders; a read-only ``--save`` failed at the first save, hours in; a full disk gave
@@ -32,10 +32,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from megatron.training import save_guard, save_lock  # noqa: E402
-from megatron.training.save_lock import SaveDirBusy, SaveLock  # noqa: E402
+from megatron.training.checkpoint import save_guard  # noqa: E402
+from megatron.training.checkpoint import lock as save_lock  # noqa: E402
+from megatron.training.checkpoint.lock import SaveDirBusy, SaveLock  # noqa: E402
 
-HOLDER = ("import sys; sys.path.insert(0, {repo!r}); from megatron.training.save_lock import "
+HOLDER = ("import sys; sys.path.insert(0, {repo!r}); from megatron.training.checkpoint.lock import "
           "SaveLock; lock = SaveLock({d!r}); lock.acquire(); print('locked', flush=True); "
           "sys.stdin.read(); lock.release()")
 

@@ -1,4 +1,4 @@
-"""SDPA core attention (megatron/training/sdpa_attention.py) and ``--attention-backend``.
+"""SDPA core attention (megatron/training/model/sdpa_attention.py) and ``--attention-backend``.
 
 Why: without Transformer Engine, megatron-core 0.16.1's only attention is the unfused
 ``DotProductAttention`` (most of a GPU step's time). ``SDPAttention`` replaces it in the local
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import model_parallel_world_of_one
-from megatron.training import layer_specs
+from megatron.training.model import layer_specs
 
 
 # ------------------------------------------------------------------------------------ fixtures
@@ -65,7 +65,7 @@ def _config(**kw):
 def _pair(cfg, mask_type, layer_number: int = 2, **kw):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megatron.training.sdpa_attention import SDPAttention
+    from megatron.training.model.sdpa_attention import SDPAttention
 
     return (DotProductAttention(cfg, layer_number, mask_type, "self", **kw),
             SDPAttention(cfg, layer_number, mask_type, "self", **kw))
@@ -122,7 +122,7 @@ def test_resolver_rules(monkeypatch) -> None:
 
 def test_flags_parse_validate_and_reach_the_config(capsys) -> None:
     from megatron.training.arguments import parse_args
-    from megatron.training.config_builders import build_transformer_config
+    from megatron.training.model.config_builders import build_transformer_config
 
     base = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
@@ -193,7 +193,7 @@ def test_flash_kernel_on_cpu_matches(world1) -> None:
     """--attention-backend flash on CPU (no dropout): torch's CPU flash kernel, same numbers."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron.training.sdpa_attention import SDPAttentionFlash
+    from megatron.training.model.sdpa_attention import SDPAttentionFlash
 
     q, k, v, _, dout = _inputs(2, None)
     cfg = _config(num_query_groups=2)
@@ -248,7 +248,7 @@ def test_refuses_what_it_cannot_do(world1) -> None:
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron.training.sdpa_attention import SDPAttention
+    from megatron.training.model.sdpa_attention import SDPAttention
 
     with pytest.raises(ValueError, match="--context-parallel-size"):
         SDPAttention(_config(context_parallel_size=2), 1, AttnMaskType.causal, "self")
@@ -284,7 +284,7 @@ def _core(model):
 def test_spec_and_state_dict_are_interchangeable(world1) -> None:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megatron.training.sdpa_attention import SDPAttention
+    from megatron.training.model.sdpa_attention import SDPAttention
 
     sdpa, local = _gpt("auto"), _gpt("local")
     assert type(_core(sdpa)) is SDPAttention and type(_core(local)) is DotProductAttention
@@ -310,7 +310,7 @@ def test_spec_and_state_dict_are_interchangeable(world1) -> None:
 def test_selective_recompute_redraws_the_same_dropout(world1) -> None:
     """``--recompute-granularity selective`` checkpoints the core attention: its recomputation
     must reproduce the dropout mask, so gradients equal those of the run without recompute."""
-    from megatron.training.sdpa_attention import SDPAttention
+    from megatron.training.model.sdpa_attention import SDPAttention
 
     grads, calls = [], []
     for recompute in (None, "selective"):
@@ -365,7 +365,7 @@ def test_torch_format_checkpoint_names_a_te_to_local_switch() -> None:
     """TE's spec fuses the layer norms into its linear layers (other state-dict names): a
     ``--ckpt-format torch`` checkpoint of it cannot load into the local spec, and the layout
     check names the flag instead of a missing-keys error."""
-    from megatron.training import checkpoint_torch_format
+    from megatron.training.checkpoint import torch_format as checkpoint_torch_format
     from megatron.training.errors import StartupError
 
     args = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,

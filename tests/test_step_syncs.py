@@ -90,11 +90,11 @@ class StepRecorder:
 def _step_events(rank: int, world: int, extra: List[str]) -> Dict[str, Any]:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     from megatron.training.arguments import parse_args
-    from megatron.training.config_builders import build_transformer_config
+    from megatron.training.model.config_builders import build_transformer_config
     from megatron.training.initialize import initialize_megatron, set_random_seed
-    from megatron.training.training_components import (configure_schedule, get_model,
+    from megatron.training.components import (configure_schedule, get_model,
                                                        get_optimizer_and_scheduler)
-    from megatron.training.training_step import forward_step, train_step
+    from megatron.training.step import forward_step, train_step
     from tools.paro_strategy_table import synthetic_batches
 
     args = parse_args(TINY + extra)
@@ -154,7 +154,7 @@ def test_no_device_read_after_the_update_is_queued(tmp_path, flags) -> None:
 def test_fp16_scale_changes_still_reach_the_quantized_layer(monkeypatch) -> None:
     """The scale each step compares against is the one the previous step left (read inside
     before_update): a grown scale rescales LoCo's errors, an overflow passes its ratio on."""
-    from megatron.training import training_step
+    from megatron.training import step as training_step
 
     class Fp16Optimizer:
         grad_scaler = object()

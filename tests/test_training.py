@@ -76,9 +76,9 @@ def _nan_skip_worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_megatron
-    from megatron.training.config_builders import build_transformer_config
-    from megatron.training.training_components import get_model, get_optimizer_and_scheduler
-    from megatron.training.training_step import optimizer_step
+    from megatron.training.model.config_builders import build_transformer_config
+    from megatron.training.components import get_model, get_optimizer_and_scheduler
+    from megatron.training.step import optimizer_step
 
     args = parse_args(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
                        "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "2",
@@ -118,7 +118,7 @@ def test_tflops_per_gpu_counts_every_matmul() -> None:
     term by hand."""
     import argparse
 
-    from megatron.training.throughput import tflops_per_gpu, training_flops_per_iteration
+    from megatron.training.model.flops import tflops_per_gpu, training_flops_per_iteration
 
     args = argparse.Namespace(hidden_size=2048, seq_length=2048, num_layers=24,
                               num_attention_heads=16, ffn_hidden_size=None, swiglu=False,
@@ -160,7 +160,7 @@ def test_log_interval_rates_count_the_iterations_run() -> None:
     """The first log line after a resume from iteration 1003 with --log-interval 10 covers 7
     iterations: ms/iteration and tokens/s are per iteration run (the loop divided the
     interval's time by --log-interval, over-reporting throughput by 10/7)."""
-    from megatron.training.training_log import LogInterval
+    from megatron.training.log import LogInterval
 
     interval = LogInterval()
     for i in range(7):

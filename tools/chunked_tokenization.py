@@ -11,7 +11,7 @@ from typing import Any, Iterator, Optional
 
 import numpy
 
-from megatron.training.tokenizer import SENTENCEPIECE_TYPES
+from megatron.training.data.tokenizer import SENTENCEPIECE_TYPES
 
 
 # --------------------------------------------------------------------------------------------

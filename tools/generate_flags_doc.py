@@ -46,7 +46,7 @@ def render(parser: argparse.ArgumentParser) -> str:
 
 
 def main() -> int:
-    from megatron.training.arguments import build_parser
+    from megatron.training.arguments.parser import build_parser
 
     text = render(build_parser())
     with open(DOC_PATH, "w", encoding="utf-8") as f:

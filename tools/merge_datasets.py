@@ -19,7 +19,7 @@ The concatenation itself is megatron-core's ``IndexedDatasetBuilder.add_index``.
 adds is the checking that ``add_index`` does not do (it only asserts on a dtype mismatch, and
 copies a truncated ``.bin`` without noticing): before anything is written, every input's ``.bin``
 is checked against its ``.idx`` with the trainer's own startup check
-(``megatron.training.data.check_indexed_files``), the inputs must share one token dtype, and the
+(``megatron.training.data.datasets.check_indexed_files``), the inputs must share one token dtype, and the
 output must not overwrite an input.  Each problem stops the run with the file(s) named.  An
 input with no documents is skipped with a note.  A failed merge leaves no partial output.
 """
@@ -107,12 +107,12 @@ def check_inputs(prefixes: Sequence[str]) -> List[MergeInput]:
     """Check every input's ``.bin`` against its ``.idx`` and that all share one dtype.
 
     Returns the non-empty inputs in order.  The ``.bin``/``.idx`` check is the trainer's own
-    (:func:`megatron.training.data.check_indexed_files`): a merge of a truncated shard would
+    (:func:`megatron.training.data.datasets.check_indexed_files`): a merge of a truncated shard would
     otherwise produce a file that only fails (or reads garbage) at training time.  The dtype must
     match because the merged ``.bin`` has one dtype; megatron-core's ``add_index`` only asserts.
     """
     from megatron.core.datasets.indexed_dataset import get_idx_path
-    from megatron.training.data import check_indexed_files
+    from megatron.training.data.datasets import check_indexed_files
     from megatron.training.errors import StartupError
 
     inputs: List[MergeInput] = []
@@ -165,7 +165,7 @@ def merge(input_dir: str, output_prefix: str) -> Dict[str, object]:
             get_bin_path,
             get_idx_path,
         )
-        from megatron.training.data import check_indexed_files
+        from megatron.training.data.datasets import check_indexed_files
 
     prefixes = find_prefixes(input_dir)
     check_output(output_prefix, prefixes)

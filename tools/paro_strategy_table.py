@@ -70,12 +70,12 @@ def _worker(rank: int, port: int, steps: int, bf16: bool, quantized: bool, bucke
     from megatron.distributed.quant.paro.optimizer import model_state_bytes
     from megatron.distributed.quant import integration
     from megatron.training.arguments import parse_args
-    from megatron.training.config_builders import build_ddp_config, build_transformer_config
+    from megatron.training.model.config_builders import build_ddp_config, build_transformer_config
     from megatron.training.initialize import initialize_megatron, set_random_seed
-    from megatron.training.training_components import (configure_schedule, get_model,
+    from megatron.training.components import (configure_schedule, get_model,
                                                        get_optimizer_and_scheduler,
                                                        model_provider)
-    from megatron.training.training_step import forward_step, train_step
+    from megatron.training.step import forward_step, train_step
 
     plain = parse_args(ARGS + (["--bf16"] if bf16 else []))
     initialize_megatron(plain)

@@ -43,7 +43,7 @@ Tokenizers (all loaded from local files, no network access needed):
   ``save_pretrained`` (or a hub name already in the local cache); EOD = ``eos_token``.
 * ``SentencePieceTokenizer``, ``GPTSentencePieceTokenizer``, ``Llama2Tokenizer``:
   ``--tokenizer-model`` = a ``.model`` file, each as Megatron-LM's type of that name (see
-  :mod:`megatron.training.tokenizer`): special tokens added and EOD = ``<EOD>``; the model's
+  :mod:`megatron.training.data.tokenizer`): special tokens added and EOD = ``<EOD>``; the model's
   pieces and EOD = ``eos``; the same with a BOS at every document start.
 
 Long documents are tokenized in pieces of about ``--tokenize-chunk-chars`` characters (default
@@ -54,7 +54,7 @@ files are byte-identical to whole-document tokenization; tokenizers for which th
 guaranteed (SentencePiece, HF tokenizers that are not GPT-2-style byte-level BPE) tokenize each
 document whole, and the startup line says so.  The final line reports the peak resident memory.
 
-The tokenizers are the trainer's own (``megatron/training/tokenizer.py``), so the ids written
+The tokenizers are the trainer's own (``megatron/training/data/tokenizer.py``), so the ids written
 here are exactly what ``pretrain_gpt.py`` assumes. megatron-core 0.16.1's wrappers are not used:
 its ``GPT2BPETokenizer`` path always resolves the hub model ``gpt2`` (fails offline) and its
 SentencePiece wrapper has no ``eod`` and rewrites runs of whitespace, which would corrupt
@@ -85,7 +85,7 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from megatron.training.tokenizer import (  # noqa: E402
+from megatron.training.data.tokenizer import (  # noqa: E402
     SENTENCEPIECE_TYPES, TokenizerError, build_tokenizer_from)
 from tools.chunked_tokenization import (  # noqa: E402
     chunking_unsafe_reason, effective_chunk_chars, iter_text_pieces, tokenize_document)

@@ -16,7 +16,7 @@ date, command). Three ways in:
 
 A kernel's time is ``fixed + moved bytes / bandwidth``, fitted to its smallest and largest
 measured sizes (launch and per-call costs dominate small buckets). Compute is model TFLOP/s per
-GPU (Megatron's formula, ``megatron/training/throughput.py``) of the shape measured nearest in
+GPU (Megatron's formula, ``megatron/training/model/flops.py``) of the shape measured nearest in
 size to the planned model; another GPU is reached by the ratio of the two GPUs' dense bf16 peaks,
 a stated assumption (:data:`PEAK_TFLOPS`).
 """

@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.training.throughput import training_flops_per_iteration
+from megatron.training.model.flops import training_flops_per_iteration
 
 from .calibration import Contention
 from .measure import median_seconds, slowest_rank_median
@@ -130,8 +130,8 @@ def forward_backward_seconds(args: argparse.Namespace, steps: int,
     the same ``steps``. Needs ``initialize_megatron(args)``."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-    from megatron.training.config_builders import build_transformer_config
-    from megatron.training.training_components import get_model, get_optimizer_and_scheduler
+    from megatron.training.model.config_builders import build_transformer_config
+    from megatron.training.components import get_model, get_optimizer_and_scheduler
 
     config = build_transformer_config(args)
     (model,) = get_model(args, config, args.padded_vocab_size)

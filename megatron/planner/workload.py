@@ -2,7 +2,7 @@
 
 Why from the flags: the user plans the run they will launch, so the planner reads the same
 argument parser (``megatron.training.arguments``) and the same FLOPs count as the trainer's
-``--log-throughput`` (``megatron.training.throughput``). This module decides the layout: the
+``--log-throughput`` (``megatron.training.model.flops``). This module decides the layout: the
 data-parallel grid (D ranks per node x M nodes, tensor parallel inside a node first, as
 megatron-core's default rank order places it), micro-batches per iteration, the parameters each
 rank holds and how megatron-core's DDP cuts them into buckets (40M elements or 1M x DP with
@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from megatron.training.throughput import training_flops_per_iteration
+from megatron.training.model.flops import training_flops_per_iteration
 
 from .cluster import Cluster
 
@@ -30,7 +30,7 @@ def set_padded_vocab_size(args: argparse.Namespace) -> None:
     """``args.padded_vocab_size`` from ``--vocab-size`` (GPT-2's without one), as the trainer pads
     it, unless already set (the trainer sets it from its tokenizer)."""
     if getattr(args, "padded_vocab_size", None) is None:
-        from megatron.training.arguments import padded_vocab_size
+        from megatron.training.arguments.parser import padded_vocab_size
 
         args.padded_vocab_size = padded_vocab_size(args.vocab_size or GPT2_VOCAB, args)
 

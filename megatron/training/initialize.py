@@ -17,8 +17,8 @@ from typing import Mapping, Optional, Tuple
 import numpy as np
 import torch
 
-from . import cpu_mode
-from .errors import StartupError
+from megatron.training import cpu_mode
+from megatron.training.errors import StartupError
 
 
 def initialize_distributed(args: argparse.Namespace) -> None:

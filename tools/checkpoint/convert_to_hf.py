@@ -23,7 +23,7 @@ from the flags the checkpoint was trained with (its saved ``args``):
 Anything else (e.g. RMSNorm with learned positions, ``--rotary-percent`` < 1, virtual pipeline
 chunks, QK layernorm) is refused with the flag that prevents it.
 
-Checkpoint formats (see ``megatron/training/checkpointing.py``), both read from ``--load`` (the
+Checkpoint formats (see ``megatron/training/checkpoint/save_load.py``), both read from ``--load`` (the
 ``--save`` root: the tracker ``latest_checkpointed_iteration.txt`` picks the iteration unless
 ``--iteration N``; an ``iter_NNNNNNN`` directory itself is accepted too):
 
@@ -45,7 +45,7 @@ split into q / k / v; fused layernorm names (``linear_qkv.layer_norm_weight`` /
 ``input_layernorm`` / ``pre_mlp_layernorm`` alike.
 
 Integrity: the files read are first checked against the checkpoint's ``manifest.json`` (sizes and
-digests written at save, see ``megatron/training/checkpoint_integrity.py``): a damaged file is
+digests written at save, see ``megatron/training/checkpoint/integrity.py``): a damaged file is
 refused naming it and the previous complete checkpoint (``--iteration N``);
 ``--no-verify-checkpoint`` skips the check.  An unreadable ``.pt`` is one error naming the file.
 
@@ -125,7 +125,7 @@ def install_tokenizer(args: argparse.Namespace, output: str, tokenizer_dir: Opti
     try:
         if kind == "GPT2BPETokenizer" and all(os.path.isfile(p or "") for p in
                                               (args.vocab_file, args.merge_file)):
-            # The very tokenizer the trainer built (megatron/training/tokenizer.py), wrapped.
+            # The very tokenizer the trainer built (megatron/training/data/tokenizer.py), wrapped.
             from tokenizers import ByteLevelBPETokenizer
             from transformers import PreTrainedTokenizerFast
 

@@ -82,7 +82,7 @@ def gelu_flavour(args: argparse.Namespace) -> str:
     """HF activation matching what training ran: megatron-core's fused bias-GELU (tanh
     approximation) when the fusion resolver turned it on for the saved arguments (CUDA, a bias,
     no ``--no-bias-gelu-fusion``), else torch's exact GELU."""
-    from megatron.training.fusions import resolve_fusions
+    from megatron.training.model.fusions import resolve_fusions
 
     saved = argparse.Namespace(**vars(args))
     saved.device = getattr(args, "device", "cuda")   # checkpoints before --device: GPU runs

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.training import checkpoint_integrity
+from megatron.training.checkpoint import integrity as checkpoint_integrity
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

@@ -2,7 +2,7 @@
 
 Why a module of its own: 0.16 has no public index reader that leaves the ``.bin`` alone, and no
 public function for the document ranges each split gets; the trainer's data checks
-(``megatron/training/data.py``) and ``tools/merge_datasets.py`` need both.
+(``megatron/training/data/datasets.py``) and ``tools/merge_datasets.py`` need both.
 
 Touch points (megatron-core name -- what we rely on -- who uses it):
 
@@ -10,7 +10,7 @@ Touch points (megatron-core name -- what we rely on -- who uses it):
   -- reads an ``.idx`` without memory-mapping the ``.bin``; attributes ``sequence_count``,
   ``document_indices``, ``sequence_pointers`` (byte offsets), ``sequence_lengths``, ``dtype``,
   ``dtype_size`` -- :func:`read_index_summary`, :func:`index_token_count`, used by
-  ``megatron/training/data.py`` and ``tools/merge_datasets.py``.
+  ``megatron/training/data/datasets.py`` and ``tools/merge_datasets.py``.
 * ``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits`` and the constructor signature
   it calls dataset classes with -- the per-split document ranges -- :func:`dataset_split_parts`,
   used by data.py. A ``None`` bookend in ``split_matrix`` skips that split (data.py builds no

@@ -10,7 +10,7 @@ Touch points (megatron-core name -- what we rely on -- who uses it):
 * ``optimizer.clip_grads.l2_norm_impl`` / ``multi_tensor_scale_impl`` /
   ``multi_tensor_applier`` and ``optimizer.optimizer.multi_tensor_scale_impl`` -- module globals
   read at call time; megatron-core's fallback is ``utils.local_multi_tensor_applier`` --
-  :func:`install_foreach_multi_tensor_ops`, used by ``megatron/training/fusions.py`` on CUDA
+  :func:`install_foreach_multi_tensor_ops`, used by ``megatron/training/model/fusions.py`` on CUDA
   without TE/Apex.
 """
 

@@ -9,10 +9,10 @@ Touch points (megatron-core name -- what we rely on -- who uses it):
 
 * ``DistributedOptimizer._init_optimizer_states_with_dummy_values`` -- gives a fresh optimizer
   Adam states before a sharded load -- :func:`init_optimizer_states_with_dummy_values`, used by
-  ``megatron/training/dist_checkpoint.py``.
+  ``megatron/training/checkpoint/torch_dist_format.py``.
 * ``DistributedOptimizer.gbuf_ranges`` and the structure of
   ``get_parameter_state_dp_reshardable()`` -- :func:`optimizer_bucket_layout`,
-  :func:`saved_bucket_layout`, used by ``megatron/training/checkpoint_torch_format.py``.
+  :func:`saved_bucket_layout`, used by ``megatron/training/checkpoint/torch_format.py``.
 * ``DistributedOptimizer._copy_main_params_to_model_params`` (called from
   ``step_with_ready_grads``), ``prepare_grads`` looked up on the instance by ``step``,
   ``ChainedOptimizer.chained_optimizers``, ``OptimizerConfig.use_precision_aware_optimizer_no_fp8_

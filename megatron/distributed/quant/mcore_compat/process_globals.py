@@ -18,7 +18,7 @@ Touch points (megatron-core name -- what we rely on -- who uses it):
   :func:`reinit_num_microbatches_calculator`, used by ``megatron/training/initialize.py``.
 * ``dist_checkpointing.strategies.filesystem_async._results_queue`` -- the lazily created
   write-results queue of torch_dist saves -- :func:`torch_dist_results_queue`,
-  :func:`set_torch_dist_results_queue`, used by ``megatron/training/writer_processes.py``.
+  :func:`set_torch_dist_results_queue`, used by ``megatron/training/checkpoint/writer_processes.py``.
 """
 
 from __future__ import annotations

@@ -216,7 +216,7 @@ def gpt_layer_spec(args: argparse.Namespace, config: Any) -> Any:
         return specs.get_gpt_layer_with_transformer_engine_spec()
     spec = specs.get_gpt_layer_local_spec(normalization=args.normalization)
     if choice.impl.startswith("sdpa"):
-        from .sdpa_attention import sdpa_class
+        from megatron.training.model.sdpa_attention import sdpa_class
 
         attn = spec.submodules.self_attention
         attn = dataclasses.replace(attn, submodules=dataclasses.replace(

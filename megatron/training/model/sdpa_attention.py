@@ -50,7 +50,7 @@ Kernel choice: :class:`SDPAttention` lets torch pick (flash, then memory-efficie
 cuDNN where enabled, then math). Its subclasses :class:`SDPAttentionFlash` and
 :class:`SDPAttentionFused` restrict the choice to the flash kernel, or to the cuDNN and
 memory-efficient ("fused") kernels, for ``--attention-backend flash`` / ``fused`` without TE (see
-``megatron.training.layer_specs.resolve_attention``).
+``megatron.training.model.layer_specs.resolve_attention``).
 """
 
 from __future__ import annotations

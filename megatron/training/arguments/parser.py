@@ -1,6 +1,6 @@
-"""Command-line arguments of the trainer (Megatron-LM names and meanings): the flags, their
-parsing, and which of them were given.  What a parsed command line must satisfy, and the values
-derived from it, is :mod:`.arguments_validation`.
+"""The trainer's flags (Megatron-LM names and meanings), their parser, and which of them were
+given.  What a parsed command line must satisfy is :mod:`.validation`; the entry point that runs
+both is :func:`megatron.training.arguments.parse_args`.
 
 Why our own parser: Megatron-LM's ``megatron/training/arguments.py`` is not part of the
 megatron-core wheel, and we must not copy it.  The flags below keep Megatron-LM's spelling and
@@ -8,7 +8,7 @@ semantics so existing launch scripts work; flags that only tune GPU kernels pars
 documented as no-ops.  The quantization and PaRO flags come from the communication layer
 (:func:`megatron.distributed.quant.integration.add_arguments`) and become the one
 ``QuantizationConfig`` only via ``integration.build_quantization_config`` (in
-:func:`.arguments_validation.validate_args`, stored as ``args.quant_config``); ``--paro-strategy`` is checked by
+:func:`.validation.validate_args`, stored as ``args.quant_config``); ``--paro-strategy`` is checked by
 ``integration.check_strategy_args``.
 """
 
@@ -18,12 +18,12 @@ import argparse
 import os
 import sys
 import time
-from typing import Callable, FrozenSet, List, NoReturn, Optional, Tuple
+from typing import Callable, FrozenSet, List, NoReturn, Optional
 
 from megatron.distributed.quant import integration
 
-from .profiling import add_profile_args
-from .tokenizer import TOKENIZER_TYPES
+from megatron.training.data.tokenizer import TOKENIZER_TYPES
+from megatron.training.profiling import add_profile_args
 
 NOOP = "(no-op in this trainer; accepted for Megatron-LM script compatibility)"
 
@@ -191,7 +191,7 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_fusion_args(parser: argparse.ArgumentParser) -> None:
     """Megatron-LM's fusion switches: every fusion is on where what it needs is installed
-    (megatron/training/fusions.py decides, and prints one line saying what runs); these turn one
+    (megatron/training/model/fusions.py decides, and prints one line saying what runs); these turn one
     off. ``--apply-rope-fusion`` asks for TE's fused RoPE and is an error without TE."""
     g = parser.add_argument_group("fusions")
     for flag, dest, what in (
@@ -344,28 +344,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     return parser
 
 
-def parse_args(argv: Optional[List[str]] = None,
-               extra_args_provider: Optional[Callable] = None,
-               validate: bool = True) -> argparse.Namespace:
-    """Parse (``sys.argv[1:]`` by default) and validate; bad combinations exit with a message
-    (status 2, printed by rank 0 only: :class:`RankAwareParser`).
-
-    Also records ``args.explicit_flags``, the dests given on the command line (see
-    :func:`flags_given`)."""
-    from .arguments_validation import ArgumentError, validate_args  # it imports this module
-
-    parser = build_parser(extra_args_provider)
-    args = parser.parse_args(argv)
-    args.explicit_flags = _explicit_dests(parser, argv)
-    if validate:
-        try:
-            validate_args(args)
-        except ArgumentError as e:
-            parser.error(str(e))
-    return args
-
-
-def _explicit_dests(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> List[str]:
+def explicit_dests(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> List[str]:
     """Dests of the flags present in ``argv``: parse again with every default suppressed, so
     exactly the given flags land in the namespace (a flag given with its default value counts
     as given)."""
@@ -382,7 +361,7 @@ def _explicit_dests(parser: argparse.ArgumentParser, argv: Optional[List[str]]) 
 def flags_given(args: argparse.Namespace) -> FrozenSet[str]:
     """The one answer to "was this flag given on the command line?" (as dests).
 
-    ``args.explicit_flags`` when :func:`parse_args` recorded it; for a namespace built another
+    ``args.explicit_flags`` when ``parse_args`` recorded it; for a namespace built another
     way (e.g. ``build_parser().parse_args(...)``), the dests whose value differs from the parser
     default.
     """
@@ -391,24 +370,6 @@ def flags_given(args: argparse.Namespace) -> FrozenSet[str]:
         return frozenset(recorded)
     defaults = {a.dest: a.default for a in build_parser()._actions}
     return frozenset(k for k, v in vars(args).items() if k in defaults and v != defaults[k])
-
-
-def is_number(s: str) -> bool:
-    try:
-        float(s)
-        return True
-    except ValueError:
-        return False
-
-
-def data_blend(data_path: List[str]) -> Tuple[List[str], Optional[List[float]]]:
-    """Megatron's ``--data-path`` forms: ``PREFIX...`` or ``W1 PREFIX1 W2 PREFIX2 ...``.
-
-    Returns (prefixes, weights or None), the shape megatron-core's ``blend`` config expects.
-    """
-    if len(data_path) > 1 and is_number(data_path[0]):
-        return list(data_path[1::2]), [float(w) for w in data_path[0::2]]
-    return list(data_path), None
 
 
 def padded_vocab_size(orig_vocab_size: int, args: argparse.Namespace) -> int:

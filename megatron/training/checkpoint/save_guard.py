@@ -33,7 +33,7 @@ import socket
 import tempfile
 from typing import Any, List, Optional, Tuple
 
-from .save_lock import SaveDirBusy, SaveLock
+from megatron.training.checkpoint.lock import SaveDirBusy, SaveLock
 
 
 class CheckpointWriteError(RuntimeError):
@@ -192,7 +192,7 @@ def describe_save_failure(exc: BaseException, directory: str, iteration: int,
     what = classify_save_failure(exc, directory, needed)
     if what is None:
         return None
-    from .checkpoint_layout import TRACKER, read_tracker
+    from megatron.training.checkpoint.layout import TRACKER, read_tracker
 
     free = _free_bytes(directory)
     try:
@@ -250,7 +250,7 @@ class SaveDirGuard:
         said = (f"--save {self.directory} has {free} bytes ({_human(free)}) free; one checkpoint "
                 f"of this run needs about {needed} bytes ({_human(needed)}, {how})")
         if below_one and not getattr(args, "allow_low_disk_space", False):
-            from .errors import StartupError
+            from megatron.training.errors import StartupError
 
             raise StartupError(f"{said}: the first save, after --save-interval "
                                f"{args.save_interval} iterations, would fail. Free space there, "
@@ -270,7 +270,7 @@ class SaveDirGuard:
 
 def _latest_checkpoint_dir(directory: str) -> Optional[str]:
     try:
-        from .checkpoint_layout import checkpoint_dir, read_tracker
+        from megatron.training.checkpoint.layout import checkpoint_dir, read_tracker
 
         it = read_tracker(directory)
     except Exception:  # noqa: BLE001 -- only a size hint
@@ -287,7 +287,7 @@ def prepare_save_dir(directory: str) -> SaveDirGuard:
     any rank found a problem (the message names the host that saw it)."""
     import torch.distributed as dist
 
-    from .errors import StartupError
+    from megatron.training.errors import StartupError
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

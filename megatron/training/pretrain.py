@@ -31,22 +31,25 @@ import torch
 
 from megatron.distributed.quant import failures, integration
 
-from . import checkpointing, save_guard, step_timers, writer_processes
-from .arguments import padded_vocab_size
-from .config_builders import build_transformer_config
-from .errors import StartupError
-from .exit_conditions import ExitConditions
-from .fusions import apply_optimizer_fusions, fusion_plan
-from .layer_specs import attention_choice
-from .logging_utils import MetricsLogger, print_rank_0
-from .profiling import StepProfiler
-from .sampler import build_data_iterator
-from .throughput import tflops_per_gpu
-from .tokenizer import build_tokenizer
-from .training_components import (build_datasets, configure_schedule, get_model,
+from megatron.training.checkpoint import save_load as checkpointing
+from megatron.training.checkpoint import save_guard
+from megatron.training import step_timers
+from megatron.training.checkpoint import writer_processes
+from megatron.training.arguments.parser import padded_vocab_size
+from megatron.training.model.config_builders import build_transformer_config
+from megatron.training.errors import StartupError
+from megatron.training.exit_conditions import ExitConditions
+from megatron.training.model.fusions import apply_optimizer_fusions, fusion_plan
+from megatron.training.model.layer_specs import attention_choice
+from megatron.training.logging_utils import MetricsLogger, print_rank_0
+from megatron.training.profiling import StepProfiler
+from megatron.training.data.sampler import build_data_iterator
+from megatron.training.model.flops import tflops_per_gpu
+from megatron.training.data.tokenizer import build_tokenizer
+from megatron.training.components import (build_datasets, configure_schedule, get_model,
                                   get_optimizer_and_scheduler)
-from .training_log import TrainingLog
-from .training_step import evaluate, forward_step, step_outcome, train_step
+from megatron.training.log import TrainingLog
+from megatron.training.step import evaluate, forward_step, step_outcome, train_step
 
 
 @dataclasses.dataclass
@@ -92,7 +95,7 @@ def pretrain(args: argparse.Namespace, forward_step_func=None) -> Dict[str, Any]
     only (:func:`.cpu_mode.cpu_mode`, left when the run ends, even on an error)."""
     from contextlib import ExitStack
 
-    from .cpu_mode import cpu_mode
+    from megatron.training.cpu_mode import cpu_mode
 
     # ``cleanup``: the exit-signal handler and the --save lock, released however the run ends.
     with cpu_mode(args.device == "cpu"), ExitStack() as cleanup:
@@ -152,7 +155,7 @@ def _start(args: argparse.Namespace, cleanup: Any
            ) -> Tuple[ExitConditions, Optional[save_guard.SaveDirGuard], torch.device]:
     """The exit conditions, torch.distributed and megatron-core's parallel state, the --save
     guards; returns them with the device the run computes on."""
-    from .initialize import initialize_megatron
+    from megatron.training.initialize import initialize_megatron
 
     start_time = time.time()
     # Preemption (--exit-signal-handler / --exit-duration-in-mins / --exit-interval): the handler

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from . import checkpoint_integrity
-from .errors import StartupError
+from megatron.training.checkpoint import integrity as checkpoint_integrity
+from megatron.training.errors import StartupError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

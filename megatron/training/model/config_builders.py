@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict
 
-from .fusions import fusion_plan
-from .layer_specs import attention_choice, config_attention_backend
+from megatron.training.model.fusions import fusion_plan
+from megatron.training.model.layer_specs import attention_choice, config_attention_backend
 
 
 def build_transformer_config(args: argparse.Namespace):

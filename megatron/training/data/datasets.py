@@ -36,9 +36,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-from .arguments import data_blend
-from .errors import StartupError
-from .logging_utils import print_rank_0
+from megatron.training.data.blend import data_blend
+from megatron.training.errors import StartupError
+from megatron.training.logging_utils import print_rank_0
 
 SPLIT_NAMES: Tuple[str, str, str] = ("train", "validation", "test")
 REPREPROCESS = "re-run tools/preprocess_data.py"

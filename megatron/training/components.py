@@ -22,10 +22,10 @@ import torch
 
 from megatron.distributed.quant import integration
 
-from .config_builders import build_ddp_config, build_optimizer_config
-from .fusions import apply_optimizer_fusions, fusion_plan
-from .layer_specs import gpt_layer_spec
-from .logging_utils import print_rank_0
+from megatron.training.model.config_builders import build_ddp_config, build_optimizer_config
+from megatron.training.model.fusions import apply_optimizer_fusions, fusion_plan
+from megatron.training.model.layer_specs import gpt_layer_spec
+from megatron.training.logging_utils import print_rank_0
 
 
 def model_provider(args: argparse.Namespace, config: Any, vocab_size: int,
@@ -95,8 +95,8 @@ def get_optimizer_and_scheduler(args: argparse.Namespace, model: List[torch.nn.M
 
 # ----------------------------------------------------------------------------- data
 def build_datasets(args: argparse.Namespace, tokenizer: Any):
-    """(train, validation, None) for the whole run: see :mod:`megatron.training.data`, which
+    """(train, validation, None) for the whole run: see :mod:`megatron.training.data.datasets`, which
     checks the .bin/.idx files and the --split before megatron-core builds (no hang, clear error)."""
-    from .data import build_datasets as build_checked_datasets
+    from megatron.training.data.datasets import build_datasets as build_checked_datasets
 
     return build_checked_datasets(args, tokenizer)

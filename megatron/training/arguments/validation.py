@@ -17,9 +17,10 @@ from typing import Callable, Tuple
 
 from megatron.distributed.quant import integration
 
-from .arguments import data_blend, flags_given, is_number, launcher_rank
-from .profiling import validate_profile_args
-from .tokenizer import SENTENCEPIECE_TYPES
+from megatron.training.data.blend import data_blend, is_number
+from megatron.training.arguments.parser import flags_given, launcher_rank
+from megatron.training.profiling import validate_profile_args
+from megatron.training.data.tokenizer import SENTENCEPIECE_TYPES
 
 
 class ArgumentError(ValueError):
@@ -253,7 +254,7 @@ def query_groups_divide_heads(args: argparse.Namespace) -> None:
 def resolve_attention_backend(args: argparse.Namespace) -> None:
     """The one resolver of --attention-backend; its choice is kept in args (``attention_impl``),
     so checkpoints record it."""
-    from .layer_specs import resolve_attention
+    from megatron.training.model.layer_specs import resolve_attention
 
     try:
         args.attention_impl = resolve_attention(args).impl
@@ -263,7 +264,7 @@ def resolve_attention_backend(args: argparse.Namespace) -> None:
 
 def requested_fusions_available(args: argparse.Namespace) -> None:
     """An explicit fusion flag that cannot be honoured stops the launch here."""
-    from .fusions import fusion_plan
+    from megatron.training.model.fusions import fusion_plan
 
     try:
         fusion_plan(args)

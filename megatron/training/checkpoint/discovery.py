@@ -19,9 +19,9 @@ from typing import List, Optional
 
 import torch
 
-from . import checkpoint_integrity
-from .checkpoint_layout import TRACKER, checkpoint_dir, read_tracker
-from .errors import StartupError
+from megatron.training.checkpoint import integrity as checkpoint_integrity
+from megatron.training.checkpoint.layout import TRACKER, checkpoint_dir, read_tracker
+from megatron.training.errors import StartupError
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def _holds_checkpoint_files(path: str) -> bool:
 def _fresh_start(args: argparse.Namespace, reason: str) -> None:
     """Training starts from iteration 0 although ``--load`` was given: say so once, loudly, or
     refuse (``--exit-on-missing-checkpoint``, or a ``--save`` whose tracker would go back)."""
-    from .logging_utils import print_rank_0
+    from megatron.training.logging_utils import print_rank_0
 
     if getattr(args, "exit_on_missing_checkpoint", False):
         raise StartupError(f"--load {args.load}: no checkpoint to resume from ({reason}) and "
@@ -90,7 +90,7 @@ def _warn_if_saves_replace_newer(args: argparse.Namespace, root: str, iteration:
         return
     newer = _newer_complete_checkpoints(root, iteration)
     if newer:
-        from .logging_utils import print_rank_0
+        from megatron.training.logging_utils import print_rank_0
 
         print_rank_0(f"WARNING: resuming from iteration {iteration} in --save {args.save}, which "
                      f"holds the later checkpoints {', '.join(map(str, newer))}: this run's saves "
@@ -185,7 +185,7 @@ def find_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
                     f"{said}; this run's saves into --save {args.save} would replace them. Pass "
                     f"--ckpt-step {newer[-1]} to resume from the newest, or --ckpt-step "
                     f"{iteration} to resume from the tracker's")
-            from .logging_utils import print_rank_0
+            from megatron.training.logging_utils import print_rank_0
 
             print_rank_0(f"WARNING: {said}: loading iteration {iteration} (--ckpt-step "
                          f"{newer[-1]} loads the newest)")
@@ -211,7 +211,7 @@ def find_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
 def stop_if_any_rank_failed(problem: Optional[str]) -> None:
     """Raise :class:`StartupError` on every rank when any rank found ``problem`` (so no rank
     is left in a collective its failed peer never joins)."""
-    from .data import collective_device, raise_if_any_rank_failed
+    from megatron.training.data.datasets import collective_device, raise_if_any_rank_failed
 
     raise_if_any_rank_failed(problem, collective_device())
 
@@ -232,7 +232,7 @@ def agreed_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
     stop_if_any_rank_failed(problem)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         it = -1 if target is None else target.iteration
-        from .data import collective_device
+        from megatron.training.data.datasets import collective_device
 
         bounds = torch.tensor([it, -it], dtype=torch.int64, device=collective_device())
         torch.distributed.all_reduce(bounds, op=torch.distributed.ReduceOp.MAX)

@@ -214,7 +214,7 @@ def fusion_plan(args: argparse.Namespace,
                 have: Callable[[str], bool] = module_importable) -> FusionPlan:
     """:func:`resolve_fusions` for a parsed command line (the attention and spec from
     :func:`~.layer_specs.attention_choice`)."""
-    from .layer_specs import attention_choice
+    from megatron.training.model.layer_specs import attention_choice
 
     choice = attention_choice(args)
     return resolve_fusions(args, uses_te_spec=choice.uses_te,

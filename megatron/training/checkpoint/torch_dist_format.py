@@ -37,8 +37,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import checkpoint_integrity
-from .checkpoint_integrity import FileDigest
+from megatron.training.checkpoint import integrity as checkpoint_integrity
+from megatron.training.checkpoint.integrity import FileDigest
 
 RANK_STATE_DIR = "rank_state"
 # Every parameter's optimizer state saved in the parameter's own shape (Megatron-LM's
@@ -71,7 +71,7 @@ def _dist_checkpointing():
     # CPU-mode redirection below would have run.
     from megatron.core.dist_checkpointing.strategies import torch as _torch_strategy  # noqa: F401
 
-    from .cpu_mode import refresh_cpu_mode
+    from megatron.training.cpu_mode import refresh_cpu_mode
 
     refresh_cpu_mode()  # no-op outside CPU mode
     return dist_checkpointing
@@ -166,7 +166,7 @@ def load(directory: str, args: argparse.Namespace, model: List[torch.nn.Module],
     Returns the common state (iteration, train_state, scheduler, args) with the per-rank state
     under ``"rng_state"`` / ``"quantization"`` (absent where it does not apply) and
     ``"same_layout"``."""
-    from .data import collective_device, raise_if_any_rank_failed
+    from megatron.training.data.datasets import collective_device, raise_if_any_rank_failed
 
     dcp = _dist_checkpointing()
     common, problem = {}, None

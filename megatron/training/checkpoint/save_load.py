@@ -42,14 +42,17 @@ import torch
 
 from megatron.distributed.quant import integration
 
-from . import checkpoint_integrity, checkpoint_torch_format, dist_checkpoint, fault_injection
-from .checkpoint_discovery import LoadTarget, agreed_checkpoint_to_load, stop_if_any_rank_failed
-from .checkpoint_integrity import CheckpointIntegrityError, FileDigest
-from .checkpoint_layout import checkpoint_dir, fsync_dir, write_tracker
-from .checkpoint_quantization import restore_quantization_state
-from .errors import StartupError
-from .layer_specs import attention_resume_note
-from .rng_state import get_rng_state, set_rng_state
+from megatron.training.checkpoint import integrity as checkpoint_integrity
+from megatron.training.checkpoint import torch_format as checkpoint_torch_format
+from megatron.training.checkpoint import torch_dist_format as dist_checkpoint
+from megatron.training import fault_injection
+from megatron.training.checkpoint.discovery import LoadTarget, agreed_checkpoint_to_load, stop_if_any_rank_failed
+from megatron.training.checkpoint.integrity import CheckpointIntegrityError, FileDigest
+from megatron.training.checkpoint.layout import checkpoint_dir, fsync_dir, write_tracker
+from megatron.training.checkpoint.quantization_state import restore_quantization_state
+from megatron.training.errors import StartupError
+from megatron.training.model.layer_specs import attention_resume_note
+from megatron.training.checkpoint.rng_state import get_rng_state, set_rng_state
 
 
 # ----------------------------------------------------------------------------- save
@@ -147,7 +150,7 @@ def load_checkpoint(args: argparse.Namespace, model: List[torch.nn.Module], opti
 
     The format is read from the directory (``torch`` or ``torch_dist``), whatever
     ``--ckpt-format`` (the save format) says."""
-    from .logging_utils import print_rank_0
+    from megatron.training.logging_utils import print_rank_0
 
     target = agreed_checkpoint_to_load(args)
     if target is None:

@@ -19,11 +19,11 @@ import torch
 
 from megatron.distributed.quant import integration
 
-from .logging_utils import MetricsLogger, print_rank_0
-from .profiling import memory_report
-from .step_timers import StepTimers
-from .throughput import tflops_per_gpu
-from .training_step import current_loss_scale
+from megatron.training.logging_utils import MetricsLogger, print_rank_0
+from megatron.training.profiling import memory_report
+from megatron.training.step_timers import StepTimers
+from megatron.training.model.flops import tflops_per_gpu
+from megatron.training.step import current_loss_scale
 
 
 @dataclasses.dataclass

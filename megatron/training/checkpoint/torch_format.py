@@ -25,11 +25,11 @@ import torch
 
 from megatron.distributed.quant import integration
 
-from . import checkpoint_integrity
-from .checkpoint_discovery import LoadTarget
-from .checkpoint_integrity import FileDigest
-from .errors import StartupError
-from .layer_specs import attention_layout_diff
+from megatron.training.checkpoint import integrity as checkpoint_integrity
+from megatron.training.checkpoint.discovery import LoadTarget
+from megatron.training.checkpoint.integrity import FileDigest
+from megatron.training.errors import StartupError
+from megatron.training.model.layer_specs import attention_layout_diff
 
 
 def rank_filename() -> str:

@@ -51,7 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
-from .errors import StartupError
+from megatron.training.errors import StartupError
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "checkpoint-manifest"

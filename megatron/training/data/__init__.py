@@ -1,0 +1,2 @@
+"""Training data: the ``--data-path`` blend, startup checks and megatron-core's datasets, the
+resumable sampler and the tokenizers."""

@@ -5,7 +5,7 @@ Examples::
 
     python bench/bench_quant.py --sizes 1M --device cpu
     python bench/bench_quant.py --sizes 16M,128M --device cuda --bits 4,8
-    git show HEAD~1:megatron/distributed/quant/kernels/triton_kernels.py > /tmp/prev.py
+    git show HEAD~1:megatron/distributed/quant/kernels/triton_launch.py > /tmp/prev.py
     python bench/bench_quant.py --sizes 64M --device cuda --compare-kernels /tmp/prev.py
 
 For every kernel and size it prints the time per call, throughput in GB/s of *input* bytes, the
@@ -25,11 +25,12 @@ time.  ``--timing per-call-sync`` is what the kernel tables of 2026-11-27 in doc
 measured: the wall time of one call followed by ``torch.cuda.synchronize()``, with the seed
 drawn from a CUDA generator and the non-finite count read back (two host round trips per call,
 which the trainer never pays).
-``--compare-kernels FILE`` also benchmarks another version of ``triton_kernels.py`` (for example
-a previous commit's, from ``git show``) in the same process, against the same copy bandwidth.
-The file is loaded as a module of the kernels package: a version from before the jit kernels
-moved to ``triton_jit.py`` holds its own kernels, a later one imports the current
-``triton_jit.py`` (so it compares launchers only).
+``--compare-kernels FILE`` also benchmarks another version of ``triton_launch.py`` (for example
+a previous commit's, from ``git show``; ``triton_kernels.py`` before issue 44) in the same
+process, against the same copy bandwidth. The file is loaded as a module of the kernels package:
+a version from before the jit kernels moved out of the launchers holds its own kernels, a later
+one imports the current ``triton_device.py`` (so it compares launchers only), also under its
+earlier name ``triton_jit``.
 """
 
 from __future__ import annotations
@@ -146,9 +147,16 @@ def time_fn(fn: Callable[[], object], dev: str, iters: int, timing: str = "devic
     return Timing(ms / 1e3, _host_enqueue_per_call(fn, iters))
 
 
+DEVICE_KERNELS_EARLIER_NAMES = ("triton_jit",)
+"""Names under which earlier versions of the launchers import the device kernels
+(``from .triton_jit import ...``): while such a file loads, they name the current
+``triton_device`` module."""
+
+
 def load_kernels(path: str):
-    """Another version of ``triton_kernels.py`` as a module of the kernels package (so its
-    relative imports resolve), named after the file: ``triton@<file stem>``."""
+    """Another version of ``triton_launch.py`` as a module of the kernels package (so its
+    relative imports resolve, :data:`DEVICE_KERNELS_EARLIER_NAMES` included), named after the
+    file: ``triton@<file stem>``."""
     stem = os.path.splitext(os.path.basename(path))[0]
     ident = "".join(c if c.isalnum() else "_" for c in stem)
     name = f"megatron.distributed.quant.kernels._bench_{ident}"
@@ -157,7 +165,17 @@ def load_kernels(path: str):
         raise SystemExit(f"--compare-kernels: cannot load {path!r} as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    from megatron.distributed.quant.kernels import triton_device
+    package = "megatron.distributed.quant.kernels"
+    aliases = [f"{package}.{old}" for old in DEVICE_KERNELS_EARLIER_NAMES
+               if f"{package}.{old}" not in sys.modules]
+    for alias in aliases:
+        sys.modules[alias] = triton_device
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        for alias in aliases:
+            sys.modules.pop(alias, None)
     return f"triton@{stem}", module
 
 
@@ -248,9 +266,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "synchronize with two read-backs per call (the kernel tables of "
                          "2026-11-27)")
     ap.add_argument("--compare-kernels", default="", metavar="FILE[,FILE]",
-                    help="other versions of triton_kernels.py to benchmark beside the current "
+                    help="other versions of triton_launch.py to benchmark beside the current "
                          "one (CUDA), e.g. from `git show REV:megatron/distributed/quant/"
-                         "kernels/triton_kernels.py`")
+                         "kernels/triton_launch.py` (triton_kernels.py before issue 44)")
     ap.add_argument("--backends", default="",
                     help="comma-separated subset of the backends to run (torch, triton, cpp, "
                          "triton@<file stem>); default all")
@@ -276,7 +294,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"# C++ CPU kernels unavailable: {C.build_error()!r}")
     if dev == "cuda":
         try:
-            from megatron.distributed.quant.kernels import triton_kernels as T
+            from megatron.distributed.quant.kernels import triton_launch as T
         except Exception as exc:  # the product refuses CUDA without Triton too
             ap.error(f"--device cuda: the Triton kernels cannot be imported: {exc!r}")
         backends["triton"] = T

@@ -59,7 +59,8 @@ from megatron.distributed.quant.collectives.common import (  # noqa: E402
     required_padding_multiple_from_config)
 from megatron.distributed.quant.collectives.gradients import swizzle_order  # noqa: E402
 from megatron.distributed.quant.config import QuantizationConfig  # noqa: E402
-from megatron.distributed.quant.kernels import QuantizedTensor, dequantize_sum  # noqa: E402
+from megatron.distributed.quant.kernels.dispatch import (QuantizedTensor,  # noqa: E402
+                                                         dequantize_sum)
 from megatron.distributed.quant.runtime import QuantizationRuntime  # noqa: E402
 from virtual_world import VirtualDist, build_virtual_groups, installed  # noqa: E402
 

@@ -18,7 +18,7 @@ How the specialisations are found (nothing is re-derived by hand):
    the ``QuantizationConfig`` defaults plus every value the recipes in ``examples/`` pass; input
    dtypes from what the call sites in ``collectives/`` / ``loco.py`` / ``paro/`` hand to
    the kernels (fp32 / bf16 gradient buffers, bf16 / fp32 / fp16 parameters).
-2. For each reachable combination, the *launcher's own* host function in ``triton_kernels.py``
+2. For each reachable combination, the *launcher's own* host function in ``triton_launch.py``
    (``quantize_partitions``, ``dequantize_sum_requantize``, ...) is called on small CPU tensors
    while each entry kernel is replaced by a recorder, so the block sizes (``R``, ``GP``,
    ``BLOCK``) and every constexpr come from the launcher itself.
@@ -28,9 +28,9 @@ How the specialisations are found (nothing is re-derived by hand):
    such as ``enable_fp_fusion=False``) the JIT would compile on a GPU, then compiled with
    ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``.
 
-Every ``@triton.jit`` function of ``triton_jit.py`` that no other jit function calls is an entry
-kernel; one that no scenario launches is an error (a new kernel must be added to the scenarios
-here).
+Every ``@triton.jit`` function of ``triton_device.py`` that no other jit function calls is an
+entry kernel; one that no scenario launches is an error (a new kernel must be added to the
+scenarios here).
 
 Results are cached per (kernel source hash incl. its jit callees, specialisation, target, options,
 Triton version, cache-invalidating env vars) under ``--cache-dir`` (default
@@ -303,12 +303,12 @@ class _Recorder:
 
 
 def kernels_module():
-    """Import the Triton launchers (``triton_kernels.py``), with the jit functions of
-    ``triton_jit.py`` compiled for real (not the CPU interpreter)."""
+    """Import the Triton launchers (``triton_launch.py``), with the jit functions of
+    ``triton_device.py`` compiled for real (not the CPU interpreter)."""
     from triton.runtime.jit import JITFunction
 
-    from megatron.distributed.quant.kernels import triton_jit as J
-    from megatron.distributed.quant.kernels import triton_kernels as T
+    from megatron.distributed.quant.kernels import triton_device as J
+    from megatron.distributed.quant.kernels import triton_launch as T
 
     fns = [v for v in vars(J).values() if hasattr(v, "src") and hasattr(v, "params")]
     if not fns or not all(isinstance(v, JITFunction) for v in fns):
@@ -318,11 +318,11 @@ def kernels_module():
 
 
 def entry_kernels() -> Dict[str, Any]:
-    """Name -> JITFunction for every jit function of ``triton_jit.py`` that no other jit function
-    calls."""
+    """Name -> JITFunction for every jit function of ``triton_device.py`` that no other jit
+    function calls."""
     from triton.runtime.jit import JITFunction
 
-    from megatron.distributed.quant.kernels import triton_jit as J
+    from megatron.distributed.quant.kernels import triton_device as J
 
     fns = {n: v for n, v in vars(J).items() if isinstance(v, JITFunction)}
     return {n: v for n, v in fns.items()
@@ -783,7 +783,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    # Must precede the first import of triton_jit: under the interpreter nothing compiles.
+    # Must precede the first import of triton_device: under the interpreter nothing compiles.
     if os.environ.pop("TRITON_INTERPRET", None) not in (None, "", "0"):
         print("triton_aot: note: ignoring TRITON_INTERPRET (this tool compiles for real)",
               file=sys.stderr)

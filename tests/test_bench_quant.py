@@ -79,7 +79,7 @@ def test_compare_kernels_loads_another_version_as_its_own_module(tmp_path):
     from megatron.distributed.quant.kernels import reference as R
     copy = tmp_path / "prev_kernels.py"
     shutil.copy(os.path.join(ROOT, "megatron", "distributed", "quant", "kernels",
-                             "triton_kernels.py"), copy)
+                             "triton_launch.py"), copy)
     bq = _bench()
     label, module = bq.load_kernels(str(copy))
     try:

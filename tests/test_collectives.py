@@ -18,7 +18,8 @@ from megatron.distributed.quant.collectives.common import (PendingCollective,
 from megatron.distributed.quant.collectives.gradients import (swizzle_order,
                                                               two_level_reduce_scatter)
 from megatron.distributed.quant.collectives.weights import quantized_all_gather
-from megatron.distributed.quant.kernels import NonFiniteError, hadamard_transform, inverse_hadamard_transform
+from megatron.distributed.quant.kernels.dispatch import (NonFiniteError, hadamard_transform,
+                                                         inverse_hadamard_transform)
 from megatron.distributed.quant.topology import (TwoLevelGroups, build_two_level_groups,
                                                  build_two_level_groups_for_all)
 from dist_harness import run_distributed

@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import torch
 
-from megatron.distributed.quant import kernels as K
+from megatron.distributed.quant.kernels import dispatch as K
 from megatron.distributed.quant.kernels import cpu_kernels as C
 from megatron.distributed.quant.kernels import reference as R
 
@@ -448,7 +448,7 @@ def test_fallback_when_toolchain_missing(tmp_path) -> None:
         import logging, os, sys, torch
         sys.path.insert(0, %r)
         logging.basicConfig(level=logging.WARNING, format="LOG %%(message)s")
-        from megatron.distributed.quant import kernels as K
+        from megatron.distributed.quant.kernels import dispatch as K
         from megatron.distributed.quant.kernels import reference as R
         x = torch.randn(4096)
         assert K.backend_for(x) == "torch"

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.distributed.quant import kernels as K
+from megatron.distributed.quant.kernels import dispatch as K
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])

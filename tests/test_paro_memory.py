@@ -134,7 +134,7 @@ def _fake_all_gather(engine) -> None:
         for piece in out.split(inp.numel()):  # views and in-place copies: no allocation
             piece.copy_(inp)
 
-    engine._gather_hop = ag
+    engine.collectives._gather_hop = ag
 
 
 # ------------------------------------------------------------------------ 1. grad norm in fp32
@@ -283,7 +283,7 @@ def test_host_state_dict_is_the_old_save_bucket_by_bucket(strategy):
         if engine.strategy.params != Level.N:
             assert max(gathered_at_once) == 1 and len(gathered_at_once) == len(engine.buckets)
         # Besides the host copies only the gathers' own scratch (p = G: the I slice of
-        # _global_ag, per bucket) -- less in all than one copy of the parameters, which is what
+        # exact_gather, per bucket) -- less in all than one copy of the parameters, which is what
         # the old path's clones alone took.
         assert not [r for r in log.rows if r[0] == "aten.clone.default"]
         scratch = sum(r[3] for r in _device_allocations(log, 1))

@@ -15,7 +15,7 @@ import pytest
 
 from megatron.distributed.quant.accounting import CommAccounting
 from megatron.distributed.quant.config import QuantizationConfig
-from megatron.distributed.quant.kernels import QuantizedTensor
+from megatron.distributed.quant.kernels.reference import QuantizedTensor
 from megatron.planner import calibration
 from megatron.planner.calibration import Contention, DeviceRates, KernelRate, fit_kernel
 from megatron.planner.cluster import (Cluster, Link, MeasuredCollective, all_reduce_time,

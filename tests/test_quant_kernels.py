@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from megatron.distributed.quant import kernels as K
+from megatron.distributed.quant.kernels import dispatch as K
 from megatron.distributed.quant.kernels import reference as R
 
 N = 1 << 16  # big enough that error estimates fluctuate < 1 %, small enough to be fast

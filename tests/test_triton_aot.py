@@ -28,7 +28,7 @@ if importlib.util.find_spec("triton") is None:
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "bench" / "triton_aot.py"
-KERNELS = REPO / "megatron" / "distributed" / "quant" / "kernels" / "triton_jit.py"
+KERNELS = REPO / "megatron" / "distributed" / "quant" / "kernels" / "triton_device.py"
 TARGETS = ("sm_80", "sm_90")
 
 

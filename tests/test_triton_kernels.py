@@ -21,12 +21,12 @@ if not _CUDA:
 
 pytest.importorskip("triton")
 
-from megatron.distributed.quant import kernels as K  # noqa: E402
+from megatron.distributed.quant.kernels import dispatch as K  # noqa: E402
 from megatron.distributed.quant.kernels import reference as R  # noqa: E402
 
 try:
-    from megatron.distributed.quant.kernels import triton_jit as J  # noqa: E402
-    from megatron.distributed.quant.kernels import triton_kernels as T  # noqa: E402
+    from megatron.distributed.quant.kernels import triton_device as J  # noqa: E402
+    from megatron.distributed.quant.kernels import triton_launch as T  # noqa: E402
 except Exception as exc:  # pragma: no cover - broken triton install
     pytest.skip(f"triton kernels cannot be imported: {exc!r}", allow_module_level=True)
 

@@ -28,8 +28,8 @@ def main() -> None:
     p.add_argument("--backends", default="torch,cpp", help="comma list of torch, cpp, triton")
     args = p.parse_args()
     import torch
-    from megatron.distributed.quant import kernels as K
-    from megatron.distributed.quant.kernels import (count_nonfinite, dequantize_add,
+    from megatron.distributed.quant.kernels import dispatch as K
+    from megatron.distributed.quant.kernels.dispatch import (count_nonfinite, dequantize_add,
                                                     dequantize_sum, dequantize_sum_requantize,
                                                     quantize, quantize_difference,
                                                     quantize_partitions)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from megatron.distributed.quant.kernels import QuantizedTensor
+from megatron.distributed.quant.kernels.reference import QuantizedTensor
 
 __all__ = ["KernelRate", "ComputeRate", "Contention", "CONTENTION_KINDS", "DeviceRates",
            "PEAK_TFLOPS", "KERNELS", "SOURCES", "moved_bytes", "default_rates", "fit_kernel",

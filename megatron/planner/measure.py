@@ -204,7 +204,7 @@ PROBE_BITS, PROBE_GROUP_SIZE = 4, 128
 def first_hop_kernel(x: torch.Tensor, generator: torch.Generator) -> Any:
     """The first hop's kernel as the probes time it: Hadamard, then :data:`PROBE_BITS`-bit codes
     of :data:`~.calibration.SOURCES` partitions in a swizzled order."""
-    from megatron.distributed.quant import kernels as K
+    from megatron.distributed.quant.kernels import dispatch as K
 
     return K.quantize_partitions(x, SOURCES, [0, 2, 1, 3], PROBE_BITS, PROBE_GROUP_SIZE,
                                  hadamard=True, generator=generator)
@@ -215,7 +215,7 @@ def measure_kernels(device: torch.device, sizes: Tuple[int, int], sync: Callable
     """Each kernel's fitted rate on this device's backend, and the copy bandwidth: every rank
     runs each kernel at once, as in a step, and each repeat counts at its slowest rank
     (:func:`slowest_rank_median`; a collective call)."""
-    from megatron.distributed.quant import kernels as K
+    from megatron.distributed.quant.kernels import dispatch as K
 
     gen = torch.Generator(device=device).manual_seed(0)
     samples: Dict[str, List[Tuple[float, float]]] = {}
@@ -256,9 +256,9 @@ def beside_jobs(device: torch.device, groups: Any, numel: int, data_parallel_gro
     (Hadamard, 4 bits), the all-to-all of the codes on the slower of the layer's two-level groups,
     the final hop's dequantize-and-sum (``groups``: the layer's two-level groups); 'plain' =
     megatron-core's reduce-scatter on the data-parallel group, in the run's gradient dtype."""
-    from megatron.distributed.quant import kernels as K
+    from megatron.distributed.quant.kernels import dispatch as K
     from megatron.distributed.quant.collectives.common import reduce_scatter_flat
-    from megatron.distributed.quant.kernels import QuantizedTensor
+    from megatron.distributed.quant.kernels.reference import QuantizedTensor
 
     group, size = ((groups.inter_group, groups.inter_size) if groups.inter_size > 1
                    else (groups.intra_group, groups.intra_size))

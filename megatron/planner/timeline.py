@@ -43,7 +43,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron.distributed.quant.accounting import CommAccounting
 from megatron.distributed.quant.config import QuantizationConfig
-from megatron.distributed.quant.kernels import QuantizedTensor
+from megatron.distributed.quant.kernels.reference import QuantizedTensor
 from megatron.distributed.quant.memory import layer_memory
 from .calibration import Contention, DeviceRates
 from .cluster import all_reduce_time, all_to_all_time, p2p_time, ring_time

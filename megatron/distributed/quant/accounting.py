@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
-from .kernels import QuantizedTensor
+from .kernels.reference import QuantizedTensor
 
 __all__ = ["CommAccounting", "LinkCounter"]
 

@@ -32,7 +32,7 @@ from typing import Any, Dict, Hashable, Optional
 
 import torch
 
-from .kernels import QuantizedTensor, dequantize, quantize
+from .kernels.dispatch import QuantizedTensor, dequantize, quantize
 from .streams import used_on_this_stage
 
 __all__ = ["LoCoErrorFeedback", "LoCoBucketErrors"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .config import QuantizationConfig
-from .kernels import QuantizedTensor
+from .kernels.reference import QuantizedTensor
 
 __all__ = ["LayerMemory", "layer_memory"]
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..kernels import NonFiniteError, QuantizedTensor, all_finite
+from ..kernels.dispatch import NonFiniteError, QuantizedTensor, all_finite
 from ..streams import INLINE, CommStreams, CommTiming, Job
 
 __all__ = [

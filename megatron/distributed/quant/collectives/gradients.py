@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ..accounting import CommAccounting
-from ..kernels import (NoiseIndex, QuantizedTensor, dequantize, dequantize_sum,
-                       dequantize_sum_requantize, quantize, quantize_partitions)
+from ..kernels.dispatch import (NoiseIndex, QuantizedTensor, dequantize, dequantize_sum,
+                                dequantize_sum_requantize, quantize, quantize_partitions)
 from ..streams import CommStreams, Job, used_on_this_stage
 from ..topology import TwoLevelGroups
 from .common import (PendingCollective, _agree_finite, _as_bytes, _from_wire, _one_message,

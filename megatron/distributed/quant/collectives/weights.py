@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ..accounting import CommAccounting
-from ..kernels import QuantizedTensor, dequantize, dequantize_add, quantize, quantize_difference
+from ..kernels.dispatch import (QuantizedTensor, dequantize, dequantize_add, quantize,
+                                quantize_difference)
 from ..streams import CommStreams
 from .common import (PendingCollective, _agree_finite, _as_bytes, _from_wire, _one_message,
                      _runner, _wire_message, all_gather_flat)

@@ -1,7 +1,7 @@
 """Pure-PyTorch reference implementation of the group-wise symmetric quantizer.
 
 This module is the numerical definition of every kernel in this package: the Triton kernels in
-``triton_jit.py`` reproduce these fp32 operations in the same order, so that round-to-nearest
+``triton_device.py`` reproduce these fp32 operations in the same order, so that round-to-nearest
 results are bit-identical and stochastic rounding matches in distribution.  It also runs on any
 device (CPU included), which is what the unit tests and CPU/gloo users rely on.
 
@@ -118,7 +118,7 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 HADAMARD_MAX_BLOCK = 1024
 """Largest Hadamard block every backend computes: the Triton butterfly is unrolled up to stride
-512 (``triton_jit._fwht``); a larger block would skip stages there. Checked here, for all
+512 (``triton_device._fwht``); a larger block would skip stages there. Checked here, for all
 backends, and by the config for ``--hadamard-block-size``."""
 
 

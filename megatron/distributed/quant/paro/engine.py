@@ -14,7 +14,12 @@ composed here:
 * :mod:`.grad_reduce` -- the gradients' way from the backward pass to the optimizer-state level;
 * :mod:`.hooks` -- the forward / backward hooks that decide when those two act;
 * :mod:`.state` -- the weights to and from a host state dict, for checkpoints;
-* :mod:`.transitions` -- the counted collectives between levels (a mixin of the engine).
+* :mod:`.transitions` -- the counted collectives between levels.
+
+Imports go one way: those modules never import this one. The engine builds each of them from
+what it needs -- the shard geometry and flat layout (:mod:`.layout`, frozen values), the
+:class:`~.transitions.LevelCollectives` it owns, and a callback that tracks its memory peak --
+as PyTorch FSDP2's parameter groups are built from their mesh info and hooks.
 
 Every collective is one of :func:`.cost.strategy_collectives`, counted in a
 :class:`.comm.CommCounter` (so a step can be compared with :func:`.cost.communication_volume`).
@@ -43,10 +48,10 @@ from .comm import CommCounter, _size
 from .gather import ParamGathers
 from .grad_reduce import GradReduction
 from .hooks import MicroStepHooks
-from .layout import Bucket, plan_buckets
+from .layout import ShardGeometry, plan_buckets
 from .state import host_state_dict, load_host_state_dict
 from .strategy import Level, PaRoStrategy
-from .transitions import LevelCollectives
+from .transitions import LevelCollectives, bucket_key
 
 __all__ = ["ParoDataParallel", "quantization_support_error"]
 
@@ -87,7 +92,7 @@ def quantization_support_error(strategy: str, quant_config: Any) -> Optional[str
     return None
 
 
-class ParoDataParallel(LevelCollectives, torch.nn.Module):
+class ParoDataParallel(torch.nn.Module):
     """Data parallelism with PaRO partition levels for parameters, gradients and optimizer input.
 
     ``module`` is one model chunk (GPTModel or its Float16Module); ``groups`` a
@@ -128,12 +133,12 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         self.groups = groups
         self.intra_group = groups.intra_group
         self.inter_group = groups.inter_group
-        self.m = _size(self.intra_group)
-        self.g = _size(self.inter_group)
-        self.n = self.m * self.g
+        self.geometry = ShardGeometry(intra_size=_size(self.intra_group),
+                                      inter_size=_size(self.inter_group), local=groups.local,
+                                      group_index=groups.node)
+        """Which shard of every bucket this rank holds at each level."""
         if self.n != groups.dp_size:
             raise ValueError(f"groups cover {self.n} ranks but the DP group has {groups.dp_size}")
-        self.local, self.group_index = groups.local, groups.node
         self.counter = CommCounter()
 
         named = [(name, p) for name, p in module.named_parameters()]
@@ -179,26 +184,23 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         use): generators, LoCo, accounting, start iteration, NaN/Inf agreement; the trainer's
         hooks (integration.set_iteration, checkpoints, reports) find it under this name."""
         self.padding_unit = unit
-        self.param_gathers = ParamGathers(self)
-        """Gathers, prefetch and release of the buckets' full parameters (p = I / G)."""
-        self.grad_reduction = GradReduction(self)
-        """Gradient accumulation, the per-bucket reduce-scatters and the boundary sync."""
-        self.hooks = MicroStepHooks(self)
-        """The forward / backward hooks (registered at the end of the constructor)."""
 
         # Buckets: unit modules in module order; a parameter used by several units (or passed to
         # a module at call time, tied embeddings) gets a bucket of its own owned by all of them.
-        self.params, self.slots, self.buckets, start = plan_buckets(module, bucket_numel, unit)
+        self.layout = plan_buckets(module, bucket_numel, unit)
+        """The parameters, their slots and buckets (:class:`~.layout.FlatLayout`)."""
+        self.params, self.slots, self.buckets = (self.layout.params, self.layout.slots,
+                                                 self.layout.buckets)
         self.num_params = sum(s.numel for s in self.slots)
-        self.padded_numel = start
+        self.padded_numel = self.layout.padded_numel
         """Sum of the padded bucket sizes: what the engine allocates and sends."""
         S = self.padded_numel
-        self._bucket_of = [0] * len(self.params)
-        for b in self.buckets:
-            for i in b.params:
-                self._bucket_of[i] = b.index
-            if self.quant_runtime is not None:
-                self.quant_runtime.register(self._bucket_key(b), b.index, b.size)
+        if self.quant_runtime is not None:
+            for b in self.buckets:
+                self.quant_runtime.register(bucket_key(b), b.index, b.size)
+        self.collectives = LevelCollectives(groups, self.geometry, self.buckets, self.counter,
+                                            self.quant_runtime)
+        """The counted collectives between partition levels, on ``groups``."""
 
         # Parameters: p = N: one persistent flat buffer, the buckets are views of it;
         # p = I / G: the persistent shard (concatenation of the buckets' shards) plus, per bucket,
@@ -211,6 +213,9 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         if p_level != Level.N:
             self.param_shard = torch.zeros(S // self.level_ranks(p_level), dtype=self.param_dtype,
                                            device=device)
+        self.param_gathers = ParamGathers(self.buckets, p_level, self.param_shard, self.geometry,
+                                          self.collectives, param_groups, self._track_peak)
+        """Gathers, prefetch and release of the buckets' full parameters (p = I / G)."""
         with torch.no_grad():
             for b in self.buckets:
                 if self.param_buffer is not None:
@@ -224,7 +229,7 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
                     view.copy_(p.data)
                     p.data = view
                 if self.param_shard is not None:
-                    a, e = self._local_range(b, p_level)
+                    a, e = self.geometry.local_range(b, p_level)
                     k = self.level_ranks(p_level)
                     b.shard(self.param_shard, k).copy_(b.full[a:e])
         self.param_gathers.release_all()
@@ -237,6 +242,14 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         else:
             self.grad_shard = torch.zeros(S // self.level_ranks(strategy.grads),
                                           dtype=self.grad_dtype, device=device)
+        self.grad_reduction = GradReduction(strategy, self.geometry, self.collectives,
+                                            self.grad_buffer, self.grad_shard, self.grad_dtype,
+                                            grad_groups, self.quant_runtime, self.param_gathers,
+                                            self._track_peak)
+        """Gradient accumulation, the per-bucket reduce-scatters and the boundary sync."""
+        self.hooks = MicroStepHooks(self.layout, p_level, self.param_gathers,
+                                    self.grad_reduction)
+        """The forward / backward hooks (registered at the end of the constructor)."""
         self.peak_bytes = 0
         """Largest parameter + gradient bytes resident at once (gathered buckets and the temporary
         full gradients of g = I / G raise it above the persistent figure)."""
@@ -246,31 +259,46 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         self.hooks.register()
 
     # ------------------------------------------------------------------ layout
+    @property
+    def m(self) -> int:
+        """Ranks of one PaRO group (the 'intra' scope)."""
+        return self.geometry.intra_size
+
+    @property
+    def g(self) -> int:
+        """PaRO groups (the 'inter' scope)."""
+        return self.geometry.inter_size
+
+    @property
+    def n(self) -> int:
+        """DP size, m * g."""
+        return self.geometry.dp_size
+
+    @property
+    def local(self) -> int:
+        """This rank's index inside its group."""
+        return self.geometry.local
+
+    @property
+    def group_index(self) -> int:
+        """This rank's group."""
+        return self.geometry.group_index
+
     def level_ranks(self, level: Level) -> int:
         """Ranks sharing one element's state at ``level`` (1, m or n)."""
-        return {Level.N: 1, Level.I: self.m, Level.G: self.n}[level]
-
-    def _local_range(self, b: Bucket, level: Level) -> Tuple[int, int]:
-        """[start, end) of this rank's shard at ``level`` inside bucket ``b`` (local-major:
-        I-shard l, and within it G sub-chunk k)."""
-        if level == Level.N:
-            return 0, b.size
-        i_start = self.local * (b.size // self.m)
-        if level == Level.I:
-            return i_start, i_start + b.size // self.m
-        g_start = i_start + self.group_index * (b.size // self.n)
-        return g_start, g_start + b.size // self.n
+        return self.geometry.level_ranks(level)
 
     def level_indices(self, level: Level) -> torch.Tensor:
         """Flat-buffer indices of this rank's shard at ``level``, in shard order (the buckets'
         shards one after another).
 
         int64, 8 bytes per shard element on the host: for tests and debugging only. The engine
-        keeps no index tensors (contiguous ranges per bucket, :meth:`_local_range`, say the
-        same), so its host memory does not grow with the model."""
+        keeps no index tensors (contiguous ranges per bucket,
+        :meth:`.layout.ShardGeometry.local_range`, say the same), so its host memory does not
+        grow with the model."""
         parts = []
         for b in self.buckets:
-            a, e = self._local_range(b, level)
+            a, e = self.geometry.local_range(b, level)
             parts.append(torch.arange(b.start + a, b.start + e))
         return torch.cat(parts)
 
@@ -279,8 +307,8 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         of the fine shard, fine at least as partitioned as coarse."""
         kc, kf = self.level_ranks(coarse), self.level_ranks(fine)
         for b in self.buckets:
-            ca, _ = self._local_range(b, coarse)
-            fa, fe = self._local_range(b, fine)
+            ca, _ = self.geometry.local_range(b, coarse)
+            fa, fe = self.geometry.local_range(b, fine)
             yield b.shard_offset(kc) + fa - ca, b.shard_offset(kf), fe - fa
 
     @staticmethod
@@ -305,7 +333,7 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         k = self.level_ranks(level)
         mask = torch.zeros(self.padded_numel // k, dtype=torch.bool, device=device)
         for b in self.buckets:
-            a, e = self._local_range(b, level)
+            a, e = self.geometry.local_range(b, level)
             base = b.shard_offset(k) - a  # bucket offset x -> shard index base + x
             for i in b.params:
                 slot = self.slots[i]
@@ -349,18 +377,18 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
                 src = b.shard(os_params, ko)
                 target = b.shard(target_all, kp)
                 before = rt.accounting.link_bytes("weight")
-                handle = rt.all_gather(src, target, key=self._bucket_key(b), index=b.index,
+                handle = rt.all_gather(src, target, key=bucket_key(b), index=b.index,
                                        reference=target, hops=hops, streams=rt.timing.inline)
                 if handle is not None:   # ran inline: timed as exposed, its error raised here
                     rt.timing.wait("weight", handle)
-                self._count_quantized("weight", "+".join(hops), "quantized_all_gather",
-                                      target.numel(), ko // kp, before)
+                self.collectives.count_quantized("weight", "+".join(hops), "quantized_all_gather",
+                                                 target.numel(), ko // kp, before)
             return
         src = os_params.to(self.param_dtype)
         if o == p:
             self.param_level_storage().copy_(src)
         elif (o, p) in ((Level.G, Level.I), (Level.G, Level.N), (Level.I, Level.N)):
-            self._gather_to(self.param_level_storage(), src, o, p)
+            self.collectives.gather_to(self.param_level_storage(), src, o, p)
         else:  # pragma: no cover - excluded by the validity rule
             raise AssertionError(f"os level {o.name} coarser than p level {p.name}")
 
@@ -376,7 +404,7 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
                 p = self.strategy.params
                 k = self.level_ranks(p)
                 for b in self.buckets:
-                    a, e = self._local_range(b, p)
+                    a, e = self.geometry.local_range(b, p)
                     b.shard(self.param_shard, k).copy_(b.full[a:e])
             self.param_gathers.release_all()
 
@@ -384,12 +412,13 @@ class ParoDataParallel(LevelCollectives, torch.nn.Module):
         """``self.module.state_dict()`` on the host, at most one bucket gathered at a time
         (collective for p = I / G; ``keep=False``: take part, return None):
         :func:`.state.host_state_dict`."""
-        return host_state_dict(self, keep)
+        return host_state_dict(self.module, self.layout, self.param_gathers, keep)
 
     def load_host_state_dict(self, sd: Dict[str, Any]) -> None:
         """``self.module.load_state_dict(sd, strict=True)`` written straight into this rank's
         parameter shard, no collective: :func:`.state.load_host_state_dict`."""
-        load_host_state_dict(self, sd)
+        load_host_state_dict(self.module, sd, self.layout, self.geometry, self.strategy.params,
+                             self.param_shard, self.param_gathers)
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:

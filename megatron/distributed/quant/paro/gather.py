@@ -13,16 +13,14 @@ bucket. For p = N the buckets are views of the resident flat buffer and nothing 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
 from ..streams import CommStreams
-from .layout import Bucket
+from .layout import Bucket, ShardGeometry
 from .strategy import Level
-
-if TYPE_CHECKING:
-    from .engine import ParoDataParallel
+from .transitions import LevelCollectives
 
 __all__ = ["ParamGathers", "PARAM_GATHERS_AHEAD"]
 
@@ -36,12 +34,25 @@ inline path's peak."""
 class ParamGathers:
     """Gather, prefetch and release of one engine's buckets (see the module docstring).
 
-    Reads the engine's buckets, strategy, parameter shard and ``param_groups``; counts with its
-    level collectives (:class:`~.transitions.LevelCollectives`) and updates its peak.
+    ``buckets``: the engine's buckets (their ``full`` buffers are allocated and freed here);
+    ``param_level``: the strategy's parameter level p; ``param_shard``: the persistent shard at
+    p (None for p = N); ``geometry``: where this rank's shard of a bucket lies;
+    ``collectives``: what gathers and counts; ``param_groups``: the communicators of the
+    overlapped gathers (None: inline); ``note_allocation``: called after every allocation of a
+    full buffer, so the engine can track its peak.
     """
 
-    def __init__(self, engine: "ParoDataParallel") -> None:
-        self.engine = engine
+    def __init__(self, buckets: Sequence[Bucket], param_level: Level,
+                 param_shard: Optional[torch.Tensor], geometry: ShardGeometry,
+                 collectives: LevelCollectives, param_groups: Any,
+                 note_allocation: Callable[[], None]) -> None:
+        self.buckets = buckets
+        self.param_level = param_level
+        self.param_shard = param_shard
+        self.geometry = geometry
+        self.collectives = collectives
+        self.param_groups = param_groups
+        self.note_allocation = note_allocation
         self.stages: Optional[CommStreams] = None
         """The ``weights`` stage of the overlapped gathers (made at the first one)."""
         self.in_flight: Dict[int, Any] = {}
@@ -59,39 +70,39 @@ class ParamGathers:
         if handle is not None:
             handle.wait()
         b.gathered = True
-        self.engine._track_peak()
+        self.note_allocation()
 
     def start(self, b: Bucket) -> Any:
         """Allocate bucket ``b``'s full storage and gather it: inline on ``groups`` (returns
         None), or on the ``weights`` stage over ``param_groups`` (returns the job; counted here,
         in the hook's thread, as the inline path counts)."""
-        engine = self.engine
         storage = b.full.untyped_storage()
         need = b.size * b.full.element_size()
         if storage.nbytes() != need:
             storage.resize_(need)
-        p = engine.strategy.params
-        shard = b.shard(engine.param_shard, engine.level_ranks(p))
+        p = self.param_level
+        shard = b.shard(self.param_shard, self.geometry.level_ranks(p))
         scope = "intra" if p == Level.I else "global"
-        engine._count_exact_gather(b.full, scope)
-        if engine.param_groups is None:
-            engine._exact_gather(b.full, shard, scope)
+        collectives = self.collectives
+        collectives.count_exact_gather(b.full, scope)
+        if self.param_groups is None:
+            collectives.exact_gather(b.full, shard, scope)
             return None
         if self.stages is None:
             self.stages = CommStreams.for_device(b.full.device)
-        full, groups = b.full, engine.param_groups
+        full, groups = b.full, self.param_groups
         # The full buffer was allocated here, on the caller's stream; the stage waits on that
         # stream before it writes, and the buffer is freed only after the wait (release).
         return self.stages.submit(
-            "weights", lambda: engine._exact_gather(full, shard, scope, groups))
+            "weights", lambda: collectives.exact_gather(full, shard, scope, groups))
 
     def prefetch(self, index: int, in_backward: bool) -> None:
         """Start the gather of bucket ``index`` ahead of its use (``param_groups`` only): not
         past the ends, not one gathered or in flight, not one whose backward is over (in the
         backward pass), and at most :data:`PARAM_GATHERS_AHEAD` in flight. The order is the
         buckets' (module order), the same on every rank."""
-        buckets = self.engine.buckets
-        if self.engine.param_groups is None or not 0 <= index < len(buckets):
+        buckets = self.buckets
+        if self.param_groups is None or not 0 <= index < len(buckets):
             return
         b = buckets[index]
         if b.gathered or b.index in self.in_flight or (in_backward and b.reduced):
@@ -99,7 +110,7 @@ class ParamGathers:
         if len(self.in_flight) >= PARAM_GATHERS_AHEAD:
             return
         self.in_flight[b.index] = self.start(b)
-        self.engine._track_peak()
+        self.note_allocation()
 
     def release(self, b: Bucket) -> None:
         """Free bucket ``b``'s full parameter storage (p = I / G); the views stay valid. A gather
@@ -108,17 +119,17 @@ class ParamGathers:
         if handle is not None:
             handle.wait()
             b.gathered = True
-        if self.engine.strategy.params == Level.N or not b.gathered:
+        if self.param_level == Level.N or not b.gathered:
             return
         b.full.untyped_storage().resize_(0)
         b.gathered = False
 
     def gather_all(self) -> None:
         """Gather every bucket (collective; no-op for p = N)."""
-        for b in self.engine.buckets:
+        for b in self.buckets:
             self.gather(b)
 
     def release_all(self) -> None:
         """Release every bucket (p = I / G)."""
-        for b in self.engine.buckets:
+        for b in self.buckets:
             self.release(b)

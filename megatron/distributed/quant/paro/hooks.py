@@ -16,24 +16,33 @@ every rank issues the same collectives.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from .layout import Bucket, output_tensors
+from .gather import ParamGathers
+from .grad_reduce import GradReduction
+from .layout import Bucket, FlatLayout, output_tensors
 from .strategy import Level
-
-if TYPE_CHECKING:
-    from .engine import ParoDataParallel
 
 __all__ = ["MicroStepHooks"]
 
 
 class MicroStepHooks:
-    """The hooks of one engine and the backward-pass state they share (module docstring)."""
+    """The hooks of one engine and the backward-pass state they share (module docstring).
 
-    def __init__(self, engine: "ParoDataParallel") -> None:
-        self.engine = engine
+    ``layout``: the engine's parameters, their slots and buckets; ``param_level``: the
+    strategy's parameter level p; ``param_gathers`` / ``grad_reduction``: what acts at the
+    moments the hooks decide.
+    """
+
+    def __init__(self, layout: FlatLayout, param_level: Level, param_gathers: ParamGathers,
+                 grad_reduction: GradReduction) -> None:
+        self.layout = layout
+        self.buckets = layout.buckets
+        self.param_level = param_level
+        self.param_gathers = param_gathers
+        self.grad_reduction = grad_reduction
         self.in_backward = False
         """Between the first gradient (or output gradient) of a backward and its end callback."""
         self.pre_backward_done = False
@@ -46,13 +55,12 @@ class MicroStepHooks:
     def register(self) -> None:
         """A post-accumulate-grad hook on every parameter; for p = I / G a forward pre-hook and
         a forward hook on every module owning a bucket."""
-        engine = self.engine
-        for i, p in enumerate(engine.params):
+        for i, p in enumerate(self.layout.params):
             p.register_post_accumulate_grad_hook(self._make_grad_hook(i))
-        if engine.strategy.params == Level.N:
+        if self.param_level == Level.N:
             return
         owned: Dict[int, Tuple[torch.nn.Module, List[Bucket]]] = {}
-        for b in engine.buckets:
+        for b in self.buckets:
             for mod in b.owners:
                 owned.setdefault(id(mod), (mod, []))[1].append(b)
         for mod, bs in owned.values():
@@ -76,7 +84,7 @@ class MicroStepHooks:
             if any(b is k for k in keep):
                 still.append(b)
             else:
-                self.engine.param_gathers.release(b)
+                self.param_gathers.release(b)
         self.deferred = still
 
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
@@ -91,7 +99,7 @@ class MicroStepHooks:
         if self.in_backward:
             return
         self.in_backward = True
-        for b in self.engine.buckets:
+        for b in self.buckets:
             b.pending, b.reduced = len(b.params), False
         torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
@@ -99,33 +107,31 @@ class MicroStepHooks:
     def end_backward(self) -> None:
         """End of one micro-step's backward (safety net): every bucket not finished yet is reduced
         and released, in bucket order, so every rank issues the same collectives."""
-        engine = self.engine
-        for b in engine.buckets:
-            engine.grad_reduction.finish_bucket(b)
-        engine.grad_reduction.finish_all()
-        engine.param_gathers.release_all()
+        for b in self.buckets:
+            self.grad_reduction.finish_bucket(b)
+        self.grad_reduction.finish_all()
+        self.param_gathers.release_all()
         self.in_backward = False
 
     def _make_grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        engine = self.engine
-        slot = engine.slots[index]
-        b = engine.buckets[engine._bucket_of[index]]
+        slot = self.layout.slots[index]
+        b = self.buckets[self.layout.bucket_of[index]]
 
         def hook(param: torch.Tensor) -> None:
             if param.grad is None:
                 return
             self.begin_backward()
-            engine.grad_reduction.add(slot, b, param)
+            self.grad_reduction.add(slot, b, param)
             param.grad = None
             b.pending -= 1
             if b.pending == 0:  # the bucket's backward is over
-                engine.grad_reduction.finish_bucket(b)
+                self.grad_reduction.finish_bucket(b)
 
         return hook
 
     def _make_pre_hook(self, buckets: List[Bucket]) -> Callable[[torch.nn.Module, Any], None]:
         def pre_hook(module: torch.nn.Module, args: Any) -> None:
-            gathers = self.engine.param_gathers
+            gathers = self.param_gathers
             self.release_deferred(keep=buckets)
             for b in buckets:
                 gathers.gather(b)
@@ -154,12 +160,12 @@ class MicroStepHooks:
                     if b.full.untyped_storage().data_ptr() in returned:
                         self.deferred.append(b)
                     else:
-                        self.engine.param_gathers.release(b)
+                        self.param_gathers.release(b)
         return post_hook
 
     def _make_output_grad_hook(self, buckets: List[Bucket]) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            gathers = self.engine.param_gathers
+            gathers = self.param_gathers
             self.begin_backward()
             for b in buckets:
                 if not b.reduced:

@@ -29,7 +29,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ["Slot", "Bucket", "plan_buckets", "output_tensors"]
+from .strategy import Level
+
+__all__ = ["Slot", "Bucket", "FlatLayout", "ShardGeometry", "plan_buckets", "output_tensors"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class Bucket:
 
     ``start`` / ``size``: its range in the flat (level-N) buffer; ``size`` is a multiple of the
     padding unit (n, or the quantization unit), so each of its I / G shards is whole.
-    ``params``: indices into ``ParoDataParallel.params``. ``owners``: the modules that use its
+    ``params``: indices into :attr:`FlatLayout.params`. ``owners``: the modules that use its
     parameters, in forward order (gathered before the first one's forward, released after the last
     one's; several owners for tied / shared weights).
     """
@@ -73,6 +75,60 @@ class Bucket:
     def shard(self, t: torch.Tensor, k: int) -> torch.Tensor:
         """This bucket's piece (a view) of ``t``, a shard-space tensor with k ranks per element."""
         return t[self.start // k:(self.start + self.size) // k]
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Which parameters share a bucket and where each one lives in the flat buffer: what
+    :func:`plan_buckets` decides for one model chunk, fixed for the engine's life (the buckets'
+    own fields are its runtime state: gathered, pending, ...)."""
+
+    params: Tuple[torch.nn.Parameter, ...]
+    """The parameters in flat order (a tied parameter once)."""
+    slots: Tuple[Slot, ...]
+    """Where each parameter lives, by the same index."""
+    buckets: Tuple[Bucket, ...]
+    """The buckets in flat (module) order; ``buckets[i].index == i``."""
+    bucket_of: Tuple[int, ...]
+    """Parameter index -> index of its bucket."""
+    padded_numel: int
+    """S: the sum of the padded bucket sizes, what the engine allocates and sends."""
+
+
+@dataclass(frozen=True)
+class ShardGeometry:
+    """Which shard of every bucket this rank holds at each partition level (see the module
+    docstring's local-major layout). A value the engine computes once from its groups and hands
+    to what reads or writes shards, so they need not reach into the engine for it."""
+
+    intra_size: int
+    """m: ranks of one PaRO group (the 'intra' scope), the ranks sharing an I-level element."""
+    inter_size: int
+    """g: PaRO groups (the 'inter' scope); the DP size is m * g."""
+    local: int
+    """This rank's index inside its group, 0..m-1 (DP rank = group_index * m + local)."""
+    group_index: int
+    """This rank's group, 0..g-1."""
+
+    @property
+    def dp_size(self) -> int:
+        """n = m * g: the ranks sharing a G-level element."""
+        return self.intra_size * self.inter_size
+
+    def level_ranks(self, level: Level) -> int:
+        """Ranks sharing one element's state at ``level`` (1, m or n)."""
+        return {Level.N: 1, Level.I: self.intra_size, Level.G: self.dp_size}[level]
+
+    def local_range(self, b: Bucket, level: Level) -> Tuple[int, int]:
+        """[start, end) of this rank's shard at ``level`` inside bucket ``b`` (local-major:
+        I-shard ``local``, and within it G sub-chunk ``group_index``)."""
+        if level == Level.N:
+            return 0, b.size
+        i_start = self.local * (b.size // self.intra_size)
+        if level == Level.I:
+            return i_start, i_start + b.size // self.intra_size
+        g_start = i_start + self.group_index * (b.size // self.dp_size)
+        return g_start, g_start + b.size // self.dp_size
 
 
 def _has_module_list(mod: torch.nn.Module) -> bool:
@@ -121,9 +177,9 @@ def _tied_output_users(module: torch.nn.Module) -> Dict[int, List[torch.nn.Modul
     return out
 
 
-def plan_buckets(module: torch.nn.Module, bucket_numel: Optional[int], unit: int
-                 ) -> Tuple[List[torch.nn.Parameter], List[Slot], List[Bucket], int]:
-    """(parameters in flat order, their slots, the buckets, padded size S) of ``module``.
+def plan_buckets(module: torch.nn.Module, bucket_numel: Optional[int], unit: int) -> FlatLayout:
+    """The flat layout of ``module``: parameters in flat order, their slots, the buckets, and
+    the padded size S.
 
     Buckets: unit modules in module order; a parameter used by several units (or passed to a
     module at call time, tied embeddings) gets a bucket of its own owned by all of them. Each
@@ -170,7 +226,11 @@ def plan_buckets(module: torch.nn.Module, bucket_numel: Optional[int], unit: int
         size = -(-numel // unit) * unit
         buckets.append(Bucket(len(buckets), start, size, idx, owners, numel=numel))
         start += size
-    return params, slots, buckets, start
+    bucket_of = [0] * len(params)
+    for b in buckets:
+        for i in b.params:
+            bucket_of[i] = b.index
+    return FlatLayout(tuple(params), tuple(slots), tuple(buckets), tuple(bucket_of), start)
 
 
 def output_tensors(x: Any) -> Iterator[torch.Tensor]:

@@ -10,21 +10,22 @@ the host tensor). The engine's ``host_state_dict`` / ``load_host_state_dict`` ca
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
-if TYPE_CHECKING:
-    from .engine import ParoDataParallel
+from .gather import ParamGathers
+from .layout import FlatLayout, ShardGeometry
+from .strategy import Level
 
 __all__ = ["host_state_dict", "load_host_state_dict"]
 
 
-def _param_keys(engine: "ParoDataParallel", sd: Dict[str, Any]) -> Dict[int, List[str]]:
+def _param_keys(layout: FlatLayout, sd: Dict[str, Any]) -> Dict[int, List[str]]:
     """Parameter index -> its keys in ``sd``, a ``state_dict(keep_vars=True)`` of the module
     (the parameter objects themselves: their data is not read while released; several keys
     for tied weights)."""
-    index = {id(p): i for i, p in enumerate(engine.params)}
+    index = {id(p): i for i, p in enumerate(layout.params)}
     keys_of: Dict[int, List[str]] = {}
     for key, value in sd.items():
         if torch.is_tensor(value) and id(value) in index:
@@ -33,10 +34,12 @@ def _param_keys(engine: "ParoDataParallel", sd: Dict[str, Any]) -> Dict[int, Lis
 
 
 @torch.no_grad()
-def host_state_dict(engine: "ParoDataParallel", keep: bool = True) -> Optional[Dict[str, Any]]:
-    """``engine.module.state_dict()`` with every tensor copied to the CPU, for a checkpoint;
+def host_state_dict(module: torch.nn.Module, layout: FlatLayout, param_gathers: ParamGathers,
+                    keep: bool = True) -> Optional[Dict[str, Any]]:
+    """``module.state_dict()`` with every tensor copied to the CPU, for a checkpoint;
     collective for p = I / G (every rank of the DP group calls it; ``keep=False`` on ranks
     that do not store the weights: they take part in the gathers and return None).
+    ``layout`` / ``param_gathers``: the engine's, whose parameters are ``module``'s.
 
     Same keys, order, dtypes, shapes and values as the old save path (``state_dict()`` inside
     ``full_params``, then ``.detach().clone()`` of every tensor), but the buckets are
@@ -46,8 +49,8 @@ def host_state_dict(engine: "ParoDataParallel", keep: bool = True) -> Optional[D
     activation blocks may still be reserved. Now the device holds at most one gathered bucket
     above the persistent state (none for p = N) and nothing is cloned on it.
     """
-    sd = engine.module.state_dict(keep_vars=True)
-    keys_of = _param_keys(engine, sd)
+    sd = module.state_dict(keep_vars=True)
+    keys_of = _param_keys(layout, sd)
     params = {key for keys in keys_of.values() for key in keys}
     out: Dict[str, Any] = {}
     for key, value in sd.items():
@@ -55,26 +58,30 @@ def host_state_dict(engine: "ParoDataParallel", keep: bool = True) -> Optional[D
             out[key] = None  # filled bucket by bucket below; keeps the key order
         elif keep:
             out[key] = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
-    gathers = engine.param_gathers
-    for b in engine.buckets:
+    for b in layout.buckets:
         wanted = [i for i in b.params if i in keys_of]
         if not wanted:
             continue
         was_gathered = b.gathered
-        gathers.gather(b)
+        param_gathers.gather(b)
         if keep:
             for i in wanted:
                 for key in keys_of[i]:
-                    out[key] = engine.params[i].detach().to("cpu", copy=True)
+                    out[key] = layout.params[i].detach().to("cpu", copy=True)
         if not was_gathered:
-            gathers.release(b)
+            param_gathers.release(b)
     return out if keep else None
 
 
 @torch.no_grad()
-def load_host_state_dict(engine: "ParoDataParallel", sd: Dict[str, Any]) -> None:
-    """``engine.module.load_state_dict(sd, strict=True)`` for a full (host) state dict, written
-    straight into this rank's parameter shard: no gather, no collective.
+def load_host_state_dict(module: torch.nn.Module, sd: Dict[str, Any], layout: FlatLayout,
+                         geometry: ShardGeometry, param_level: Level,
+                         param_shard: Optional[torch.Tensor],
+                         param_gathers: ParamGathers) -> None:
+    """``module.load_state_dict(sd, strict=True)`` for a full (host) state dict, written
+    straight into this rank's parameter shard: no gather, no collective. ``layout``,
+    ``geometry``, ``param_level`` (p), ``param_shard`` (None for p = N) and ``param_gathers``:
+    the engine's, whose parameters are ``module``'s.
 
     Same result as the old load path (``load_state_dict`` inside ``full_params(writeback=
     True)``: the shard's slice of every parameter, tied weights taking their last key's
@@ -82,8 +89,7 @@ def load_host_state_dict(engine: "ParoDataParallel", sd: Dict[str, Any]) -> None
     model's parameters on the device on top of the shards, at least what a p = I / G
     strategy was chosen to avoid. Now each parameter's piece inside the shard is copied from
     the host tensor and nothing model-sized is allocated."""
-    module = engine.module
-    if engine.param_shard is None:           # p = N: the parameters are always full
+    if param_shard is None:                  # p = N: the parameters are always full
         module.load_state_dict(sd, strict=True)
         return
     current = module.state_dict(keep_vars=True)
@@ -93,24 +99,23 @@ def load_host_state_dict(engine: "ParoDataParallel", sd: Dict[str, Any]) -> None
         raise RuntimeError(f"Error(s) in loading state_dict for "
                            f"{type(module).__name__}: missing keys {missing}, "
                            f"unexpected keys {unexpected}")
-    keys_of = _param_keys(engine, current)
+    keys_of = _param_keys(layout, current)
     params = {key for keys in keys_of.values() for key in keys}
     others = {key: sd[key] for key in current if key not in params}
     for i, keys in keys_of.items():
         for key in keys:
-            if tuple(sd[key].shape) != tuple(engine.slots[i].shape):
+            if tuple(sd[key].shape) != tuple(layout.slots[i].shape):
                 raise RuntimeError(
                     f"size mismatch for {key}: copying a param with shape "
                     f"{tuple(sd[key].shape)} from checkpoint, the shape in current model is "
-                    f"{tuple(engine.slots[i].shape)}")
+                    f"{tuple(layout.slots[i].shape)}")
     module.load_state_dict(others, strict=False)   # buffers, extra state
-    p = engine.strategy.params
-    k = engine.level_ranks(p)
-    for b in engine.buckets:
-        a, e = engine._local_range(b, p)
-        shard = b.shard(engine.param_shard, k)
+    k = geometry.level_ranks(param_level)
+    for b in layout.buckets:
+        a, e = geometry.local_range(b, param_level)
+        shard = b.shard(param_shard, k)
         for i in b.params:
-            slot = engine.slots[i]
+            slot = layout.slots[i]
             lo = max(slot.offset - b.start, a)           # bucket-local, inside the shard
             hi = min(slot.offset - b.start + slot.numel, e)
             if lo >= hi or i not in keys_of:
@@ -119,4 +124,4 @@ def load_host_state_dict(engine: "ParoDataParallel", sd: Dict[str, Any]) -> None
             for key in keys_of[i]:                       # tied: the last key wins
                 shard[lo - a:hi - a].copy_(sd[key].reshape(-1)[first:first + hi - lo])
         if b.gathered:                  # stale now: the next use gathers the new values
-            engine.param_gathers.release(b)
+            param_gathers.release(b)

@@ -1,59 +1,82 @@
 """Collectives between the PaRO partition levels of one engine's flat buffers.
 
-A mixin of :class:`~.engine.ParoDataParallel` (it reads the engine's groups, sizes, buckets
-and counters): exact all-gather / reduce-scatter / all-reduce at the 'intra' or 'inter' scope,
-counted in the cost model's convention (:class:`~.comm.CommCounter`), the PaRO-CC global
-ones built from them (spec §4), the level transitions of a whole shard-space tensor bucket by
-bucket, and -- with ``--quantized-gradients`` -- the model's
+:class:`LevelCollectives` is an object the engine owns and hands to what communicates
+(:mod:`.gather`, :mod:`.grad_reduce`): exact all-gather / reduce-scatter / all-reduce at the
+'intra' or 'inter' scope, counted in the cost model's convention (:class:`~.comm.CommCounter`),
+the PaRO-CC global ones built from them (spec §4), the level transitions of a whole shard-space
+tensor bucket by bucket, and -- with ``--quantized-gradients`` -- the model's
 :class:`~..runtime.QuantizationRuntime` in place of the exact reduce-scatter (its bytes, as its
-accounting measured them, added to the same counter).
+accounting measured them, added to the same counter). It holds only what it communicates with:
+the groups, the shard geometry, the buckets, the counter and the runtime.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .comm import _all_gather, _count, _reduce_scatter
-from .layout import Bucket
+from ..runtime import QuantizationRuntime
+from .comm import CommCounter, _all_gather, _count, _reduce_scatter, hierarchical_all_reduce
+from .layout import Bucket, ShardGeometry
 from .strategy import Level
 
-__all__ = ["LevelCollectives"]
+__all__ = ["LevelCollectives", "bucket_key"]
+
+
+def bucket_key(b: Bucket) -> str:
+    """The quantization runtime's key of bucket ``b`` (its LoCo state, generators, accounting)."""
+    return f"paro/bucket{b.index}"
 
 
 class LevelCollectives:
-    """Level-transition collectives (mixin; see the module docstring)."""
+    """Level-transition collectives of one engine (see the module docstring).
+
+    ``groups``: the engine's :class:`~..topology.TwoLevelGroups` (``intra_group`` /
+    ``inter_group``), what the calls run on unless given another set of the same layout;
+    ``geometry``: its shard geometry; ``buckets``: its buckets, in flat order; ``counter``: where
+    every call is counted; ``quant_runtime``: the model's quantized communication, or None.
+    """
+
+    def __init__(self, groups: Any, geometry: ShardGeometry, buckets: Sequence[Bucket],
+                 counter: CommCounter, quant_runtime: Optional[QuantizationRuntime]) -> None:
+        self.groups = groups
+        self.geometry = geometry
+        self.buckets = buckets
+        self.counter = counter
+        self.quant_runtime = quant_runtime
 
     def _scope(self, scope: str, groups: Any = None) -> Tuple[Any, int]:
         """(process group, its size) of the 'intra' or 'inter' scope; of ``groups`` (a set of the
         same layout, e.g. the engine's ``grad_groups``) instead of the engine's own if given."""
-        owner = self if groups is None else groups
-        return (owner.intra_group, self.m) if scope == "intra" else (owner.inter_group, self.g)
+        owner = self.groups if groups is None else groups
+        if scope == "intra":
+            return owner.intra_group, self.geometry.intra_size
+        return owner.inter_group, self.geometry.inter_size
 
     def _gather_hop(self, out: torch.Tensor, inp: torch.Tensor, scope: str,
                     groups: Any = None) -> None:
         """One all-gather at 'intra' / 'inter' scope on ``groups`` (see :meth:`_scope`; a copy
-        when the scope has one rank), not counted: :meth:`_ag` and :meth:`_exact_gather`."""
+        when the scope has one rank), not counted: :meth:`all_gather` and :meth:`exact_gather`."""
         group, k = self._scope(scope, groups)
         if k == 1:
             out.copy_(inp)
         else:
             _all_gather(out, inp.contiguous(), group)
 
-    def _ag(self, out: torch.Tensor, inp: torch.Tensor, scope: str) -> None:
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, scope: str) -> None:
         """All-gather at 'intra' / 'inter' scope ('inter' works on the 1/m slice), counted."""
         self._gather_hop(out, inp, scope)
         _count(self.counter, scope, "all_gather", out.numel(), out, self._scope(scope)[1])
 
-    def _rs(self, out: torch.Tensor, inp: torch.Tensor, scope: str, b: Bucket) -> None:
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, scope: str, b: Bucket) -> None:
         """Reduce-scatter of bucket ``b``'s gradients at 'intra' / 'inter' scope (SUM), counted;
         the runtime's one-hop quantized path with --quantized-gradients (from its start
         iteration on)."""
         k = self._scope(scope)[1]
-        if k > 1 and self._quantize_gradients_now():
-            self._quantized_rs(out, inp, scope, b)
+        if k > 1 and self.quantize_gradients_now():
+            self.quantized_reduce_scatter(out, inp, scope, b)
             return
         self._reduce_hop(out, inp, scope)
         _count(self.counter, scope, "reduce_scatter", inp.numel(), inp, k)
@@ -61,19 +84,19 @@ class LevelCollectives:
     def _reduce_hop(self, out: torch.Tensor, inp: torch.Tensor, scope: str,
                     groups: Any = None) -> None:
         """One exact SUM reduce-scatter at 'intra' / 'inter' scope on ``groups`` (see
-        :meth:`_scope`; a copy when the scope has one rank), not counted: :meth:`_rs` and
-        :meth:`_exact_reduce`."""
+        :meth:`_scope`; a copy when the scope has one rank), not counted: :meth:`reduce_scatter`
+        and :meth:`exact_reduce`."""
         group, k = self._scope(scope, groups)
         if k == 1:
             out.copy_(inp)
         else:
             _reduce_scatter(out, inp.contiguous(), group, dist.ReduceOp.SUM)
 
-    def _exact_reduce(self, out: torch.Tensor, full: torch.Tensor, scope: str,
-                      groups: Any = None) -> None:
+    def exact_reduce(self, out: torch.Tensor, full: torch.Tensor, scope: str,
+                     groups: Any = None) -> None:
         """Exact SUM reduce-scatter of a full bucket buffer to this rank's shard at 'intra' (intra
         RS) or 'global' (intra RS, then inter RS of the 1/m slice), on ``groups`` (see
-        :meth:`_scope`). Not counted (:meth:`_count_exact_reduce`): the overlapped engine counts
+        :meth:`_scope`). Not counted (:meth:`count_exact_reduce`): the overlapped engine counts
         in the hook's thread and sends on a communication stage."""
         hops = ("intra",) if scope == "intra" else ("intra", "inter")
         x = full
@@ -84,48 +107,57 @@ class LevelCollectives:
             self._reduce_hop(y, x, hop, groups)
             x = y
 
-    def _count_exact_reduce(self, full: torch.Tensor, scope: str) -> None:
-        """What :meth:`_rs` counts for the hops of :meth:`_exact_reduce`."""
-        _count(self.counter, "intra", "reduce_scatter", full.numel(), full, self.m)
+    def count_exact_reduce(self, full: torch.Tensor, scope: str) -> None:
+        """What :meth:`reduce_scatter` counts for the hops of :meth:`exact_reduce`."""
+        m, g = self.geometry.intra_size, self.geometry.inter_size
+        _count(self.counter, "intra", "reduce_scatter", full.numel(), full, m)
         if scope != "intra":
-            _count(self.counter, "inter", "reduce_scatter", full.numel() // self.m, full, self.g)
+            _count(self.counter, "inter", "reduce_scatter", full.numel() // m, full, g)
 
-    def _exact_gather(self, full: torch.Tensor, shard: torch.Tensor, scope: str,
-                      groups: Any = None) -> None:
+    def exact_gather(self, full: torch.Tensor, shard: torch.Tensor, scope: str,
+                     groups: Any = None) -> None:
         """Exact all-gather of this rank's shard into a full bucket buffer at 'intra' (intra AG)
         or 'global' (inter AG into the 1/m slice, then intra AG), on
-        ``groups`` (see :meth:`_scope`). Not counted (:meth:`_count_exact_gather`): the
+        ``groups`` (see :meth:`_scope`). Not counted (:meth:`count_exact_gather`): the
         overlapped gathers count in the hook's thread and run on a communication stage."""
         src = shard
-        hops = (("inter", torch.empty(full.numel() // self.m, dtype=full.dtype,
+        m = self.geometry.intra_size
+        hops = (("inter", torch.empty(full.numel() // m, dtype=full.dtype,
                                       device=full.device)),) if scope == "global" else ()
         for hop, out in hops + (("intra", full),):
             self._gather_hop(out, src, hop, groups)
             src = out
 
-    def _count_exact_gather(self, full: torch.Tensor, scope: str) -> None:
-        """What :meth:`_ag` counts for the hops of :meth:`_exact_gather`."""
+    def count_exact_gather(self, full: torch.Tensor, scope: str) -> None:
+        """What :meth:`all_gather` counts for the hops of :meth:`exact_gather`."""
+        m, g = self.geometry.intra_size, self.geometry.inter_size
         if scope != "intra":
-            _count(self.counter, "inter", "all_gather", full.numel() // self.m, full, self.g)
-        _count(self.counter, "intra", "all_gather", full.numel(), full, self.m)
+            _count(self.counter, "inter", "all_gather", full.numel() // m, full, g)
+        _count(self.counter, "intra", "all_gather", full.numel(), full, m)
 
-    def _ar(self, t: torch.Tensor, scope: str) -> None:
+    def all_reduce(self, t: torch.Tensor, scope: str) -> None:
+        """In-place SUM all-reduce of ``t`` at 'intra' / 'inter' scope, counted (nothing when the
+        scope has one rank)."""
         group, k = self._scope(scope)
         if k == 1:
             return
         dist.all_reduce(t, group=group)
         _count(self.counter, scope, "all_reduce", t.numel(), t, k)
 
-    # -- quantized (SDP4Bit) versions: the runtime's collectives, on this engine's buckets
-    @staticmethod
-    def _bucket_key(b: Bucket) -> str:
-        return f"paro/bucket{b.index}"
+    def global_all_reduce(self, t: torch.Tensor) -> None:
+        """In-place SUM all-reduce of ``t`` over the whole DP group, hierarchically (intra RS,
+        inter AR, intra AG: :func:`.comm.hierarchical_all_reduce`), counted."""
+        hierarchical_all_reduce(t, self.groups.intra_group, self.groups.inter_group,
+                                counter=self.counter)
 
-    def _quantize_gradients_now(self) -> bool:
+    # -- quantized (SDP4Bit) versions: the runtime's collectives, on this engine's buckets
+    def quantize_gradients_now(self) -> bool:
+        """Whether gradient reduce-scatters go through the quantization runtime now (quantized
+        gradients configured and past their start iteration)."""
         return self.quant_runtime is not None and self.quant_runtime.quantize_gradients_now
 
-    def _count_quantized(self, kind: str, scope: str, op: str, numel: int, ranks: int,
-                         before: Dict[str, int]) -> None:
+    def count_quantized(self, kind: str, scope: str, op: str, numel: int, ranks: int,
+                        before: Dict[str, int]) -> None:
         """Add what the runtime's accounting measured for one call (its link bytes now minus
         ``before``) to the cost-model counter."""
         after = self.quant_runtime.accounting.link_bytes(kind)
@@ -133,10 +165,11 @@ class LevelCollectives:
             self.counter.bytes[link] += float(after[link] - before[link])
         self.counter.calls.append((scope, op, numel, ranks))
 
-    def _quantized_rs(self, out: torch.Tensor, inp: torch.Tensor, scope: str, b: Bucket,
-                      streams: Any = None) -> Tuple[Any, torch.Tensor]:
+    def quantized_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, scope: str,
+                                 b: Bucket, streams: Any = None) -> Tuple[Any, torch.Tensor]:
         """Quantized SUM reduce-scatter of bucket ``b`` at ``scope`` (TLq / TLq-HS, LoCo; the
-        runtime's :meth:`~..runtime.QuantizationRuntime.reduce_scatter`), bytes from its accounting.
+        runtime's :meth:`~..runtime.QuantizationRuntime.reduce_scatter`), bytes from its
+        accounting.
         Returns (the runtime's handle: None unless ``streams`` overlap it, the input it reads,
         which must stay alive until the handle is waited for).
 
@@ -144,66 +177,69 @@ class LevelCollectives:
         k*m + l = our chunk (l, k)): one local copy, the layout the runtime expects.
 
         A NaN / Inf in any rank's input is noted on the device (the payload moves anyway, a
-        poisoned quantization group arrives as NaN); :meth:`ParoOptimizer.prepare_grads` agrees
-        on it once per step, so every rank skips the step together.
+        poisoned quantization group arrives as NaN);
+        :meth:`.optimizer.ParoOptimizer.prepare_grads` agrees on it once per step, so every rank
+        skips the step together.
         """
         rt = self.quant_runtime
         x = inp.reshape(-1)
         if scope == "global":
-            x = x.view(self.m, self.g, -1).transpose(0, 1).contiguous().view(-1)
+            m, g = self.geometry.intra_size, self.geometry.inter_size
+            x = x.view(m, g, -1).transpose(0, 1).contiguous().view(-1)
         x = x.contiguous()
         before = rt.accounting.link_bytes("grad")
         # Inline (no ``streams``): on the runtime's timed inline stage, waited for here, so its
         # time counts as exposed and an error is raised here, not left in an unwaited handle.
-        handle = rt.reduce_scatter(x, out, key=self._bucket_key(b), index=b.index, scope=scope,
+        handle = rt.reduce_scatter(x, out, key=bucket_key(b), index=b.index, scope=scope,
                                    streams=streams if streams is not None else rt.timing.inline)
-        self._count_quantized("grad", scope, "quantized_reduce_scatter", x.numel(),
-                              rt.scope_groups(scope).dp_size, before)
+        self.count_quantized("grad", scope, "quantized_reduce_scatter", x.numel(),
+                             rt.scope_groups(scope).dp_size, before)
         if streams is None and handle is not None:
             rt.timing.wait("grad", handle)
             handle = None
         return handle, x
 
-    def _global_rs(self, full: torch.Tensor, b: Bucket) -> torch.Tensor:
+    def global_reduce_scatter(self, full: torch.Tensor, b: Bucket) -> torch.Tensor:
         """PaRO-CC reduce-scatter of bucket ``b``'s full buffer to this rank's G shard (intra RS,
         inter RS; quantized: the runtime's two-level TLq in one call)."""
-        if self._quantize_gradients_now():
-            g_shard = torch.empty(full.numel() // self.n, dtype=full.dtype, device=full.device)
-            self._quantized_rs(g_shard, full, "global", b)
+        n = self.geometry.dp_size
+        if self.quantize_gradients_now():
+            g_shard = torch.empty(full.numel() // n, dtype=full.dtype, device=full.device)
+            self.quantized_reduce_scatter(g_shard, full, "global", b)
             return g_shard
-        g_shard = torch.empty(full.numel() // self.n, dtype=full.dtype, device=full.device)
-        self._exact_reduce(g_shard, full, "global")
-        self._count_exact_reduce(full, "global")
+        g_shard = torch.empty(full.numel() // n, dtype=full.dtype, device=full.device)
+        self.exact_reduce(g_shard, full, "global")
+        self.count_exact_reduce(full, "global")
         return g_shard
 
-    def _global_ag(self, full: torch.Tensor, g_shard: torch.Tensor) -> None:
+    def global_all_gather(self, full: torch.Tensor, g_shard: torch.Tensor) -> None:
         """PaRO-CC all-gather of G shards into the full buffer (inter AG, intra AG), counted."""
-        self._exact_gather(full, g_shard, "global")
-        self._count_exact_gather(full, "global")
+        self.exact_gather(full, g_shard, "global")
+        self.count_exact_gather(full, "global")
 
     # ------------------------------------------------------------------ level transitions
-    def _reduce_to(self, src: torch.Tensor, frm: Level, to: Level) -> torch.Tensor:
+    def reduce_to(self, src: torch.Tensor, frm: Level, to: Level) -> torch.Tensor:
         """Reduce-scatter a shard-space tensor at level ``frm`` to level ``to``, bucket by bucket
         (N -> I: intra RS; I -> G: inter RS; N -> G: PaRO-CC global RS)."""
-        kf, kt = self.level_ranks(frm), self.level_ranks(to)
+        kf, kt = self.geometry.level_ranks(frm), self.geometry.level_ranks(to)
         out = torch.empty(src.numel() * kf // kt, dtype=src.dtype, device=src.device)
         for b in self.buckets:
             x = b.shard(src, kf)
             y = b.shard(out, kt)
             if (frm, to) == (Level.N, Level.G):
-                y.copy_(self._global_rs(x, b))
+                y.copy_(self.global_reduce_scatter(x, b))
             else:
-                self._rs(y, x, "intra" if frm == Level.N else "inter", b)
+                self.reduce_scatter(y, x, "intra" if frm == Level.N else "inter", b)
         return out
 
-    def _gather_to(self, dst: torch.Tensor, src: torch.Tensor, frm: Level, to: Level) -> None:
+    def gather_to(self, dst: torch.Tensor, src: torch.Tensor, frm: Level, to: Level) -> None:
         """All-gather a shard-space tensor at level ``frm`` into ``dst`` at level ``to``, bucket by
         bucket (G -> I: inter AG; I -> N: intra AG; G -> N: PaRO-CC global AG)."""
-        kf, kt = self.level_ranks(frm), self.level_ranks(to)
+        kf, kt = self.geometry.level_ranks(frm), self.geometry.level_ranks(to)
         for b in self.buckets:
             x = b.shard(src, kf)
             y = b.shard(dst, kt)
             if (frm, to) == (Level.G, Level.N):
-                self._global_ag(y, x)
+                self.global_all_gather(y, x)
             else:
-                self._ag(y, x, "inter" if frm == Level.G else "intra")
+                self.all_gather(y, x, "inter" if frm == Level.G else "intra")

@@ -2,7 +2,7 @@
 
 Why a module of its own: these functions are what Triton compiles (and what
 ``bench/triton_aot.py`` compiles ahead of time for real GPUs); their Python launchers -- block
-sizes, seeds, argument checks, output allocation -- are :mod:`.triton_kernels`. Every kernel
+sizes, seeds, argument checks, output allocation -- are :mod:`.triton_launch`. Every kernel
 reproduces :mod:`.reference`'s fp32 operation sequence, so round-to-nearest output is
 bit-identical and stochastic rounding matches in distribution (Philox instead of
 ``torch.rand``).  Details that matter for bit parity:

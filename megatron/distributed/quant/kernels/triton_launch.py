@@ -1,9 +1,9 @@
-"""The Triton backend's public ops: host launchers of the kernels in :mod:`.triton_jit`.
+"""The Triton backend's public ops: host launchers of the kernels in :mod:`.triton_device`.
 
-Why a module of its own: this is what the backend switch (:mod:`.`, ``QUANT_KERNELS``) loads for
-CUDA tensors -- the same functions, signatures and checks as :mod:`.reference` -- and it decides
-everything a launch needs that is not device code: the tile and block sizes, the
-``enable_fp_fusion=False`` launch option (bit parity, see :mod:`.triton_jit`), the stochastic
+Why a module of its own: this is what the backend switch (:mod:`.dispatch`, ``QUANT_KERNELS``)
+loads for CUDA tensors -- the same functions, signatures and checks as :mod:`.reference` -- and it
+decides everything a launch needs that is not device code: the tile and block sizes, the
+``enable_fp_fusion=False`` launch option (bit parity, see :mod:`.triton_device`), the stochastic
 rounding seed, the output buffers, and the NaN/Inf counter.
 
 The stochastic rounding seed is drawn from the caller's ``torch.Generator`` with
@@ -27,7 +27,7 @@ import triton
 from ..device_tables import slot_of
 from . import reference as _ref
 from .reference import NonFiniteError, QuantizedTensor
-from .triton_jit import _dequant_add_kernel, _dsum_kernel, _dsum_requant_kernel, _quantize_kernel
+from .triton_device import _dequant_add_kernel, _dsum_kernel, _dsum_requant_kernel, _quantize_kernel
 
 # elements per program (rows * padded group); the interpreter prefers few large programs
 _TILE = 4096
@@ -52,7 +52,7 @@ def _rows_for(gp: int) -> int:
 def _noise_rows_aligned(*sizes: int) -> bool:
     """Whether every tile row starts the random stream at a multiple of 4 and spans whole Philox
     calls (group size, padded group size and the noise index's part geometry all multiples of 4):
-    then triton_jit._uniform_tile draws one Philox call per four elements."""
+    then triton_device._uniform_tile draws one Philox call per four elements."""
     return all(v % 4 == 0 for v in sizes)
 
 

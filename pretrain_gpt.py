@@ -40,7 +40,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     import torch
 
-    from megatron.distributed.quant.failures import CommunicationFailure
+    from megatron.distributed.failures import CommunicationFailure
     from megatron.training.errors import StartupError
     from megatron.training.checkpoint.save_guard import CheckpointWriteError
     from megatron.training.pretrain import pretrain

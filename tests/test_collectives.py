@@ -18,6 +18,7 @@ from megatron.distributed.quant.collectives.common import (PendingCollective,
 from megatron.distributed.quant.collectives.gradients import (swizzle_order,
                                                               two_level_reduce_scatter)
 from megatron.distributed.quant.collectives.weights import quantized_all_gather
+from megatron.distributed.quant.config import HopSpec
 from megatron.distributed.quant.kernels.dispatch import (NonFiniteError, hadamard_transform,
                                                          inverse_hadamard_transform)
 from megatron.distributed.quant.topology import (TwoLevelGroups, build_two_level_groups,
@@ -26,6 +27,15 @@ from dist_harness import run_distributed
 
 GS_INTRA, GS_INTER = 64, 128     # different on purpose: the inter hop must use its own size
 BITS_INTRA, BITS_INTER = 8, 4
+
+
+def _hops(bits_intra: int, group_size_intra: int, bits_inter: int, group_size_inter: int,
+          hadamard: bool = False, hadamard_block: int = 32) -> dict:
+    """``intra=`` / ``inter=`` of :func:`two_level_reduce_scatter` from per-setting values."""
+    return dict(intra=HopSpec(bits_intra, group_size_intra, hadamard=hadamard,
+                              hadamard_block=hadamard_block),
+                inter=HopSpec(bits_inter, group_size_inter, hadamard=hadamard,
+                              hadamard_block=hadamard_block))
 WQ_GS = 256
 
 
@@ -138,7 +148,7 @@ def _scenario(rank: int, world: int, intra_sizes: list) -> dict:
             x = _exact_input(g.node, g.local, d, n, ht)
             out = torch.full((n // p,), float("nan"))
             gen = torch.Generator().manual_seed(7 + rank)
-            two_level_reduce_scatter(x, out, g, hadamard=ht, generator=gen, **kw)
+            two_level_reduce_scatter(x, out, g, generator=gen, **_hops(**kw, hadamard=ht))
             ref = _exact_rs(x, g.dp_group)
             r[f"exact_{tag}_equal"] = bool(torch.equal(out, ref))
             r[f"exact_{tag}_maxdiff"] = float((out - ref).abs().max())
@@ -147,7 +157,7 @@ def _scenario(rank: int, world: int, intra_sizes: list) -> dict:
             nb = required_padding_multiple(p, d, 256, 512)
             xb = _exact_input(g.node, g.local, d, nb, ht)
             outb = torch.empty(nb // p)
-            two_level_reduce_scatter(xb, outb, g, hadamard=ht, generator=gen, **big)
+            two_level_reduce_scatter(xb, outb, g, generator=gen, **_hops(**big, hadamard=ht))
             r[f"exact_{tag}_big_groups_equal"] = bool(torch.equal(outb, _exact_rs(xb, g.dp_group)))
 
             # --- Gaussian data: per-element bound and relative L2 error --------------------------
@@ -156,7 +166,8 @@ def _scenario(rank: int, world: int, intra_sizes: list) -> dict:
             acc = CommAccounting()
             out = torch.empty(n // p)
             gen = torch.Generator().manual_seed(100 + rank)
-            two_level_reduce_scatter(x, out, g, hadamard=ht, generator=gen, accounting=acc, **kw)
+            two_level_reduce_scatter(x, out, g, generator=gen, accounting=acc,
+                                     **_hops(**kw, hadamard=ht))
             ref = _exact_rs(x, g.dp_group)
             bound = _error_bound(inputs, g, n, ht)
             r[f"gauss_{tag}_within_bound"] = bool(((out - ref).abs() <= bound).all())
@@ -173,8 +184,8 @@ def _scenario(rank: int, world: int, intra_sizes: list) -> dict:
                                       (5, False, 3), (5, True, 5)):
                 o = torch.empty(n // p)
                 gen = torch.Generator().manual_seed(seed * 100 + rank)
-                h = two_level_reduce_scatter(x, o, g, hadamard=ht, generator=gen, async_op=async_op,
-                                             pipeline=k, **kw)
+                h = two_level_reduce_scatter(x, o, g, generator=gen, async_op=async_op,
+                                             pipeline=k, **_hops(**kw, hadamard=ht))
                 if async_op:
                     assert isinstance(h, PendingCollective)
                     h.wait()
@@ -194,7 +205,8 @@ def _scenario(rank: int, world: int, intra_sizes: list) -> dict:
         ref = _exact_rs(x, g.dp_group)
         buf = x.clone()
         view = buf.view(p, -1)[g.dp_rank]
-        two_level_reduce_scatter(buf, view, g, generator=torch.Generator().manual_seed(1), **kw)
+        two_level_reduce_scatter(buf, view, g, generator=torch.Generator().manual_seed(1),
+                                 **_hops(**kw))
         r["inplace_equal"] = bool(torch.equal(view, ref))
 
         # --- NaN on one rank: every rank raises, nobody hangs ------------------------------------
@@ -202,7 +214,8 @@ def _scenario(rank: int, world: int, intra_sizes: list) -> dict:
         if g.dp_rank == p - 1:
             x[5] = float("nan")
         try:
-            two_level_reduce_scatter(x, torch.empty(n // p), g, generator=torch.Generator(), **kw)
+            two_level_reduce_scatter(x, torch.empty(n // p), g, generator=torch.Generator(),
+                                     **_hops(**kw))
             r["nan_raised"] = False
         except NonFiniteError:
             r["nan_raised"] = True
@@ -230,12 +243,12 @@ def _weights(g: TwoLevelGroups, n_w: int, steps: int) -> dict:
         master += upd
         out["update_amax"] = max(out["update_amax"], float(upd.abs().max()))
         handle = quantized_all_gather(master[me * s:(me + 1) * s].clone(), recon_async,
-                                      recon_async, g.dp_group, mode="diff", bits=4,
-                                      group_size=WQ_GS, generator=gen_async, async_op=True)
+                                      recon_async, g.dp_group, mode="diff",
+                                      spec=HopSpec(4, WQ_GS), generator=gen_async, async_op=True)
         handle.wait()  # before the next collective on the same group (one issuer per group)
         for mode in ("diff", "direct"):
             res = quantized_all_gather(master[me * s:(me + 1) * s], recon[mode], recon[mode],
-                                       g.dp_group, mode=mode, bits=4, group_size=WQ_GS,
+                                       g.dp_group, mode=mode, spec=HopSpec(4, WQ_GS),
                                        generator=gens[mode], accounting=acc if mode == "diff" else None,
                                        link_of_peer=g.link_of_peer)
             assert res is recon[mode]
@@ -299,12 +312,12 @@ def test_bad_bucket_size_raises_before_communicating():
                        intra_size=2, inter_size=2, node=0, local=0)
     kw = dict(bits_intra=8, group_size_intra=64, bits_inter=4, group_size_inter=128)
     with pytest.raises(ValueError, match="pad the bucket"):
-        two_level_reduce_scatter(torch.zeros(4 * 64), torch.zeros(64), g, **kw)
+        two_level_reduce_scatter(torch.zeros(4 * 64), torch.zeros(64), g, **_hops(**kw))
     with pytest.raises(ValueError, match="N/P"):
-        two_level_reduce_scatter(torch.zeros(4 * 128), torch.zeros(100), g, **kw)
+        two_level_reduce_scatter(torch.zeros(4 * 128), torch.zeros(100), g, **_hops(**kw))
     with pytest.raises(ValueError, match="Hadamard"):
-        two_level_reduce_scatter(torch.zeros(4 * 128 * 3), torch.zeros(3 * 128), g, hadamard=True,
-                                 hadamard_block=256, **kw)
+        two_level_reduce_scatter(torch.zeros(4 * 128 * 3), torch.zeros(3 * 128), g,
+                                 **_hops(**kw, hadamard=True, hadamard_block=256))
 
 
 def test_single_rank_is_a_copy():
@@ -312,8 +325,7 @@ def test_single_rank_is_a_copy():
                        intra_size=1, inter_size=1, node=0, local=0)
     x = torch.randn(256)
     out = torch.empty(256)
-    two_level_reduce_scatter(x, out, g, bits_intra=8, group_size_intra=64, bits_inter=4,
-                             group_size_inter=128)
+    two_level_reduce_scatter(x, out, g, intra=HopSpec(8, 64), inter=HopSpec(4, 128))
     assert torch.equal(out, x)
 
 

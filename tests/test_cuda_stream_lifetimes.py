@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from fake_cuda import FakeCuda, StreamAllocationCheck
 from megatron.distributed.quant.collectives import common, gradients, weights
+from megatron.distributed.quant.config import HopSpec
 from megatron.distributed.quant.loco import LoCoErrorFeedback
 from megatron.distributed.quant.streams import STAGES, CommStreams
 from megatron.distributed.quant.topology import TwoLevelGroups
@@ -116,8 +117,8 @@ def _reduce_scatter(streams: CommStreams, *, pipeline: int, loco: bool, hadamard
         x = torch.randn(4 * 2 * GS * 2, generator=gen)
         out = torch.empty(x.numel() // 4)
         handles.append(gradients.two_level_reduce_scatter(
-            x, out, groups, bits_intra=8, group_size_intra=GS, bits_inter=4,
-            group_size_inter=GS, hadamard=hadamard, generator=gen, async_op=True,
+            x, out, groups, intra=HopSpec(8, GS, hadamard=hadamard),
+            inter=HopSpec(4, GS, hadamard=hadamard), generator=gen, async_op=True,
             nonfinite_flag=flag, pipeline=pipeline, streams=streams,
             error_feedback=None if ef_owner is None else ef_owner.bucket(b)))
     for h in handles:
@@ -145,7 +146,7 @@ def test_weight_gather_reads_only_its_own_stage(fake_world) -> None:
     shard = torch.randn(2 * GS, dtype=torch.bfloat16)
     ref = torch.randn(4 * 2 * GS, dtype=torch.bfloat16)
     with check:
-        weights.quantized_all_gather(shard, ref, ref, _Group(4), bits=4, group_size=GS,
+        weights.quantized_all_gather(shard, ref, ref, _Group(4), spec=HopSpec(4, GS),
                                      generator=torch.Generator().manual_seed(1),
                                      nonfinite_flag=torch.zeros(1, dtype=torch.int32), async_op=True,
                                      streams=streams).wait()
@@ -184,8 +185,8 @@ def test_first_hop_codes_are_freed_once_sent(fake_world, monkeypatch, pipeline: 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4 * 2 * GS * 2 * pipeline, generator=gen)
     handle = gradients.two_level_reduce_scatter(
-        x, torch.empty(x.numel() // 4), _groups_2x2(), bits_intra=8, group_size_intra=GS,
-        bits_inter=4, group_size_inter=GS, hadamard=True, generator=gen, async_op=True,
+        x, torch.empty(x.numel() // 4), _groups_2x2(), intra=HopSpec(8, GS, hadamard=True),
+        inter=HopSpec(4, GS, hadamard=True), generator=gen, async_op=True,
         nonfinite_flag=torch.zeros(1, dtype=torch.int32), pipeline=pipeline,
         streams=_cuda_streams(), error_feedback=LoCoErrorFeedback().bucket(0) if loco else None)
     gc.collect()
@@ -294,8 +295,8 @@ def test_inter_node_hops_send_codes_and_scales_as_one_message(fake_world, monkey
             x = torch.randn(4 * 2 * GS * 2, generator=gen)
             outs.append(torch.empty(x.numel() // 4))
             gradients.two_level_reduce_scatter(
-                x, outs[-1], _groups_2x2(), bits_intra=8, group_size_intra=GS, bits_inter=4,
-                group_size_inter=GS, hadamard=True, generator=gen, pipeline=pipeline,
+                x, outs[-1], _groups_2x2(), intra=HopSpec(8, GS, hadamard=True),
+                inter=HopSpec(4, GS, hadamard=True), generator=gen, pipeline=pipeline,
                 nonfinite_flag=torch.zeros(1, dtype=torch.int32), async_op=True,
                 streams=streams, error_feedback=None if ef is None else ef.bucket(b)).wait()
         return outs
@@ -323,7 +324,7 @@ def test_weight_gather_messages_follow_the_links(fake_world, links, gathers: int
         ref = torch.zeros(4 * 2 * GS, dtype=torch.bfloat16)
         out = torch.empty_like(ref)
         weights.quantized_all_gather(
-            shard, ref, out, _Group(4), bits=4, group_size=GS,
+            shard, ref, out, _Group(4), spec=HopSpec(4, GS),
             generator=torch.Generator().manual_seed(1),
             link_of_peer=None if link_list is None else link_list.__getitem__,
             nonfinite_flag=torch.zeros(1, dtype=torch.int32))
@@ -370,8 +371,8 @@ def test_a_poisoned_group_passes_nccls_nan_check(fake_world, monkeypatch,
     out = torch.empty(x.numel() // 4)
     flag = torch.zeros(1, dtype=torch.int32)
     gradients.two_level_reduce_scatter(
-        x, out, _groups_2x2(), bits_intra=8, group_size_intra=GS, bits_inter=4,
-        group_size_inter=GS, hadamard=True, generator=torch.Generator().manual_seed(1),
+        x, out, _groups_2x2(), intra=HopSpec(8, GS, hadamard=True),
+        inter=HopSpec(4, GS, hadamard=True), generator=torch.Generator().manual_seed(1),
         nonfinite_flag=flag, pipeline=2,
         error_feedback=LoCoErrorFeedback().bucket(0))
     assert int(flag) == 2 and not bool(torch.isfinite(out).all())
@@ -380,7 +381,7 @@ def test_a_poisoned_group_passes_nccls_nan_check(fake_world, monkeypatch,
     ref = torch.zeros(4 * 2 * GS)
     gathered = torch.empty_like(ref)
     weights.quantized_all_gather(
-        shard, ref, gathered, _Group(4), bits=4, group_size=GS,
+        shard, ref, gathered, _Group(4), spec=HopSpec(4, GS),
         generator=torch.Generator().manual_seed(1), link_of_peer=lambda r: "intra",
         nonfinite_flag=flag)
     assert int(flag) == 3 and not bool(torch.isfinite(gathered).all())

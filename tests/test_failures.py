@@ -1,4 +1,4 @@
-"""The failure beacon (megatron/distributed/quant/failures.py) on a store of its own: the first
+"""The failure beacon (megatron/distributed/failures.py) on a store of its own: the first
 post wins, a wait raises the posted line, a stage's failed job carries it (issue 36, item 4).
 The whole path on 4 gloo ranks is tests/test_rank_failure.py."""
 
@@ -9,7 +9,7 @@ from typing import Dict
 
 import pytest
 
-from megatron.distributed.quant import failures
+from megatron.distributed import failures
 from megatron.distributed.quant.streams import CommStreams
 
 
@@ -31,6 +31,12 @@ class DictStore:
 
     def get(self, key: str) -> bytes:
         return self.data[key]
+
+    def add(self, key: str, amount: int) -> int:
+        with self.lock:
+            value = int(self.data.get(key, b"0")) + amount
+            self.data[key] = str(value).encode()
+            return value
 
 
 @pytest.fixture
@@ -85,3 +91,46 @@ def test_nothing_changes_without_an_installation() -> None:
     job = CommStreams("thread").submit("intra", lambda: (_ for _ in ()).throw(err))
     with pytest.raises(ValueError, match="plain"):
         job.wait()
+
+
+def test_a_lost_connection_names_the_peer_that_stopped_beating(monkeypatch) -> None:
+    """Issue 46, item 4: rank 2 died without a word; rank 0's collective fails with gloo's
+    "Connection closed by peer". The posted line names rank 2 (its heartbeat stopped; rank 1's
+    goes on), then where rank 0 saw it and gloo's text. With every peer beating, or for a
+    failure that is not a lost connection, the line is the plain one."""
+    monkeypatch.setattr(failures, "POLL_S", 0.02)
+    store = DictStore()
+    failures.install(store, rank=0, world_size=3)
+    for r in (1, 2):
+        store.add(f"{failures.ALIVE_KEY}{r}", 1)
+    stop = threading.Event()
+
+    def peers_beat(ranks) -> threading.Thread:  # noqa: ANN001
+        def run() -> None:
+            while not stop.wait(0.02):
+                for r in ranks:
+                    store.add(f"{failures.ALIVE_KEY}{r}", 1)
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+                        "closed by peer [127.0.0.1]:2947")
+    try:
+        beating = peers_beat([1])
+        failure = failures.report("weight all-gather of chunk0/bucket0", gloo)
+        assert str(failure) == ("rank 2 stopped answering: rank 0 at weight all-gather of "
+                                "chunk0/bucket0: RuntimeError: [../third_party/gloo/gloo/"
+                                "transport/tcp/pair.cc:553] Connection closed by peer "
+                                "[127.0.0.1]:2947")
+        stop.set()
+        beating.join()
+        # every peer alive: nobody to name
+        store.data.pop(failures.KEY)
+        stop.clear()
+        beating = peers_beat([1, 2])
+        failure = failures.report("bucket 3", gloo)
+        assert str(failure).startswith("rank 0: bucket 3: RuntimeError: [../third_party"), failure
+    finally:
+        stop.set()
+        failures.uninstall()

@@ -179,7 +179,7 @@ def test_fused_adamw_and_foreach_ops_match_the_unfused_step(monkeypatch) -> None
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mcore_optimizer
 
-    from megatron.distributed.quant.mcore_compat import ops as mcore_compat_ops
+    from megatron.distributed.mcore_compat import ops as mcore_compat_ops
 
     for module, name in ((clip_grads, "l2_norm_impl"), (clip_grads, "multi_tensor_scale_impl"),
                          (mcore_optimizer, "multi_tensor_scale_impl")):
@@ -236,7 +236,7 @@ def test_foreach_scale_makes_its_products_a_group_at_a_time(monkeypatch) -> None
     per-tensor loop, and a scale of 1 makes none."""
     from megatron.core import utils as mcore_utils
 
-    from megatron.distributed.quant.mcore_compat import ops as mcore_compat_ops
+    from megatron.distributed.mcore_compat import ops as mcore_compat_ops
 
     monkeypatch.setattr(mcore_compat_ops, "FOREACH_SCALE_GROUP_NUMEL", 1000)
     groups = []

@@ -31,26 +31,34 @@ def _args(*argv: str, bf16: bool = True, fp32_acc: bool = True) -> argparse.Name
     return a
 
 
+def _resolved(*argv: str, bf16: bool = True, fp32_acc: bool = True):
+    """:func:`resolve_grad_dtypes` of the config these flags build (the trainer's defaults)."""
+    return resolve_grad_dtypes(QuantizationConfig.from_args(_args(*argv, bf16=bf16,
+                                                                  fp32_acc=fp32_acc)),
+                               params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                               accumulate_in_fp32_default=fp32_acc)
+
+
 def test_default_keeps_megatron_core_behaviour():
-    assert resolve_grad_dtypes(_args())[0] == torch.float32          # --bf16 => fp32 accumulation
-    assert resolve_grad_dtypes(_args(fp32_acc=False))[0] == torch.bfloat16  # --grad-reduce-in-bf16
-    assert resolve_grad_dtypes(_args(bf16=False, fp32_acc=False))[0] == torch.float32
-    assert "exact fp32" in resolve_grad_dtypes(_args())[1]
+    assert _resolved()[0] == torch.float32          # --bf16 => fp32 accumulation
+    assert _resolved(fp32_acc=False)[0] == torch.bfloat16  # --grad-reduce-in-bf16
+    assert _resolved(bf16=False, fp32_acc=False)[0] == torch.float32
+    assert "exact fp32" in _resolved()[1]
 
 
 def test_accum_dtype_independent_of_wire():
-    acc, wire = resolve_grad_dtypes(_args("--grad-accum-dtype", "bf16", "--quantized-grad-bits", "4"))
+    acc, wire = _resolved("--grad-accum-dtype", "bf16", "--quantized-grad-bits", "4")
     assert acc == torch.bfloat16 and "int4" in wire and "int8" in wire
-    acc, wire = resolve_grad_dtypes(_args("--grad-accum-dtype", "fp32", "--quantized-gradients",
-                                          "--hadamard-transform"))
+    acc, wire = _resolved("--grad-accum-dtype", "fp32", "--quantized-gradients",
+                          "--hadamard-transform")
     assert acc == torch.float32 and "Hadamard" in wire
-    acc, wire = resolve_grad_dtypes(_args("--grad-accum-dtype", "bf16"))
+    acc, wire = _resolved("--grad-accum-dtype", "bf16")
     assert acc == torch.bfloat16 and "exact bf16" in wire
 
 
 def test_bf16_accumulation_needs_bf16_params():
     with pytest.raises(ValueError, match="bf16 parameters"):
-        resolve_grad_dtypes(_args("--grad-accum-dtype", "bf16", bf16=False, fp32_acc=False))
+        _resolved("--grad-accum-dtype", "bf16", bf16=False, fp32_acc=False)
 
 
 def test_apply_sets_ddp_config():

@@ -201,7 +201,7 @@ def max_scaled_grad(ddp) -> float:
 def main_param_shards(opt, ddp) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """(own shard of the bf16 param buffer, fp32 master values at the same positions) per bucket,
     only at positions this rank's main params cover (read through megatron-core's range maps)."""
-    from megatron.distributed.quant.mcore_compat.optimizer import (leaf_optimizers,
+    from megatron.distributed.mcore_compat.optimizer import (leaf_optimizers,
                                                                    model_param_range_map)
 
     pairs = []
@@ -218,7 +218,7 @@ def main_param_shards(opt, ddp) -> List[Tuple[torch.Tensor, torch.Tensor]]:
 
 def full_masters(opt, ddp) -> torch.Tensor:
     """All fp32 master weights in module order (each rank fills its range, then a SUM)."""
-    from megatron.distributed.quant.mcore_compat.optimizer import (leaf_optimizers,
+    from megatron.distributed.mcore_compat.optimizer import (leaf_optimizers,
                                                                    model_param_range_map)
 
     full = {p: torch.zeros(p.numel(), dtype=torch.float32) for p in ddp.module.parameters()}

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from megatron.distributed.quant.collectives import common, gradients
-from megatron.distributed.quant.config import QuantizationConfig
+from megatron.distributed.quant.config import HopSpec, QuantizationConfig
 from megatron.distributed.quant.loco import LoCoErrorFeedback
 from megatron.distributed.quant.memory import layer_memory
 from megatron.distributed.quant.topology import TwoLevelGroups
@@ -108,8 +108,8 @@ def _measure(monkeypatch, d: int, m: int, loco: bool, hadamard: bool,
         mode = LiveBytes()
         with mode:
             gradients.two_level_reduce_scatter(
-                x, out, _groups(d, m), bits_intra=8, group_size_intra=GS, bits_inter=4,
-                group_size_inter=GS, hadamard=hadamard, generator=torch.Generator().manual_seed(1),
+                x, out, _groups(d, m), intra=HopSpec(8, GS, hadamard=hadamard),
+                inter=HopSpec(4, GS, hadamard=hadamard), generator=torch.Generator().manual_seed(1),
                 nonfinite_flag=torch.zeros(1, dtype=torch.int32), error_feedback=ef,
                 pipeline=pipeline)
         peak = dict(mode.peak)

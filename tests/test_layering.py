@@ -186,3 +186,56 @@ def test_megatron_imports_have_no_cycles() -> None:
     modules = module_files()
     cycles = describe_cycles(modules, import_edges(modules))
     assert not cycles, "import cycles in megatron/:\n" + "\n".join(cycles)
+
+
+QUANT = "megatron.distributed.quant"
+TRAINER = "megatron.training"
+TRAINER_MAY_IMPORT = (f"{QUANT}.integration",)
+"""The quantized layer's one module the trainer may name: its entry points (``integration``).
+The failure beacon and the megatron-core seam sit beside the layer (``megatron.distributed.failures``,
+``megatron.distributed.mcore_compat``), where both layers import them."""
+
+
+def trainer_reaches_into_quant(edges: Dict[Edge, int]) -> List[str]:
+    """``importer -> imported (line)`` for each import of a quant module outside
+    :data:`TRAINER_MAY_IMPORT` by a module of ``megatron/training``."""
+    def allowed(target: str) -> bool:
+        return any(target == ok or target.startswith(ok + ".") for ok in TRAINER_MAY_IMPORT)
+
+    return sorted(f"{a} -> {b} (line {line})" for (a, b), line in edges.items()
+                  if (a == TRAINER or a.startswith(TRAINER + "."))
+                  and (b == QUANT or b.startswith(QUANT + ".")) and not allowed(b))
+
+
+def test_trainer_to_quant_check_sees_every_import(tmp_path: Path) -> None:
+    """Function-level and plain ``import`` statements count; the allowed modules do not (a guard
+    on the guard)."""
+    pkg = tmp_path / "megatron"
+    for sub in ("training", "distributed/mcore_compat", "distributed/quant/paro"):
+        (pkg / sub).mkdir(parents=True, exist_ok=True)
+    for init in ("", "training", "distributed", "distributed/quant",
+                 "distributed/mcore_compat", "distributed/quant/paro"):
+        (pkg / init / "__init__.py").write_text("")
+    for mod in ("integration", "config", "paro/strategy"):
+        (pkg / "distributed/quant" / f"{mod}.py").write_text("")
+    for mod in ("failures", "mcore_compat/ops"):
+        (pkg / "distributed" / f"{mod}.py").write_text("")
+    (pkg / "training/ok.py").write_text(
+        "from megatron.distributed.quant import integration\n"
+        "from megatron.distributed import failures\n"
+        "from megatron.distributed.mcore_compat.ops import x\n")
+    (pkg / "training/bad.py").write_text(
+        "def f():\n    from megatron.distributed.quant.paro.strategy import AUTO\n"
+        "import megatron.distributed.quant.config\n")
+    found = trainer_reaches_into_quant(import_edges(module_files(tmp_path)))
+    assert found == ["megatron.training.bad -> megatron.distributed.quant.config (line 3)",
+                     "megatron.training.bad -> megatron.distributed.quant.paro.strategy (line 2)"]
+
+
+def test_trainer_enters_the_quant_layer_only_through_integration() -> None:
+    """megatron/training names no module of megatron/distributed/quant but ``integration``: the
+    config is built, and the layer driven, through one entry point, so the layer's inside can
+    change without the trainer."""
+    bad = trainer_reaches_into_quant(import_edges(module_files()))
+    assert not bad, ("megatron/training imports the quantized layer's inside; go through "
+                     "megatron.distributed.quant.integration:\n" + "\n".join(bad))

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megatron.distributed.quant.collectives.common import required_padding_multiple
 from megatron.distributed.quant.collectives.gradients import two_level_reduce_scatter
-from megatron.distributed.quant.config import QuantizationConfig
+from megatron.distributed.quant.config import HopSpec, QuantizationConfig
 from megatron.distributed.quant.loco import LoCoErrorFeedback
 from megatron.distributed.quant.topology import build_two_level_groups
 from dist_harness import run_distributed
@@ -167,9 +167,9 @@ def _loco_worker(rank: int, world: int, intra: int, steps: int) -> dict:
     g = build_two_level_groups(list(range(world)), intra)
     p = g.dp_size
     n = required_padding_multiple(p, intra, GS_INTRA, GS_INTER) * 8
-    kw = dict(bits_intra=8, group_size_intra=GS_INTRA, bits_inter=4, group_size_inter=GS_INTER)
     out: dict = {}
     for ht in (False, True):
+        kw = dict(intra=HopSpec(8, GS_INTRA, hadamard=ht), inter=HopSpec(4, GS_INTER, hadamard=ht))
         stream = torch.Generator().manual_seed(1000 + rank)
         mu = torch.randn(n, generator=stream) * 0.3          # persistent per-rank component
         fb = LoCoErrorFeedback(beta=0.8, reset_interval=10_000, error_bits=8)
@@ -185,7 +185,7 @@ def _loco_worker(rank: int, world: int, intra: int, steps: int) -> dict:
             acc_exact += exact
             for mode in ("loco", "plain"):
                 o = torch.empty(n // p)
-                two_level_reduce_scatter(x, o, g, hadamard=ht, generator=gens[mode],
+                two_level_reduce_scatter(x, o, g, generator=gens[mode],
                                          error_feedback=fb.bucket(0) if mode == "loco" else None, **kw)
                 acc[mode] += o
                 if mode == "loco" and saved is not None:
@@ -200,7 +200,7 @@ def _loco_worker(rank: int, world: int, intra: int, steps: int) -> dict:
         same = True
         for x, o in replay:
             o2 = torch.empty(n // p)
-            two_level_reduce_scatter(x, o2, g, hadamard=ht, generator=gen2, error_feedback=fb2.bucket(0), **kw)
+            two_level_reduce_scatter(x, o2, g, generator=gen2, error_feedback=fb2.bucket(0), **kw)
             fb2.step()
             same = same and bool(torch.equal(o, o2))
         tag = "ht" if ht else "plain"

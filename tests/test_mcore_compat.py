@@ -1,4 +1,4 @@
-"""Contract tests of megatron/distributed/quant/mcore_compat/: one per megatron-core touch point.
+"""Contract tests of megatron/distributed/mcore_compat/: one per megatron-core touch point.
 
 Why: everything we take from megatron-core's private names (or its undocumented behaviour) goes
 through mcore_compat. Each test below pins one thing we rely on, and is named after it, so a
@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import model_parallel_world_of_one
-from megatron.distributed.quant import mcore_compat as mc
-from megatron.distributed.quant.mcore_compat import data as mc_data
-from megatron.distributed.quant.mcore_compat import ddp_buckets as mc_buckets
-from megatron.distributed.quant.mcore_compat import ops as mc_ops
-from megatron.distributed.quant.mcore_compat import optimizer as mc_optimizer
-from megatron.distributed.quant.mcore_compat import process_globals as mc_globals
+from megatron.distributed import mcore_compat as mc
+from megatron.distributed.mcore_compat import data as mc_data
+from megatron.distributed.mcore_compat import ddp_buckets as mc_buckets
+from megatron.distributed.mcore_compat import ops as mc_ops
+from megatron.distributed.mcore_compat import optimizer as mc_optimizer
+from megatron.distributed.mcore_compat import process_globals as mc_globals
 from megatron.training import cpu_mode
 
 PAD = 384  # lcm(P=1, 384) = 384; megatron-core alone pads this model's buckets to 128 and 256

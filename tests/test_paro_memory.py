@@ -503,6 +503,16 @@ def _auto_args(**kw: Any) -> Any:
     return argparse.Namespace(**base)
 
 
+def _reserved(args: Any, memory_bytes: float) -> Tuple[float, str]:
+    """``reserved_bytes_for_auto`` for the run these flags describe."""
+    from megatron.distributed.quant import integration
+    from megatron.distributed.quant.paro import integration as paro_integration
+
+    return paro_integration.reserved_bytes_for_auto(
+        integration.build_quantization_config(args, frozenset()).paro, memory_bytes,
+        paro_integration.activation_bytes_estimate(args))
+
+
 @pytest.fixture
 def device_memory(monkeypatch):
     """``auto`` on a pretend 8 GB device, 4 micro-batches (no process group, no GPU needed)."""
@@ -511,8 +521,8 @@ def device_memory(monkeypatch):
 
     memory = {"bytes": 8e9}
     monkeypatch.setattr(paro_integration, "_memory_for_auto",
-                        lambda args: args.paro_gpu_memory_gb * 1e9
-                        if args.paro_gpu_memory_gb is not None else memory["bytes"])
+                        lambda paro: paro.gpu_memory_gb * 1e9
+                        if paro.gpu_memory_gb is not None else memory["bytes"])
     monkeypatch.setattr(nmc, "get_num_microbatches", lambda: 4)
     return memory
 
@@ -521,10 +531,14 @@ def _choose(args: Any) -> Tuple[str, float]:
     from megatron.distributed.quant.paro import integration as paro_integration
     from megatron.distributed.quant.paro.cost import StateBytes, model_state_memory
 
-    note = paro_integration.resolve_auto_strategy(args, 1.3e9)
-    mem = model_state_memory(args.paro_strategy, 1.3e9, 16, 8,
+    from megatron.distributed.quant import integration
+
+    auto = paro_integration.resolve_auto_strategy(
+        integration.build_quantization_config(args, frozenset()), 1.3e9,
+        paro_integration.activation_bytes_estimate(args))
+    mem = model_state_memory(auto.config.paro.strategy, 1.3e9, 16, 8,
                              state_bytes=StateBytes(param=2.0, grad=4.0)).total
-    return note, mem
+    return auto.note, mem
 
 
 def test_auto_reserves_context_and_activations_by_default(device_memory):
@@ -535,7 +549,7 @@ def test_auto_reserves_context_and_activations_by_default(device_memory):
     from megatron.distributed.quant.paro.cost import DEVICE_RESERVE_FRACTION, activation_memory
 
     args = _auto_args()
-    reserved, why = paro_integration.reserved_bytes_for_auto(args, 8e9)
+    reserved, why = _reserved(args, 8e9)
     act = activation_memory(**GPT_1B, attention_scores=False)
     assert act > 3e9  # the 1B model's activations at 2K tokens: ~4 GB
     assert reserved == pytest.approx(DEVICE_RESERVE_FRACTION * 8e9 + act)
@@ -544,17 +558,17 @@ def test_auto_reserves_context_and_activations_by_default(device_memory):
     assert mem <= 8e9 - reserved
     assert f"Reserved {reserved / 1e9:.2f} GB" in note
     # The local attention kernel keeps the s x s scores: more reserved.
-    more, _ = paro_integration.reserved_bytes_for_auto(_auto_args(attention_impl="local"), 8e9)
+    more, _ = _reserved(_auto_args(attention_impl="local"), 8e9)
     assert more > reserved
     # So does Transformer Engine's unfused backend (asked for, or TE's fallback for fp32);
     # its flash / fused kernels do not.
     def te(**kw: Any) -> float:
-        return paro_integration.reserved_bytes_for_auto(
+        return _reserved(
             _auto_args(attention_impl="transformer_engine", **kw), 8e9)[0]
 
     assert te(attention_backend="unfused") == more
     assert te(attention_backend="flash") == te(attention_backend="auto") == reserved
-    assert te(attention_backend="auto", bf16=False) > paro_integration.reserved_bytes_for_auto(
+    assert te(attention_backend="auto", bf16=False) > _reserved(
         _auto_args(bf16=False), 8e9)[0]
 
 
@@ -577,10 +591,10 @@ def test_explicit_memory_budget_reserves_nothing_by_default(device_memory):
     --paro-reserved-memory-gb says so (the smoke runs' tiny budgets keep working)."""
     from megatron.distributed.quant.paro import integration as paro_integration
 
-    assert paro_integration.reserved_bytes_for_auto(_auto_args(paro_gpu_memory_gb=5.0), 5e9)[0] == 0
-    assert paro_integration.reserved_bytes_for_auto(
+    assert _reserved(_auto_args(paro_gpu_memory_gb=5.0), 5e9)[0] == 0
+    assert _reserved(
         _auto_args(paro_gpu_memory_gb=5.0, paro_reserved_memory_gb=1.5), 5e9)[0] == 1.5e9
-    assert paro_integration.reserved_bytes_for_auto(
+    assert _reserved(
         _auto_args(paro_reserved_memory_gb=0.0), 8e9)[0] == 0.0
 
 
@@ -591,6 +605,7 @@ def test_strategy_report_is_per_rank_with_model_parallelism(monkeypatch):
     import argparse
 
     import megatron.core.num_microbatches_calculator as nmc
+    from megatron.distributed.quant import integration
     from megatron.distributed.quant.paro import integration as paro_integration
     from megatron.distributed.quant.config import QuantizationConfig
     from megatron.distributed.quant.paro.cost import format_report, paro_report
@@ -602,9 +617,10 @@ def test_strategy_report_is_per_rank_with_model_parallelism(monkeypatch):
                               paro_group_size=4, quant_config=QuantizationConfig(),
                               bf16=True, fp16=False, accumulate_allreduce_grads_in_fp32=True,
                               use_distributed_optimizer=True)
-    text = paro_integration.strategy_report(args, [chunk], None)
+    quant = integration.build_quantization_config(args, frozenset())
+    text = paro_integration.strategy_report(quant, [chunk], None)
     want = format_report(paro_report("NNG", 2080, 8, 4, micro_steps=2,
                                      quant_config=args.quant_config,
-                                     state_bytes=paro_integration._state_bytes(args)))
+                                     state_bytes=paro_integration._state_bytes(quant.paro)))
     assert text.startswith(want) and "Ψ=2080 params" in text
     assert "this rank's share of the model (tensor x pipeline parallel = 4)" in text

@@ -22,6 +22,7 @@ DDP + DistributedOptimizer (NNG):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from functools import partial
 from pathlib import Path
@@ -159,7 +160,10 @@ def _strategies_worker(rank: int, world: int, runs: List[tuple]) -> Dict[str, An
         model, opt, sched = _build(args, strategy, engine, bucket_numel=cap)
         res[label] = _train(args, model, opt, sched, 0, STEPS, rank, measure=engine)
     # auto: with room for only ~0.6 MB of model states per rank, ZeRO-1 does not fit.
+    # (the PaRO settings live in the run's config, read once from the flags at validation)
     args32.paro_strategy, args32.paro_gpu_memory_gb = "auto", 0.0006
+    paro = dataclasses.replace(args32.quant_config.paro, strategy="auto", gpu_memory_gb=0.0006)
+    args32.quant_config = dataclasses.replace(args32.quant_config, paro=paro)
     from megatron.training.model.config_builders import build_transformer_config
     from megatron.training.initialize import set_random_seed
     from megatron.training.components import (configure_schedule, get_model,

@@ -132,24 +132,22 @@ def test_a_node_split_over_hosts_is_warned_about() -> None:
 def test_the_trainer_warns_at_startup(monkeypatch) -> None:
     """The single-hardware-queue warning (streams.py) and the runtime's placement notes reach
     the startup warnings; no queue warning where nothing overlaps or on the CPU."""
-    import argparse
-
     from megatron.distributed.quant import integration
 
     monkeypatch.setattr(integration, "nobody_to_talk_to", lambda: False)
-    args = argparse.Namespace(quant_config=CFG, device="cuda", overlap_grad_reduce=True,
-                              overlap_param_gather=False, tensor_model_parallel_size=1,
-                              sequence_parallel=False)
 
     class Chunk(torch.nn.Module):
         quant_runtime = type("rt", (), {"startup_notes": ["placement note"]})()
-    warned = integration.startup_warnings(args, [Chunk()], {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+
+    def warnings(environ: dict, device: str = "cuda") -> list:
+        return integration.startup_warnings(CFG, [Chunk()], device=device, overlap=True,
+                                            tensor_parallel=1, sequence_parallel=False,
+                                            environ=environ)
+    warned = warnings({"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     assert warned[0] == "placement note"
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in warned[1] and "unset it" in warned[1]
-    assert integration.startup_warnings(args, [Chunk()], {}) == ["placement note"]
-    args.device = "cpu"
-    assert len(integration.startup_warnings(args, [Chunk()],
-                                            {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})) == 1
+    assert warnings({}) == ["placement note"]
+    assert len(warnings({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, device="cpu")) == 1
 
 
 def test_local_ranks_beyond_the_gpus_share_them_only_where_nccl_allows() -> None:

@@ -93,7 +93,7 @@ def _is_empty_dataset(prefix: str) -> bool:
     ``.idx`` lists no sequences), which the trainer's check refuses but a merge can skip."""
     # The index alone: IndexedDataset cannot memory-map a 0-byte .bin.
     from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
-    from megatron.distributed.quant.mcore_compat.data import read_index_summary
+    from megatron.distributed.mcore_compat.data import read_index_summary
 
     try:
         if os.path.getsize(get_bin_path(prefix)) != 0:

@@ -86,6 +86,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     from megatron.distributed.quant.collectives.gradients import two_level_reduce_scatter
     from megatron.distributed.quant.collectives.weights import quantized_all_gather
     from megatron.distributed.quant.topology import build_two_level_groups
+    from megatron.distributed.quant.config import HopSpec
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
@@ -112,15 +113,16 @@ def main(argv: Optional[List[str]] = None) -> Dict:
             dist.all_gather_into_tensor(gathered, my)
         else:
             two_level_reduce_scatter(
-                grad, shard_out, groups, bits_intra=args.bits_intra,
-                group_size_intra=args.gq_group_size_intra, bits_inter=args.bits_inter,
-                group_size_inter=args.gq_group_size_inter, hadamard=args.hadamard, generator=gen)
+                grad, shard_out, groups,
+                intra=HopSpec(args.bits_intra, args.gq_group_size_intra, hadamard=args.hadamard),
+                inter=HopSpec(args.bits_inter, args.gq_group_size_inter, hadamard=args.hadamard),
+                generator=gen)
             t1 = time.perf_counter()
             # fp32 master shard = reference + a small update (what the optimizer step produces)
             ref = params_bf16
             master = ref[rank * s:(rank + 1) * s].float() + shard_out * 1e-2
             quantized_all_gather(master, ref, gathered, groups.dp_group, mode="diff",
-                                 bits=args.weight_bits, group_size=args.wq_group_size, generator=gen)
+                                 spec=HopSpec(args.weight_bits, args.wq_group_size), generator=gen)
         t2 = time.perf_counter()
         return {"rs": t1 - t0, "ag": t2 - t1, "total": t2 - t0}
 

@@ -299,8 +299,8 @@ def install(algo: str, async_mode: str = "thread") -> Callable:
         _ORIG["_coalescing_manager"] = dist._coalescing_manager
         dist._coalescing_manager = _make_tracking_cm(_ORIG["_coalescing_manager"])
     # megatron-core's bucket groups bound both names at import: re-point them (through the
-    # compat seam, megatron/distributed/quant/mcore_compat/ddp_buckets.py).
-    from megatron.distributed.quant.mcore_compat.ddp_buckets import patch_bucket_collectives
+    # compat seam, megatron/distributed/mcore_compat/ddp_buckets.py).
+    from megatron.distributed.mcore_compat.ddp_buckets import patch_bucket_collectives
 
     if _UNDO:
         _UNDO.pop()()

@@ -1,28 +1,11 @@
 """The cluster's links, and what each collective algorithm costs on them (latency + bytes / bandwidth).
 
 Why these formulas: they are the textbook alpha-beta costs of the algorithms NCCL (and gloo) run,
-so a user can check a prediction by hand, and each is tested against a hand-computed case.
-
-* A **link** has a latency per message (alpha) and a bandwidth per direction (1/beta). The
-  intra-node link is one GPU's port (NVLink; loopback for CPU ranks); the inter-node link is the
-  node's NICs together, shared by every rank of the node that sends at the same time.
-* **Ring reduce-scatter / all-gather** of a tensor of S bytes over P ranks: P-1 steps, each rank
-  sending (P-1)/P * S in all. Over several nodes every ring crosses each node boundary once per
-  step, so a node's NICs carry (P-1)/P * S per concurrent group (NCCL spreads the rings over the
-  NICs as channels): time = (P-1) alpha + (P-1)/P * S * groups_per_node / B_inter, or over the
-  GPU's port when that is slower. (The accounting's two-level convention counts (M-1)/M * S
-  across nodes; a ring moves (P-1)/P * S, the time uses the ring's.)
-* **All-reduce**: the faster of the ring (twice the reduce-scatter) and the double binary tree
-  (2 ceil(log2 P) alpha + 2 S / B), which NCCL picks for small messages.
-* **All-to-all** with equal splits (the quantized two-level hops): every rank sends its pieces at
-  once, so one latency and each rank's bytes; on the inter-node link the node's concurrent
-  senders share the NICs.
-
-Where ``--measure`` timed a collective itself (the call the run makes, on the run's group, back
-to back at several sizes), its measured curve replaces the formula (:class:`MeasuredCollective`): on
-the same link gloo's CPU-bound all-to-all and a point-to-point ring differ by 1.6x at 1 Gbit/s,
-and NCCL picks its own algorithm and protocol per size; no formula knows which it gets.
+so a user can check a prediction by hand. Where ``--measure`` timed a collective on the run's
+group, its measured curve replaces the formula (:class:`MeasuredCollective`): the transport's own
+algorithm choice is something no formula knows. Also docs/planner.md.
 """
+# See [Note: planner collective costs] in docs/architecture.md
 
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
 """Time the model's forward and backward alone, its optimizer's update, and what overlap costs, for
 ``--measure``.
 
-Why alone: the planner needs the compute a rank does per micro-batch without any data-parallel
-communication, measured on the user's device with every rank computing at once (as they do in
-training). The model is the trainer's own, wrapped as the trainer wraps it
-(``training_components.get_model``: mixed precision, the DDP wrapper whose backward hooks
-accumulate into the gradient buffers), on random tokens, its backward inside the wrapper's
-``no_sync()`` so no bucket is reduced; and the optimizer's own update on this rank's shard as the
-trainer's step does it (``training_step.optimizer_step``: the gradients copied to the main
-parameters, the global gradient norm with its all-reduce, the clip, the torch optimizer's step),
-without the parameter all-gather that follows it in training.
-
-Then the forward and backward again, with a collective running beside them the way the
-overlapped run runs it (a thread, and on CUDA a side stream), for each kind the caller gives:
-how much slower each runs beside the other (:class:`~.calibration.Contention`). Why: on CPU ranks
-the collective's kernels and gloo's transport take the cores the model runs on; on a GPU, SMs
-and memory bandwidth; either way an overlapped collective hides less than its time alone says.
+Why alone: the planner needs a rank's compute per micro-batch without data-parallel
+communication, on the user's device with every rank computing at once. The model and optimizer
+are the trainer's own, wrapped as in training (backward under ``no_sync()``). Then forward and
+backward again beside a collective, as the overlapped run does it: an overlapped collective takes
+cores (CPU) or SMs and memory bandwidth (GPU), so it hides less than its time alone says
+(:class:`~.calibration.Contention`).
 """
 
 from __future__ import annotations

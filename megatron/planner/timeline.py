@@ -3,33 +3,9 @@
 Why a per-bucket timeline and not bytes / bandwidth: whether SDP4Bit pays off depends on how
 much of the communication hides behind the backward and forward passes, which depends on the
 bucket sizes, the order the backward pass fills them, and where the quantization kernels run.
-The model follows the run:
-
-* **compute**: the rank's model FLOPs at the measured TFLOP/s (forward 1/3, backward 2/3 of a
-  micro-batch); tensor parallelism adds its 4 all-reduces per layer and micro-batch (not
-  overlapped, as megatron-core runs them by default); pipeline parallelism the 1F1B bubble
-  (m + pp - 1 micro-batch slots) and the activations' point-to-point transfers;
-* **gradients**: each bucket's reduce-scatter may start when the last micro-batch's backward has
-  filled it (``--overlap-grad-reduce``; else all start after the backward), one bucket at a
-  time. A quantized bucket is the first hop's kernel over the whole bucket, then
-  ``--gradient-alltoall-pipeline`` chunks through two stages (intra all-to-all | middle kernel,
-  inter all-to-all, final kernel), chunk y+1's first stage beside chunk y's second;
-* **optimizer step** over the rank's shard: measured per element (``--measure``), else at the
-  device's copy bandwidth (about 30 bytes moved per element: fp32 parameter, gradient, two
-  moments, the bf16 copy);
-* **weights**: each bucket's all-gather (quantized: the difference kernel on the shard, the
-  gather of codes, the add kernel on the bucket), before the first micro-batch's forward or,
-  with ``--overlap-param-gather``, beside it: bucket j's forward waits for its gather, and
-  megatron-core's pre-hook starts bucket j+1's gather once bucket j's is done (one ahead; the
-  first is exposed); ``--overlap-param-gather-with-optimizer-step`` starts them all right after
-  the step (the trainer dispatches them there, integration.install_gather_after_step), one after
-  another;
-* **contention**: a collective that overlaps the compute slows it and is slowed by it (on CPU
-  ranks the kernels, gloo's transport and the model share the cores; on a GPU, SMs and memory
-  bandwidth); ``--measure`` times both side by side (:class:`~.calibration.Contention`), and
-  while both lanes are busy each runs at its measured slowdown (:func:`two_lanes`);
-* a collective ``--measure`` timed (the run's own call on its group, several sizes) takes its
-  measured time instead of the alpha-beta formula (:class:`~.cluster.MeasuredCollective`).
+The model follows the run: compute (with TP all-reduces and the 1F1B bubble), each bucket's
+gradient reduce-scatter, the optimizer step, each bucket's weight gather, and the slowdown of
+compute and collectives running at once (:func:`two_lanes`). See docs/planner.md ("The model").
 
 Bytes per link come from :class:`~megatron.distributed.quant.accounting.CommAccounting`, recorded
 through the same calls the collectives make.
@@ -201,10 +177,7 @@ def _record_bytes(w: Workload, cfg: QuantizationConfig, buckets: Sequence[int]) 
             if cfg.quantized_gradients:
                 acc.record_two_level_reduce_scatter(
                     f"g{i}", numel=n - n % p, elem_size=in_bytes, dp_size=p, intra_size=d,
-                    bits_intra=cfg.gradient_quantization_bits_intra,
-                    group_size_intra=cfg.gq_group_size_intra,
-                    bits_inter=cfg.gradient_quantization_bits_inter,
-                    group_size_inter=cfg.gq_group_size_inter)
+                    intra=cfg.gradient_intra_hop, inter=cfg.gradient_inter_hop)
             else:
                 acc.record_baseline(f"g{i}", kind="grad", numel=n - n % p, elem_size=in_bytes,
                                     dp_size=p, peers_intra=d - 1, peers_inter=p - d)
@@ -212,9 +185,7 @@ def _record_bytes(w: Workload, cfg: QuantizationConfig, buckets: Sequence[int]) 
             if cfg.quantized_weights:
                 shard -= shard % cfg.wq_group_size
                 acc.record_quantized_all_gather(f"w{i}", shard_numel=shard, elem_size=2,
-                                                bits=cfg.weight_quantization_bits,
-                                                group_size=cfg.wq_group_size,
-                                                hops=[(d - 1, p - d)])
+                                                spec=cfg.weight_hop, hops=[(d - 1, p - d)])
             else:
                 acc.record_baseline(f"w{i}", kind="weight", numel=shard * p, elem_size=2,
                                     dp_size=p, peers_intra=d - 1, peers_inter=p - d)

@@ -1,12 +1,8 @@
 """What one training iteration of a run is, from its ``pretrain_gpt.py`` flags and the cluster.
 
-Why from the flags: the user plans the run they will launch, so the planner reads the same
-argument parser (``megatron.training.arguments``) and the same FLOPs count as the trainer's
-``--log-throughput`` (``megatron.training.model.flops``). This module decides the layout: the
-data-parallel grid (D ranks per node x M nodes, tensor parallel inside a node first, as
-megatron-core's default rank order places it), micro-batches per iteration, the parameters each
-rank holds and how megatron-core's DDP cuts them into buckets (40M elements or 1M x DP with
-``--overlap-grad-reduce``, one bucket without).
+Why from the flags: the user plans the run they will launch, so the planner reads the trainer's
+argument parser and FLOPs count. This module decides the layout: the data-parallel grid, the
+micro-batches, the parameters each rank holds and megatron-core's buckets.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ on exit, :func:`enable_cpu_mode` enters once for the rest of the process):
 
 2. The RNG tracker's CUDA state getter/setter (private ``tensor_parallel.random`` globals,
    replaced through
-   :func:`megatron.distributed.quant.mcore_compat.process_globals.patch_tp_rng_state`) become
+   :func:`megatron.distributed.mcore_compat.process_globals.patch_tp_rng_state`) become
    CPU-generator versions, so ``get_cuda_rng_tracker().fork()`` (dropout in TP regions) forks the
    CPU generator exactly as it would fork the CUDA one, and ``model_parallel_cuda_manual_seed``
    works.
@@ -399,7 +399,7 @@ def _patch_tensor_method(name: str, fn: Callable) -> Undo:
 def _apply_patches() -> List[Undo]:
     """Apply patches 1-5 (the proxying itself is :func:`_proxy_loaded_modules`); returns the
     undos in application order. On a failure part-way, what was applied is undone first."""
-    from megatron.distributed.quant.mcore_compat import process_globals as mcore_globals
+    from megatron.distributed.mcore_compat import process_globals as mcore_globals
 
     undo: List[Undo] = []
     try:

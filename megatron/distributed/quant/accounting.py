@@ -1,38 +1,21 @@
 """Communication-volume accounting for the quantized collectives.
 
-Convention: per collective, the payload bytes this rank sends to the other ranks of the group,
-by link, in the form the backend moves them across a two-level cluster (below), counted the same
-way for the quantized path and megatron-core's baseline, so the two are directly comparable.
-Codes AND scales are counted.
-
-* all-to-all with equal splits in a group of g ranks sending B bytes: each of the g-1 peers gets
-  B/g bytes (its pieces are all distinct: nothing can be combined on the way).
-* all-gather and reduce-scatter over a group of D ranks per node x M nodes (P = D*M), in their
-  two-level form: this rank's N/P elements (its gathered shard, or the slice it receives reduced)
-  are exchanged with the M-1 ranks of the same local index on the other nodes (inter), and the
-  node's N/D with the D-1 local peers (intra). That is what NCCL's ring / tree algorithms move
-  across nodes, up to factors (P-1)/P, and the structure of our two-level reduce-scatter, so a
-  ratio on a link is the compression alone. (Counted per peer instead, a flat collective would
-  seem to send (P-D)*N/P across nodes, D times what is sent: the 4-bit path's inter-node ratio
-  looked D times better than its 4.25 / 32 bits.) A group that is not a D x M grid is counted
-  per peer. An all-gather hop whose peers are all on one link (PaRO's hop-by-hop gathers) is
-  both.
-* the baseline is megatron-core's unquantized reduce-scatter / all-gather of the same N elements
-  of ``elem_size`` bytes, counted the same way.
-
-Peers are classified by link: 'intra' (same node) or 'inter' (another node). "Bits per element"
-of a link is ``8 * bytes / elements`` where elements counts the values those bytes carry (the
-wire format's cost per value: 4.25 for 4-bit codes with one fp32 scale per 128 values, 32 for the
-fp32 baseline). ``ratio`` compares our bytes on a link with the baseline's bytes on the same link.
+Per collective: the payload bytes (codes and scales) this rank sends, by link ('intra' or
+'inter'), counted the same way for the quantized path and megatron-core's baseline so that
+``ratio`` on a link is the compression alone. "Bits per element" is ``8 * bytes / elements``.
 """
+# See [Note: byte accounting convention] in docs/architecture.md
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, Optional, Sequence, Tuple
 
 from .kernels.reference import QuantizedTensor
+
+if TYPE_CHECKING:
+    from .config import HopSpec
 
 __all__ = ["CommAccounting", "LinkCounter"]
 
@@ -182,11 +165,11 @@ class CommAccounting:
             st.calls += 1
 
     def record_two_level_reduce_scatter(self, name: str, *, numel: int, elem_size: int,
-                                        dp_size: int, intra_size: int, bits_intra: int,
-                                        group_size_intra: int, bits_inter: int,
-                                        group_size_inter: int) -> None:
+                                        dp_size: int, intra_size: int, intra: "HopSpec",
+                                        inter: "HopSpec") -> None:
         """Record one bucket's quantized gradient reduce-scatter (TLq / TLq-HS) of ``numel``
-        elements of ``elem_size`` bytes over ``dp_size`` ranks, ``intra_size`` per node: the
+        elements of ``elem_size`` bytes over ``dp_size`` ranks, ``intra_size`` per node, each hop
+        encoded as its :class:`~.config.HopSpec` says: the
         baseline it replaces, the first hop's all-to-all (intra-node, or inter-node when
         ``intra_size`` is 1) and, across a two-level grid, the inter-node hop's. The collective
         and the speed planner both record through this, so their bytes cannot differ."""
@@ -195,25 +178,26 @@ class CommAccounting:
         self.record_baseline(name, kind="grad", numel=numel, elem_size=elem_size, dp_size=p,
                              peers_intra=d - 1, peers_inter=p - d)
         if d > 1:
-            bits1, gs1, size1 = bits_intra, group_size_intra, d
+            bits1, gs1, size1 = intra.bits, intra.group_size, d
         else:
-            bits1, gs1, size1 = bits_inter, group_size_inter, m
+            bits1, gs1, size1 = inter.bits, inter.group_size, m
         self.record_all_to_all(name, kind="grad", total_bytes=QuantizedTensor.wire_bytes(numel, bits1, gs1),
                                total_elements=numel, group_size=size1,
                                peers_intra=size1 - 1 if d > 1 else 0,
                                peers_inter=0 if d > 1 else size1 - 1)
         if d > 1 and m > 1:
             self.record_all_to_all(name, kind="grad",
-                                   total_bytes=QuantizedTensor.wire_bytes(numel // d, bits_inter,
-                                                                          group_size_inter),
+                                   total_bytes=QuantizedTensor.wire_bytes(numel // d, inter.bits,
+                                                                          inter.group_size),
                                    total_elements=numel // d, group_size=m, peers_intra=0,
                                    peers_inter=m - 1)
 
     def record_quantized_all_gather(self, name: str, *, shard_numel: int, elem_size: int,
-                                    bits: int, group_size: int,
+                                    spec: "HopSpec",
                                     hops: "Sequence[Tuple[int, int]]") -> None:
         """Record one quantized weight all-gather of a ``shard_numel``-element shard (elements of
-        ``elem_size`` bytes in the gathered output) over ``hops``, each hop a group given as
+        ``elem_size`` bytes in the gathered output, encoded as ``spec`` says) over ``hops``, each
+        hop a group given as
         (peers on this node, peers on other nodes); a later hop forwards what the earlier ones
         gathered. One hop of mixed peers is counted in :meth:`record_all_gather`'s two-level form.
         The collective and the speed planner both record through this."""
@@ -224,7 +208,8 @@ class CommAccounting:
         held = shard_numel
         for pi, pe in hops:
             self.record_all_gather(name, kind="weight",
-                                   shard_bytes=QuantizedTensor.wire_bytes(held, bits, group_size),
+                                   shard_bytes=QuantizedTensor.wire_bytes(held, spec.bits,
+                                                                          spec.group_size),
                                    shard_elements=held, peers_intra=pi, peers_inter=pe)
             held *= pi + pe + 1
 

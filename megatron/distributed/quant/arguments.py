@@ -4,10 +4,9 @@ Names and defaults follow the SDP4Bit reference (`--quantized-weights`, `--gq-gr
 plus our own additions (`--quantized-grad-bits`, `--data-parallel-intra-node-size`, LoCo,
 `--grad-accum-dtype`). :meth:`QuantizationConfig.from_args` turns them into the one config object.
 
-Why :func:`check_flag_dependencies`: a sub-flag such as ``--hadamard-transform`` given without
-the switch that turns its path on (``--quantized-gradients``) used to be accepted and silently did
-nothing, so a run believed to be TLq-HS trained unquantized. Such flags are refused at parse time;
-:data:`REQUIRES` is the one table of which flag needs which switch.
+A sub-flag (``--hadamard-transform``) without the switch that turns its path on
+(``--quantized-gradients``) would silently do nothing, so :func:`check_flag_dependencies` refuses it
+at parse time; :data:`REQUIRES` is the one table of which flag needs which switch.
 """
 
 from __future__ import annotations

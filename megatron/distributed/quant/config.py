@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from typing import Any, List, Mapping, Optional, Tuple
 
 from .kernels.reference import SUPPORTED_BITS  # the one definition (the kernels' numerics)
 from .loco import LOCO_ERROR_BITS  # the one definition (the error buffers' storage)
 
-__all__ = ["QuantizationConfig", "SUPPORTED_BITS", "FIDELITY_NOTES", "TopologyUnknownError",
+__all__ = ["QuantizationConfig", "HopSpec", "ParoConfig", "SUPPORTED_BITS", "FIDELITY_NOTES", "TopologyUnknownError",
            "launcher_ranks_per_node", "ranks_per_node_from_hosts"]
 
 LAUNCHER_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
@@ -84,13 +84,105 @@ FIDELITY_NOTES = {
 
 
 @dataclass(frozen=True)
+class HopSpec:
+    """How one hop of a quantized collective encodes what it sends.
+
+    One value per hop so a collective takes one argument per hop rather than one per setting
+    (:func:`.collectives.gradients.two_level_reduce_scatter` takes ``intra`` and ``inter``,
+    :func:`.collectives.weights.quantized_all_gather` one ``spec``); the trainer's come from
+    :class:`QuantizationConfig` (:attr:`~QuantizationConfig.gradient_intra_hop`, ...)."""
+
+    bits: int
+    """Bits per code on the wire; one of :data:`SUPPORTED_BITS`."""
+    group_size: int
+    """Elements per quantization group (one fp32 scale each)."""
+    stochastic: bool = True
+    """Round codes stochastically (unbiased) instead of to nearest."""
+    hadamard: bool = False
+    """Walsh-Hadamard transform before quantizing (TLq-HS); a two-hop collective applies it once
+    before its first hop and inverts it after its last, so its hops must agree."""
+    hadamard_block: int = 32
+    """Elements per Hadamard block; a power of two dividing :attr:`group_size`."""
+
+
+@dataclass(frozen=True)
+class ParoConfig:
+    """``--paro-strategy`` and what choosing and reporting a strategy needs to know of the run.
+
+    Read from the command line once (:meth:`from_args`, at argument validation) so the layer
+    never reads the trainer's argparse Namespace afterwards: ``auto`` is resolved from this
+    (:func:`.paro.integration.resolve_auto_strategy` returns the new config, the trainer records
+    it) and the startup report is written from it."""
+
+    strategy: Optional[str] = None
+    """The canonical strategy name (e.g. 'NIG'), 'auto' (resolved at startup), or None (none)."""
+    group_size: Optional[int] = None
+    """Data-parallel ranks per PaRO group: resolved with a strategy, as given without one."""
+    gpu_memory_gb: Optional[float] = None
+    """``--paro-gpu-memory-gb``: memory per rank ``auto`` may fill; None: the device's."""
+    reserved_memory_gb: Optional[float] = None
+    """``--paro-reserved-memory-gb``: memory per rank ``auto`` keeps free; None: its default."""
+    intra_bandwidth_gbs: float = 150.0
+    """Intra-group bandwidth per GPU in GB/s (the cost model's)."""
+    inter_bandwidth_gbs: float = 12.5
+    """Inter-group bandwidth per GPU in GB/s (the cost model's)."""
+    data_parallel_size: int = 1
+    """The run's data-parallel size (the ranks the strategy partitions over)."""
+    tensor_model_parallel_size: int = 1
+    """The run's tensor-parallel size (the default group is a node's ranks // TP)."""
+    pipeline_model_parallel_size: int = 1
+    """The run's pipeline-parallel size (with TP: the report's figures are this rank's share)."""
+    device: str = "cpu"
+    """'cuda' or 'cpu': whose memory ``auto`` measures without ``--paro-gpu-memory-gb``."""
+    param_bytes: float = 4.0
+    """Bytes per stored parameter element (2 with --bf16 / --fp16; also the memory report's)."""
+    grad_bytes: float = 4.0
+    """Bytes per stored gradient element (4 with fp32 accumulation or fp32 parameters)."""
+
+    @classmethod
+    def from_args(cls, args: Any) -> "ParoConfig":
+        """The ``--paro-*`` flags as given, and the run's sizes and precision (those of validated
+        arguments: the data-parallel size is derived there). :meth:`resolved` finishes it."""
+        mixed = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
+        fp32_grads = bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)) or not mixed
+        defaults = cls()
+        return cls(strategy=getattr(args, "paro_strategy", None),
+                   group_size=getattr(args, "paro_group_size", None),
+                   gpu_memory_gb=getattr(args, "paro_gpu_memory_gb", None),
+                   reserved_memory_gb=getattr(args, "paro_reserved_memory_gb", None),
+                   intra_bandwidth_gbs=getattr(args, "paro_intra_bandwidth_gbs",
+                                               defaults.intra_bandwidth_gbs),
+                   inter_bandwidth_gbs=getattr(args, "paro_inter_bandwidth_gbs",
+                                               defaults.inter_bandwidth_gbs),
+                   data_parallel_size=getattr(args, "data_parallel_size", None) or 1,
+                   tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
+                   pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
+                   device=getattr(args, "device", None) or "cpu",
+                   param_bytes=2.0 if mixed else 4.0, grad_bytes=4.0 if fp32_grads else 2.0)
+
+    def resolved(self, use_distributed_optimizer: bool) -> "ParoConfig":
+        """The strategy's canonical name (or 'auto') and its group size, for training with
+        ``use_distributed_optimizer`` (:func:`.paro.strategy.check_trainable`,
+        :func:`.paro.strategy.resolve_group_size`); unchanged without a strategy. ValueError
+        with the fix."""
+        from .paro.strategy import AUTO, check_trainable, resolve_group_size
+
+        if self.strategy is None:
+            return self
+        parsed = check_trainable(self.strategy, use_distributed_optimizer)
+        group_size = resolve_group_size(self.data_parallel_size, self.group_size,
+                                        self.tensor_model_parallel_size)
+        return replace(self, strategy=parsed if parsed == AUTO else parsed.name,
+                       group_size=group_size)
+
+
+@dataclass(frozen=True)
 class QuantizationConfig:
     """All quantization options of the communication layer.
 
-    Frozen: built once (:meth:`from_args`), then shared by every bucket group, the runtime and the
-    optimizer hooks, so no component can change an option under another's feet; derive a variant
-    with ``dataclasses.replace``. Defaults follow the SDP4Bit reference flags (see
-    ../shared/research/sdp4bit.md §1.1). Each field is the flag of the same name with dashes.
+    Frozen: built and validated once (:meth:`from_args`) and shared by every component, so none
+    can change an option under another; derive variants with ``dataclasses.replace``. Each field
+    but :attr:`paro` is the flag of the same name; collectives take per-hop :class:`HopSpec` values.
     """
 
     # --- qWD / qW: weight all-gather ---------------------------------------------------------
@@ -163,6 +255,10 @@ class QuantizationConfig:
     (``quant_error_*`` in the log line, tensorboard and jsonl); those iterations run without
     communication overlap. 0 = off (the reference's debug environment variable, as a flag)."""
 
+    # --- PaRO --------------------------------------------------------------------------------
+    paro: ParoConfig = field(default_factory=ParoConfig)
+    """``--paro-strategy`` and the run facts choosing and reporting it needs (:class:`ParoConfig`)."""
+
     def fidelity_warnings(self) -> List[str]:
         """Settings outside what the error study found safe, each with the measured reason
         (docs/results.md); the trainer prints them at startup. Empty when nothing is risky."""
@@ -177,6 +273,23 @@ class QuantizationConfig:
             out.append(f"--weight-quantization-bits {self.weight_quantization_bits}: "
                        f"{FIDELITY_NOTES['weight_2bit']}")
         return out
+
+    @property
+    def gradient_intra_hop(self) -> HopSpec:
+        """The gradient reduce-scatter's intra-node hop."""
+        return HopSpec(self.gradient_quantization_bits_intra, self.gq_group_size_intra,
+                       self.stochastic_rounding, self.hadamard_transform, self.hadamard_block_size)
+
+    @property
+    def gradient_inter_hop(self) -> HopSpec:
+        """The gradient reduce-scatter's inter-node hop."""
+        return HopSpec(self.gradient_quantization_bits_inter, self.gq_group_size_inter,
+                       self.stochastic_rounding, self.hadamard_transform, self.hadamard_block_size)
+
+    @property
+    def weight_hop(self) -> HopSpec:
+        """The weight all-gather's codes (every hop of it: quantized once, forwarded)."""
+        return HopSpec(self.weight_quantization_bits, self.wq_group_size, self.stochastic_rounding)
 
     @property
     def enabled(self) -> bool:
@@ -243,14 +356,10 @@ class QuantizationConfig:
         (:func:`launcher_ranks_per_node`: torchrun, SLURM, Open MPI, MPICH, MVAPICH2); else
         ``dp_ranks_per_host``, counted by the runtime from the ranks' hostnames.
 
-        Without any of them it raises :class:`TopologyUnknownError`: assuming one node (what
-        this did before) made a multi-node ``srun``/``mpirun`` job run its 8-bit intra-node hop
-        over the inter-node network and report it as intra-node.
-
-        The one resolver of this number: ``validate_args`` calls it at parse time (so a size
-        that does not divide the DP size stops the launch with one message; an unknown one is
-        left to the runtime, which can count hostnames) and the runtime calls it again to build
-        the two-level groups. Raises ValueError naming the flag."""
+        Without any of them it raises :class:`TopologyUnknownError` rather than assume one node
+        (which would run a multi-node job's intra-node hop over the inter-node network). The one
+        resolver of this number (``validate_args`` and the runtime both call it); raises
+        ValueError naming the flag."""
         launcher = launcher_ranks_per_node(environ)
         if self.data_parallel_intra_node_size is not None:
             d = self.data_parallel_intra_node_size
@@ -284,17 +393,20 @@ class QuantizationConfig:
 
     @classmethod
     def from_args(cls, args: Any) -> "QuantizationConfig":
-        """The one place flags become a QuantizationConfig."""
-        kwargs = {}
+        """The one place flags become a QuantizationConfig: derived values finished (the
+        ``--quantized-grad-bits`` shorthand), validated, and the PaRO flags read as given
+        (:meth:`ParoConfig.from_args`; the trainer's ``integration.build_quantization_config``
+        resolves them). ValueError naming the flag."""
+        kwargs: dict = {}
         for name in cls.__dataclass_fields__:
-            if hasattr(args, name):
+            if name != "paro" and hasattr(args, name):
                 kwargs[name] = getattr(args, name)
         cfg = cls(**kwargs)
         if getattr(args, "quantized_grad_bits", None) is not None:
             cfg = replace(cfg, quantized_gradients=True,
                           gradient_quantization_bits_inter=args.quantized_grad_bits)
         cfg.validate()
-        return cfg
+        return replace(cfg, paro=ParoConfig.from_args(args))
 
     def to_dict(self) -> dict:
         """Plain dict of every field (logs, dry run, the quantization state's config record)."""

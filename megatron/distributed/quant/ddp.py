@@ -1,37 +1,11 @@
 """Quantized communication wired into megatron-core 0.16.1's DDP (subclasses, no fork).
 
-What is overridden, and why (everything else is megatron-core's own code; every touch of a
-megatron-core private name or behaviour goes through :mod:`.mcore_compat`, with a contract test
-each):
-
-* Buckets are built by :class:`~.mcore_compat.ddp_buckets.PaddedParamAndGradBuffer`, which only
-  changes bucket *padding* so that every DP shard of a bucket holds whole quantization groups.
-* :class:`QuantizedBucketGroup` (subclass of megatron-core's bucket group; the instances DDP built
-  are adopted after ``DistributedDataParallel.__init__``) overrides ``start_grad_sync``
-  (quantized two-level reduce-scatter, TLq/TLq-HS, LoCo) and ``start_param_sync`` (qWD / qW
-  all-gather). Each override first decides whether the quantized path applies; if not it calls
-  ``super()`` unchanged. ``finish_grad_sync`` / ``finish_param_sync`` are megatron-core's: they
-  only call ``.wait()`` on the handle we store. With ``--overlap-grad-reduce`` /
-  ``--overlap-param-gather`` (or ``--gradient-alltoall-pipeline`` > 1) the collectives run on the
-  runtime's communication stages (:mod:`.streams`) behind that handle; otherwise inline.
-* :class:`QuantizedDistributedDataParallel` (subclass of ``DistributedDataParallel``) builds the
-  buffers through the padded class (:func:`~.mcore_compat.ddp_buckets.ddp_buffer_class`, only during
-  ``super().__init__``), then adopts the bucket groups and attaches the runtime.
-* :func:`install_optimizer_hooks` wraps two methods of the megatron-core optimizer instance:
-  the copy of main params into the model params (take a copy of this rank's shard of the
-  reconstructed weights before it is overwritten: in megatron-core 0.16 model params *are* views
-  of the param buffer, so qWD's reference for the own shard would otherwise be lost) and
-  ``prepare_grads`` of the top-level optimizer (report non-finite quantized gradients as
-  ``found_inf`` so the step is skipped even for bf16 runs without a grad scaler).
-
-The communication itself -- and the state it needs (config, two-level groups, generators, LoCo,
-accounting, timing, qWD references, the NaN/Inf agreement) -- is the model's
-:class:`~.runtime.QuantizationRuntime`, the object the PaRO engine uses too: this module only
-decides when, and on which megatron-core buffers.
-
-Gradient pre-scaling (``gradient_scaling_factor``) is applied exactly as megatron-core does it,
-before quantization; with ``average_in_collective`` (megatron-core uses ``ReduceOp.AVG``) the
-quantized SUM is divided by P afterwards.
+Overridden (all else is megatron-core's code, touched only through :mod:`.mcore_compat`):
+bucket padding (whole quantization groups per DP shard), :class:`QuantizedBucketGroup`'s
+``start_grad_sync`` / ``start_param_sync`` (falling back to ``super()`` when the quantized path does
+not apply), and two optimizer hooks (:func:`install_optimizer_hooks`). The communication itself is
+the model's :class:`~.runtime.QuantizationRuntime`; this module decides when, on which buffers.
+See "Inside megatron-core's DDP (ddp.py)" in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -43,8 +17,8 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer import TransformerConfig
 
-from .mcore_compat import ddp_buckets
-from .mcore_compat.optimizer import (leaf_optimizers, wrap_copy_main_params_to_model_params,
+from megatron.distributed.mcore_compat import ddp_buckets
+from megatron.distributed.mcore_compat.optimizer import (leaf_optimizers, wrap_copy_main_params_to_model_params,
                                      wrap_prepare_grads, writes_model_params_in_step)
 from .collectives.common import PendingCollective, required_padding_multiple_from_config
 from .config import QuantizationConfig
@@ -217,15 +191,9 @@ class QuantizedBucketGroup(ddp_buckets.ParamAndGradBucketGroup):
 def weight_quantization_dtype_error(quant_config: QuantizationConfig,
                                     params_dtype: Optional[torch.dtype]) -> Optional[str]:
     """Why quantized weights cannot run on megatron-core's distributed optimizer with
-    ``params_dtype`` parameters, or None when they can.
-
-    With fp32 parameters megatron-core's ``DistributedOptimizer`` keeps no separate master copy:
-    its fp32 shard *is* a view of this rank's slice of the parameter buffer, updated in place by
-    the optimizer step. The quantized gather writes reconstructed weights into that buffer (the
-    master would become them) and qWD's reference snapshot, taken before the copy of main params
-    into the buffer, would already hold the new weights (every difference sent would be ~0 and
-    the replicas drift apart). Measured: fp32 qWD/SDP4Bit runs rose to loss 9.5 where the
-    baseline reached 5.4. With bf16/fp16 parameters the fp32 masters are separate."""
+    ``params_dtype`` parameters, or None when they can: with fp32 parameters the optimizer's master
+    shard is the parameter buffer the gather overwrites."""
+    # See [Note: quantized weights need separate masters] in docs/architecture.md
     if quant_config.quantized_weights and params_dtype == torch.float32:
         return ("--quantized-weights needs --bf16 (or --fp16) on megatron-core's distributed "
                 "optimizer: with fp32 parameters the optimizer updates the parameter buffer in "

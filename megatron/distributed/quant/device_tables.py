@@ -1,13 +1,8 @@
 """Small constant index tables on the device, built once and never with a host sync.
 
-Why: a partition order becomes a device index table inside the per-bucket path (the Triton
-quantize kernel's slot table, LoCo's un-permutation of what hop 1 sent). ``torch.tensor(list,
-device="cuda")`` copies from pageable host memory, which blocks the host until the copy is done:
-a host synchronisation per bucket inside the backward hooks (found by bench/virtual_cuda_ranks.py
-under ``set_sync_debug_mode("error")``). Here each table is copied once per (order, device) from
-pinned memory without blocking, on the stream that first asks for it; an event marks the copy and
-every later caller's current stream waits on it (a device-side wait), so a table first built on
-one communication stage's stream is safe on any other.
+Why: ``torch.tensor(list, device="cuda")`` copies from pageable memory and blocks the host, a
+sync per bucket in the backward hooks. Each table is copied once per (order, device) from pinned
+memory on the stream that first asks; an event makes every later caller's stream wait on the copy.
 """
 
 from __future__ import annotations

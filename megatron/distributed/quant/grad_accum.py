@@ -1,50 +1,24 @@
 """Gradient-accumulation dtype, decoupled from the wire format.
 
-megatron-core has one knob, ``DistributedDataParallelConfig.grad_reduce_in_fp32``: the DDP grad
-buffer (``param.main_grad``, where every micro-batch's gradient is added) is fp32 when it is set,
-else the parameter dtype -- and the reduce-scatter runs on that same buffer, so accumulation dtype
-and wire dtype are one and the same (see ../shared/research/gradaccum.md §B).
-
-With quantized gradients the wire format is the quantized codes, whatever the buffer dtype, so
-the two choices become independent, as in DeepSpeed's ``data_types.grad_accum_dtype``:
-
-* ``--grad-accum-dtype fp32|bf16`` picks the buffer (accumulation) dtype, i.e. sets
-  ``grad_reduce_in_fp32``; ``None`` keeps megatron-core's behaviour (fp32 when
-  ``--accumulate-allreduce-grads-in-fp32``, which Megatron turns on for ``--bf16``; else the param
-  dtype);
-* the wire is the quantized two-level all-to-all when ``--quantized-gradients`` (codes + fp32
-  scales per group), else megatron-core's exact reduce-scatter *in the accumulation dtype*.
-
-megatron-core can only allocate the buffer in fp32 or in the parameter dtype, so bf16 accumulation
-needs bf16 parameters.
+In megatron-core the grad buffer's dtype (``grad_reduce_in_fp32``) is also the wire dtype; with
+quantized gradients the wire is the codes, so the two are independent (as DeepSpeed's
+``grad_accum_dtype``). ``--grad-accum-dtype fp32|bf16`` sets the buffer dtype (``None``:
+megatron-core's choice); megatron-core allocates it in fp32 or the parameter dtype only, so bf16
+needs bf16 params.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Tuple
 
 import torch
 
 from .config import QuantizationConfig
 
-__all__ = ["resolve_grad_dtypes", "apply_grad_accum_dtype", "params_dtype_of", "describe_wire",
-           "DTYPE_NAMES"]
+__all__ = ["resolve_grad_dtypes", "apply_grad_accum_dtype", "describe_wire", "DTYPE_NAMES"]
 
 DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def params_dtype_of(args: Any) -> torch.dtype:
-    """Parameter dtype implied by Megatron-style flags (``--bf16`` / ``--fp16``, else fp32), or an
-    explicit ``params_dtype`` attribute (TransformerConfig)."""
-    explicit = getattr(args, "params_dtype", None)
-    if isinstance(explicit, torch.dtype):
-        return explicit
-    if getattr(args, "bf16", False):
-        return torch.bfloat16
-    if getattr(args, "fp16", False):
-        return torch.float16
-    return torch.float32
 
 
 def describe_wire(quant: QuantizationConfig, accum_dtype: torch.dtype) -> str:
@@ -64,34 +38,25 @@ def describe_wire(quant: QuantizationConfig, accum_dtype: torch.dtype) -> str:
     return desc
 
 
-def resolve_grad_dtypes(args_or_config: Any, *, params_dtype: Optional[torch.dtype] = None,
-                        accumulate_in_fp32_default: Optional[bool] = None
-                        ) -> Tuple[torch.dtype, str]:
-    """``(accumulation dtype, wire description)`` for argparse args or a QuantizationConfig.
+def resolve_grad_dtypes(quant: QuantizationConfig, *, params_dtype: torch.dtype = torch.float32,
+                        accumulate_in_fp32_default: bool = False) -> Tuple[torch.dtype, str]:
+    """``(accumulation dtype, wire description)`` of the run's config.
 
-    With args, the default (``--grad-accum-dtype`` unset) follows megatron-core/Megatron:
-    fp32 if ``args.accumulate_allreduce_grads_in_fp32`` else the param dtype. With a bare
-    QuantizationConfig pass ``params_dtype`` and ``accumulate_in_fp32_default`` (what the trainer
-    would give megatron-core as ``grad_reduce_in_fp32``).
+    ``params_dtype``: the parameters'; ``accumulate_in_fp32_default``: what the trainer gives
+    megatron-core as ``grad_reduce_in_fp32`` (``--accumulate-allreduce-grads-in-fp32``), the
+    accumulation dtype when ``--grad-accum-dtype`` is unset (fp32 if set, else the parameter
+    dtype, as megatron-core/Megatron do). ValueError for bf16 accumulation of non-bf16
+    parameters (megatron-core's grad buffer is fp32 or the parameter dtype).
     """
-    if isinstance(args_or_config, QuantizationConfig):
-        quant = args_or_config
-        pdtype = params_dtype if params_dtype is not None else torch.float32
-        fp32_default = bool(accumulate_in_fp32_default)
-    else:
-        quant = QuantizationConfig.from_args(args_or_config)
-        pdtype = params_dtype if params_dtype is not None else params_dtype_of(args_or_config)
-        fp32_default = (bool(getattr(args_or_config, "accumulate_allreduce_grads_in_fp32", False))
-                        if accumulate_in_fp32_default is None else bool(accumulate_in_fp32_default))
     if quant.grad_accum_dtype is None:
-        accum = torch.float32 if fp32_default else pdtype
+        accum = torch.float32 if accumulate_in_fp32_default else params_dtype
     else:
         accum = DTYPE_NAMES[quant.grad_accum_dtype]
-        if accum != torch.float32 and accum != pdtype:
+        if accum != torch.float32 and accum != params_dtype:
             raise ValueError(
                 f"--grad-accum-dtype {quant.grad_accum_dtype} needs {quant.grad_accum_dtype} "
                 f"parameters (megatron-core's grad buffer is fp32 or the param dtype), params are "
-                f"{_SHORT.get(pdtype, pdtype)}")
+                f"{_SHORT.get(params_dtype, params_dtype)}")
     return accum, describe_wire(quant, accum)
 
 
@@ -101,7 +66,7 @@ def apply_grad_accum_dtype(ddp_config: Any, quant: QuantizationConfig,
 
     Returns the resulting accumulation dtype (the dtype of megatron-core's grad buffer)."""
     accum, _ = resolve_grad_dtypes(quant, params_dtype=params_dtype,
-                                   accumulate_in_fp32_default=ddp_config.grad_reduce_in_fp32)
+                                   accumulate_in_fp32_default=bool(ddp_config.grad_reduce_in_fp32))
     if quant.grad_accum_dtype is not None:
         ddp_config.grad_reduce_in_fp32 = accum == torch.float32
     return accum

@@ -1,18 +1,10 @@
 """The training layer's only entry points into the quantized communication layer.
 
-`megatron/training` calls these functions and nothing else from `megatron.distributed.quant`
-(apart from :mod:`.mcore_compat`, the one seam to megatron-core's private names, which the
-trainer's own megatron-core touch points use too), so the trainer stays unaware of how
-quantization and the PaRO strategies are wired into megatron-core: flags (:func:`add_arguments`,
-:func:`build_quantization_config`, :func:`check_strategy_args`), the data-parallel wrapper and
-optimizer for a strategy
-(:func:`wrap_model`, :func:`build_optimizer`, :func:`finalize_model_grads_func`), per-iteration
-hooks, checkpoint hooks (:func:`full_model_params`, the quantization state) and reports
-(:func:`strategy_report`, :func:`communication_report`). With quantization off and no PaRO engine
-strategy every function reduces to plain megatron-core behaviour (bit-identical results): the
-model chunks are plain ``DistributedDataParallel`` objects and every hook below is a no-op for
-them. Heavy modules (megatron-core, the DDP subclasses, the PaRO engine) are imported inside the
-functions that need them; the PaRO-specific building lives in :mod:`.paro.integration`.
+`megatron/training` uses only these (besides :mod:`.mcore_compat` and ``failures``), so the trainer
+does not know how quantization and PaRO are wired into megatron-core: flags, the data-parallel
+wrapper and optimizer, per-iteration and checkpoint hooks, reports. With quantization off and no
+PaRO engine strategy every function is plain megatron-core behaviour (bit-identical). Heavy modules
+are imported inside the functions that need them; PaRO building is in :mod:`.paro.integration`.
 """
 
 from __future__ import annotations
@@ -26,7 +18,8 @@ from typing import TYPE_CHECKING, AbstractSet, Any, Dict, Iterator, List, Option
 import torch
 
 from .arguments import gradients_quantized  # noqa: F401 (re-export)
-from .config import QuantizationConfig, TopologyUnknownError  # noqa: F401 (re-export)
+from .config import (HopSpec, ParoConfig, QuantizationConfig,  # noqa: F401 (re-export)
+                     TopologyUnknownError)
 from .grad_accum import apply_grad_accum_dtype, resolve_grad_dtypes  # noqa: F401 (re-export)
 
 if TYPE_CHECKING:
@@ -40,6 +33,7 @@ __all__ = [
     "on_step_skipped", "on_loss_scale_changed", "full_model_params", "quantization_state_dict",
     "load_quantization_state_dict", "reset_quantization_state", "strategy_report",
     "communication_report", "resolve_grad_dtypes", "TopologyUnknownError", "nobody_to_talk_to",
+    "activation_bytes_estimate", "QuantizationConfig", "ParoConfig", "HopSpec",
 ]
 
 
@@ -56,21 +50,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def build_quantization_config(args: argparse.Namespace,
                               given: AbstractSet[str]) -> QuantizationConfig:
-    """The one :class:`QuantizationConfig` of the run, after checking that every quantization
-    sub-flag in ``given`` (the dests set on the command line) has its switch. ValueError."""
+    """The one :class:`QuantizationConfig` of the run, PaRO settings included
+    (:attr:`QuantizationConfig.paro`: the strategy's canonical name and group size, which the
+    trainer records as ``args.paro_strategy`` / ``args.paro_group_size``), after checking that
+    every quantization sub-flag in ``given`` (the dests set on the command line) has its switch.
+    Needs the validated parallel sizes. After this the layer reads nothing of ``args``.
+    ValueError."""
+    import dataclasses
+
     from .arguments import check_flag_dependencies
 
     check_flag_dependencies(args, given)
-    return QuantizationConfig.from_args(args)
+    config = QuantizationConfig.from_args(args)
+    return dataclasses.replace(
+        config, paro=config.paro.resolved(bool(args.use_distributed_optimizer)))
 
 
 def check_strategy_args(args: argparse.Namespace) -> None:
-    """Accept or refuse ``--paro-strategy`` for this run (ValueError with the fix); normalises
-    ``args.paro_strategy`` / ``args.paro_group_size``. Needs ``args.quant_config`` and the
-    parallel sizes."""
+    """Accept or refuse the strategy of ``args.quant_config`` against the rest of the command
+    line (ValueError with the fix); part of argument validation, writes nothing."""
     from .paro.args import check_paro_args
 
-    check_paro_args(args)
+    check_paro_args(args, args.quant_config)
 
 
 def uses_sharded_engine(strategy: Optional[str]) -> bool:
@@ -85,7 +86,7 @@ def wait_param_gathers_in_flight(model_chunks: List[torch.nn.Module]) -> None:
     """Wait for the weight all-gathers still in flight (end of training: with
     ``--overlap-param-gather-with-optimizer-step`` the last step leaves them running, and the
     process group must not be destroyed under them). Starts none."""
-    from .mcore_compat import ddp_buckets
+    from megatron.distributed.mcore_compat import ddp_buckets
 
     for chunk in model_chunks:
         if hasattr(chunk, "bucket_groups"):
@@ -144,13 +145,24 @@ def wrap_model(config: "TransformerConfig", ddp_config: "DistributedDataParallel
     return wrap_with_engine(config, ddp_config, model_chunks, quant_config, strategy, group_size)
 
 
-def resolve_auto_strategy(args: argparse.Namespace, num_params: int) -> Optional[str]:
+def resolve_auto_strategy(quant_config: QuantizationConfig, num_params: int,
+                          activation_bytes: float) -> Optional[Any]:
     """``--paro-strategy auto``: choose the strategy (cheapest modelled communication that fits in
-    memory), set ``args.paro_strategy`` (and ``--use-distributed-optimizer`` for NNN / NNG) and
-    return why; None for any other value. Collective."""
+    memory, one micro-batch's ``activation_bytes`` kept free by default) and return it for the
+    trainer to record: a :class:`.paro.integration.AutoStrategy` (``config`` with the chosen
+    strategy, the ``use_distributed_optimizer`` it needs or None, ``note`` saying why); None for
+    any other strategy. Collective."""
     from .paro.integration import resolve_auto_strategy as resolve
 
-    return resolve(args, num_params)
+    return resolve(quant_config, num_params, activation_bytes)
+
+
+def activation_bytes_estimate(args: argparse.Namespace) -> float:
+    """One micro-batch's estimated activation bytes for this run's model flags (what the trainer
+    passes to :func:`resolve_auto_strategy` once the padded vocabulary is known)."""
+    from .paro.integration import activation_bytes_estimate as estimate
+
+    return estimate(args)
 
 
 def nobody_to_talk_to() -> bool:
@@ -226,13 +238,10 @@ def install_gather_after_step(optimizer: Any, model_chunks: List[torch.nn.Module
     step, start all weight all-gathers of the next forward (quantized or exact; dense bucket
     groups in forward order, then expert ones), so the link carries the weights while the step
     ends, the log line is written and the next batch loads; the forward pre-hooks then only
-    wait. The first iteration and the one after a skipped step have nothing dispatched: their
-    pre-hooks gather on demand (a quantized gather with no update sends nothing). Numbers are
-    unchanged: the same gathers run with the same per-bucket generators. The error monitor
-    (``--quantization-error-interval``) then samples the weight update of iteration N at
-    iteration N, where without the flag the gather, and so the sample, falls in iteration N+1."""
-    from .mcore_compat.ddp_buckets import dispatch_param_gathers_after_step
-    from .mcore_compat.optimizer import wrap_step_with_ready_grads
+    wait (on demand after a skipped step). Numbers are unchanged; only the error monitor samples
+    iteration N's weight update at N instead of N+1."""
+    from megatron.distributed.mcore_compat.ddp_buckets import dispatch_param_gathers_after_step
+    from megatron.distributed.mcore_compat.optimizer import wrap_step_with_ready_grads
 
     def dispatch() -> None:
         for chunk in model_chunks:
@@ -369,28 +378,30 @@ def reset_quantization_state(model_chunks: List[torch.nn.Module], iteration: int
 
 
 # ----------------------------------------------------------------------------- reports
-def startup_warnings(args: argparse.Namespace, model_chunks: List[torch.nn.Module],
+def startup_warnings(quant_config: QuantizationConfig, model_chunks: List[torch.nn.Module], *,
+                     device: str, overlap: bool, tensor_parallel: int, sequence_parallel: bool,
                      environ: Optional[Dict[str, str]] = None) -> List[str]:
     """What the trainer warns about at startup: a rank placement that splits a node's ranks over
     several hosts (:mod:`.placement`), and ``CUDA_DEVICE_MAX_CONNECTIONS=1`` where it removes
-    the overlap of the quantized collectives (:func:`.streams.single_hardware_queue_warning`)."""
+    the overlap of the quantized collectives (:func:`.streams.single_hardware_queue_warning`;
+    ``overlap``: gradient reduce or parameter gather overlapped, the other arguments its)."""
     from .streams import single_hardware_queue_warning
 
     notes = [note for rt in _runtimes(model_chunks) for note in rt.startup_notes]
-    if args.quant_config.enabled and not nobody_to_talk_to():
+    if quant_config.enabled and not nobody_to_talk_to():
         queue = single_hardware_queue_warning(
-            dict(os.environ if environ is None else environ), device=args.device,
-            overlap=bool(args.overlap_grad_reduce or args.overlap_param_gather),
-            tensor_parallel=args.tensor_model_parallel_size,
-            sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
+            dict(os.environ if environ is None else environ), device=device,
+            overlap=bool(overlap), tensor_parallel=tensor_parallel,
+            sequence_parallel=bool(sequence_parallel))
         if queue is not None:
             notes.append(queue)
     return notes
 
 
-def memory_report(args: argparse.Namespace, model_chunks: List[torch.nn.Module]) -> Optional[str]:
+def memory_report(model_chunks: List[torch.nn.Module]) -> Optional[str]:
     """The startup line of what the quantized layer adds to each GPU's memory for this run's
-    buckets (:func:`.memory.layer_memory`), or None when no bucket is quantized."""
+    buckets (:func:`.memory.layer_memory`, parameters stored as the config says), or None when
+    no bucket is quantized."""
     from .memory import layer_memory
 
     rts = _runtimes(model_chunks)
@@ -398,19 +409,19 @@ def memory_report(args: argparse.Namespace, model_chunks: List[torch.nn.Module])
     if not numels:
         return None
     groups = rts[0].groups
-    param_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
-    return layer_memory(rts[0].config, numels, groups.dp_size, groups.intra_size,
-                        param_bytes).describe()
+    config = rts[0].config
+    return layer_memory(config, numels, groups.dp_size, groups.intra_size,
+                        int(config.paro.param_bytes)).describe()
 
 
-def strategy_report(args: argparse.Namespace, model_chunks: List[torch.nn.Module],
+def strategy_report(quant_config: QuantizationConfig, model_chunks: List[torch.nn.Module],
                     optimizer: Any) -> Optional[str]:
-    """The startup report of ``--paro-strategy`` (model-state memory and bytes per link of one
-    step, from the cost model; for the PaRO engine also the resident bytes it measures), or None
-    without a strategy."""
+    """The startup report of the run's strategy (``quant_config.paro``: model-state memory and
+    bytes per link of one step, from the cost model; for the PaRO engine also the resident bytes
+    it measures), or None without a strategy."""
     from .paro.integration import strategy_report as report
 
-    return report(args, model_chunks, optimizer)
+    return report(quant_config, model_chunks, optimizer)
 
 
 def _flatten(report: Dict[str, Any]) -> Dict[str, float]:

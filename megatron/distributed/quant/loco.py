@@ -5,25 +5,12 @@ average of compression residuals, ``e := beta*e + (1-beta)*(h - deQ(q))`` (fp32)
 steps the output error telescopes to ``(e_0 - e_T)/(1-beta)``: it stays bounded instead of
 growing like a random walk (stochastic rounding) or linearly (biased rounding).
 
-Two buffers per bucket, mirroring hierarchical qgZ:
-
-* ``e1``: this rank's local gradient before the first quantization, in the *input* layout
-  (N elements; the reference kept it in swizzled order — same information, simpler here).
-* ``e2``: the intra-node sum before the inter-node requantization (N/D elements, in the
-  receive layout of the middle hop; with Hadamard on it lives in the transformed domain).
-
-Between steps a buffer is stored compressed: ``error_bits`` 8 = int8 codes with one fp32 scale
-per group (the kernels' quantizer, round-to-nearest), 16 = bf16, 32 = fp32.
-
-Differences from DeepSpeed's implementation (deliberate):
-
-* Reset: every ``reset_interval`` *optimizer steps* all buffers are cleared at once
-  (:meth:`LoCoErrorFeedback.step`). DeepSpeed used one global counter incremented per parameter
-  reduction, so parameters were reset one at a time, staggered, roughly every reset_T+1 micro
-  reductions — not what its documentation says.
-* Scaling: our reduce-scatter returns the exact sum; DeepSpeed's qgZ/LoCo returned the sum divided
-  by the node count (off by GPUs-per-node from the mean).
+Two buffers per bucket: ``e1`` (the local gradient before the first quantization, input layout,
+N elements) and ``e2`` (the intra-node sum before the inter-node requantization, N/D elements,
+middle-hop receive layout). Stored between steps at ``error_bits`` 8 (int8 + fp32 group scales),
+16 (bf16) or 32 (fp32); reset and scaling deliberately differ from DeepSpeed's.
 """
+# See [Note: LoCo differs from DeepSpeed] in docs/architecture.md
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """What the quantized layer adds to a GPU's memory, from the run's settings and bucket sizes.
 
-Why: the user sizes ``--ddp-bucket-size`` (megatron-core's default is 40M elements, and up to
-``max(40M, 1M * DP)``) against the memory the model leaves. The layer adds two kinds:
-
-* **transient**, while a bucket's gradient reduce-scatter runs on the intra stage: the codes
-  sent and received on each hop and, with LoCo, the compensated gradient ``h`` and the residual
-  ``h - sent`` in fp32 -- two bucket-sized fp32 buffers, at most (quantize_first in
-  collectives.gradients; it was five before). A stage runs one job at a time, so this is one
-  bucket's, not one per bucket in flight (a queued job holds only the caller's own buffers).
-* **persistent**: LoCo's error buffers (``e1`` per bucket, ``e2`` per bucket / D) at
-  ``--loco-error-bits``, and qWD's reference shard of each bucket (the rank's shard of the last
-  reconstructed weights, taken when the optimizer updates it).
+Why: the user sizes ``--ddp-bucket-size`` against the memory the model leaves. The layer adds
+**transient** memory for one bucket's reduce-scatter at a time (codes per hop; with LoCo two
+bucket-sized fp32 buffers) and **persistent** memory (LoCo's ``e1`` / ``e2`` buffers, qWD's
+reference shard per bucket).
 
 :func:`layer_memory` is the estimate the trainer prints at startup; tests/test_layer_memory.py
 checks it against the bytes the collectives really allocate.

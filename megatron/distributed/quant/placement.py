@@ -1,14 +1,9 @@
 """Where the ranks sit: the data-parallel ranks per node (D), agreed by every rank, and a check
 of the two-level layout against the hosts the ranks really run on.
 
-Why: D comes from each rank's own launcher variables (``LOCAL_WORLD_SIZE``, SLURM's, MPI's) or
-flag. A heterogeneous launch (8 ranks on one node, 4 on another) gives ranks different D, and
-ranks with different D build different groups: the world-collective group creation then hangs
-until the timeout. Gathering every rank's D once makes it one clear error on every rank. The
-same gather carries the hostnames: the layout assumes DP rank ``r = node * D + local``
-(node-major placement, torchrun's and ``srun --distribution=block``'s); a cyclic placement puts
-the ranks of one "node" on several hosts, so the 8-bit intra-node hop crosses the network and is
-reported as intra-node. That is a warning, not an error: the numbers stay right.
+Why: ranks that disagree on D build different groups and hang in group creation; gathering
+every rank's D once turns that into one clear error. The same gather carries hostnames, to warn
+when placement is not node-major (``r = node * D + local``) and the intra-node hop crosses hosts.
 """
 
 from __future__ import annotations

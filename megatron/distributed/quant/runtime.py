@@ -1,16 +1,10 @@
 """One object per model that owns its quantized data-parallel communication.
 
-:class:`QuantizationRuntime` holds the config, the two-level process groups and their scopes,
-the iteration counter behind the start-iteration switch, the communication accounting and
-timing, the LoCo error buffers, the seeded stochastic-rounding generators, the qWD reference
-shards and the once-per-step NaN/Inf agreement -- and offers the collectives in the papers'
-vocabulary, :meth:`~QuantizationRuntime.reduce_scatter` and
-:meth:`~QuantizationRuntime.all_gather` over a *scope* ('global' = the DP group in two hops,
-'intra' = the node, 'inter' = the ranks of one local index), on flat buffers identified by a
-*key*. Both data-parallel paths call it: megatron-core's bucket groups (:mod:`.ddp`) and the
-PaRO engine (:mod:`.paro.engine`), so LoCo, TLq-HS, qWD/qW, the start iteration, accounting,
-NaN/Inf skipping, pipelining and overlap behave the same on every strategy. The collectives
-themselves (no state) are :mod:`.collectives`; where they run is :mod:`.streams`.
+:class:`QuantizationRuntime` holds all state of the quantized path (config, groups, generators,
+LoCo, qWD references, accounting, the NaN/Inf agreement) and offers
+:meth:`~QuantizationRuntime.reduce_scatter` / :meth:`~QuantizationRuntime.all_gather` over a *scope*
+('global', 'intra', 'inter'). Both :mod:`.ddp` and :mod:`.paro.engine` call it, so every strategy
+behaves the same. Stateless collectives: :mod:`.collectives`; where they run: :mod:`.streams`.
 """
 
 from __future__ import annotations
@@ -89,8 +83,8 @@ class QuantizationRuntime:
     """
 
     def __init__(self, config: QuantizationConfig, groups: TwoLevelGroups) -> None:
-        config.validate()
         self.config = config
+        """Validated where it was built (:meth:`QuantizationConfig.from_args`), not again here."""
         self.groups = groups
         self.iteration = 0
         self.last_stepped_iteration: Optional[int] = None
@@ -210,13 +204,8 @@ class QuantizationRuntime:
             streams = self.timing.inline  # no stage may use the groups while the exact one runs
         handle = two_level_reduce_scatter(
             input, output, self.scope_groups(scope),
-            bits_intra=cfg.gradient_quantization_bits_intra,
-            group_size_intra=cfg.gq_group_size_intra,
-            bits_inter=cfg.gradient_quantization_bits_inter,
-            group_size_inter=cfg.gq_group_size_inter,
-            hadamard=cfg.hadamard_transform, hadamard_block=cfg.hadamard_block_size,
-            generator=self.grad_generator(key, index), stochastic=cfg.stochastic_rounding,
-            accounting=self.accounting, error_feedback=ef, async_op=streams is not None,
+            intra=cfg.gradient_intra_hop, inter=cfg.gradient_inter_hop,
+            generator=self.grad_generator(key, index), accounting=self.accounting, error_feedback=ef, async_op=streams is not None,
             nonfinite_flag=self.nonfinite_flag(input.device),
             pipeline=cfg.gradient_alltoall_pipeline, streams=streams,
             label=f"gradient reduce-scatter of {key}" + ("" if scope == "global" else
@@ -267,9 +256,8 @@ class QuantizationRuntime:
                 return None
         handle = quantized_all_gather(
             shard, reference if self.weights_as_difference else None, output, group,
-            mode=cfg.weight_quantization_mode, bits=cfg.weight_quantization_bits,
-            group_size=cfg.wq_group_size, generator=self.weight_generator(key, index),
-            stochastic=cfg.stochastic_rounding, accounting=self.accounting,
+            mode=cfg.weight_quantization_mode, spec=cfg.weight_hop,
+            generator=self.weight_generator(key, index), accounting=self.accounting,
             nonfinite_flag=self.nonfinite_flag(shard.device),
             async_op=streams is not None, streams=streams,
             label=f"weight all-gather of {key}", **kwargs)
@@ -388,12 +376,9 @@ class QuantizationRuntime:
                 "buffers": dict(self.buffer_numel)}
 
     def layout_difference(self, state: Dict[str, Any]) -> Optional[str]:
-        """Why :meth:`state_dict` output ``state`` does not fit this runtime, or None (also for
-        states saved before the layout was recorded). Why: a resharding format's "same layout"
-        is the parallel sizes, but the buckets (``--ddp-bucket-size``, ``--overlap-grad-reduce``)
-        and the intra-node size (from the launcher: another node shape) shape this state too;
-        loaded anyway, LoCo stopped the first step after the resume with a size error, or the
-        load with a missing generator."""
+        """Why :meth:`state_dict` output ``state`` does not fit this runtime, or None (also when
+        it records no layout). The buckets and the intra-node size shape this state too, not only
+        the parallel sizes a resharding format compares."""
         saved = state.get("layout")
         if saved is None:
             return None

@@ -1,43 +1,10 @@
 """Communication streams: where a bucket's quantized collectives run so that compute goes on.
 
-The quantized collectives of one bucket are a chain of steps (quantize, intra-node all-to-all,
-dequantize-sum-requantize, inter-node all-to-all, final sum; for weights: quantize, all-gather,
-dequantize-add). Overlap means the chain of bucket ``i`` proceeds while the caller computes
-(backward of the next layers, forward of the current one) and while bucket ``i+1``'s chain
-starts. Three named stages, each executing its jobs in submission order:
-
-* ``intra`` -- quantization and the intra-node hop (and the middle requantization) of the
-  gradient reduce-scatter; the first hop of a single-hop path;
-* ``inter`` -- the inter-node hop and the final reduction of the gradient reduce-scatter;
-* ``weights`` -- the quantized weight all-gather.
-
-So the intra hop of bucket ``i+1`` (or of pipeline chunk ``y+1``) runs while the inter hop of
-bucket ``i`` (chunk ``y``) is on the wire. Collectives of one process group are issued by one
-stage only, in submission order, which is the same on every rank (bucket and chunk order).
-
-Backends (chosen by the device of the buffers, :meth:`CommStreams.for_device`):
-
-* **CPU / gloo** (what runs here): each stage is one worker thread. A gloo collective blocks its
-  caller, and the C++ kernels and gloo release the GIL, so a worker's communication and
-  quantization run while the main thread computes. Jobs return a :class:`Job` whose
-  :meth:`Job.wait` blocks until the job (and what it waited on) finished, re-raising its error.
-* **CUDA / NCCL** (the GPU design, untested on this machine): each stage is a
-  ``torch.cuda.Stream``. A job runs at once on the host, inside ``torch.cuda.stream(stage)``,
-  after the stage stream waits on the submitting stream (the gradients / master weights are
-  ready there) and on the events of the jobs it depends on; it records an event at its end.
-  Kernels and NCCL calls are only enqueued, so the host never blocks; :meth:`Job.wait` makes the
-  *current* stream wait on the job's event, as megatron-core's ``finish_grad_sync`` does with its
-  NCCL handles. Buffers a stage reads or writes stay alive through the job's closure until
-  :meth:`Job.wait` (``Job.keepalive``), and every stage first waits on the submitting stream, so a
-  block freed after the wait is never reused under a pending read; the caller must not reuse the
-  input / output buffers before the wait (the bucket's own handle guarantees it).
-
-Without overlap, :data:`INLINE` runs every job at once in the caller's thread/stream: the same
-steps in the same order, so overlap never changes the numbers.
-
-Each stage accumulates the time its jobs took (``busy_s``: wall time of the worker on CPU, device
-time between CUDA events on a GPU): the "total" communication time of the per-iteration timing
-log, next to the "exposed" time the main thread waited.
+Three stages (``intra``, ``inter``, ``weights``) each run their jobs in submission order, so
+bucket ``i+1``'s intra hop overlaps bucket ``i``'s inter hop and compute goes on. A stage is a
+worker thread on CPU / gloo and a ``torch.cuda.Stream`` on CUDA (:meth:`CommStreams.for_device`);
+:data:`INLINE` runs the same steps in the caller, so overlap never changes the numbers. Each stage
+times its jobs (``busy_s``). See "Streams and overlap (streams.py)" in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -49,7 +16,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
-from . import failures
+from megatron.distributed import failures
 
 __all__ = ["Job", "CommStreams", "CommTiming", "INLINE", "STAGES", "used_on_this_stage",
            "single_hardware_queue_warning"]
@@ -63,14 +30,8 @@ _RUNNING = threading.local()
 def used_on_this_stage(*tensors: torch.Tensor) -> None:
     """Declare that the CUDA stage enqueuing the current job reads ``tensors``, which another
     stream allocated (the middle hop's codes: made on the ``intra`` stage, sent by ``inter``).
-
-    The caching allocator ties a block to the stream that allocated it: once the last Python
-    reference is gone, the next allocation *on that stream* may reuse the block at once, while
-    this stage's kernels or NCCL call (enqueued, not executed) still read it. Since torch 2.8 an
-    NCCL call with ``async_op=False`` does not keep its tensors alive either. ``record_stream``
-    makes the allocator wait for this stage's pending work before it reuses the block -- the
-    standard rule "every tensor used on another stream stays alive until that stream is done".
-    Outside a CUDA stage (inline, CPU worker threads) there is nothing to do."""
+    A no-op outside a CUDA stage."""
+    # See [Note: cross-stream buffer lifetimes] in docs/architecture.md
     stage = getattr(_RUNNING, "cuda_stage", None)
     if stage is None:
         return
@@ -83,12 +44,8 @@ def single_hardware_queue_warning(env: Dict[str, str], *, device: str, overlap: 
     """The startup warning for ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with overlapped quantized
     communication on CUDA, or None.
 
-    With one hardware queue every stream's work is serialised in submission order: the inter
-    stage's wait on the intra stage's all-to-all (which waits on the network) then holds back the
-    compute kernels queued after it, and the communication stops overlapping with compute
-    (stream priorities cannot help). Megatron-LM's recipes export the variable for tensor-parallel
-    communication overlap; with one tensor-parallel rank, or without sequence parallelism, it
-    buys nothing here."""
+    With one hardware queue every stream's work is serialised, so a stage waiting on the network
+    holds back the compute queued after it and the overlap is lost."""
     if device != "cuda" or not overlap or env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
         return None
     why = ("" if tensor_parallel > 1 and sequence_parallel else
@@ -140,13 +97,9 @@ class Job:
 class _Stage:
     """One stage: runs jobs in submission order, timing each.
 
-    An asynchronous stage (worker thread, CUDA stream) stops at its first failed job: every
-    later job finishes with that error without running. Its collectives pair with the peers'
-    by issue order, so one that ran after a rank-local failure (an out-of-memory in one bucket's
-    quantize) would exchange bucket b+1's codes with the peers' bucket b: wrong data when the
-    sizes match, a hang otherwise. The error reaches the caller at its next wait; nothing
-    recovers from it (the run stops). The first failure is posted to every rank with the job's
-    ``label`` (:mod:`.failures`; the error then raised names the rank, the bucket and the hop)."""
+    An asynchronous stage stops at its first failed job (later jobs fail with its error unrun)
+    and posts it to every rank (:mod:`.failures`)."""
+    # See [Note: a stage stops at its first failure] in docs/architecture.md
 
     stops_at_first_error = True
 
@@ -330,9 +283,8 @@ class CommTiming:
     the overlap hid behind compute. Reported by :meth:`interval_report` as
     ``comm_grad_intra_ms``, ``comm_grad_inter_ms`` (total per stage), ``comm_grad_exposed_ms``,
     ``comm_weight_ms``, ``comm_weight_exposed_ms`` (per iteration, over the interval).
-    On CUDA the stages' time is device time between CUDA events recorded around each job (the
-    host only enqueues); "exposed" is the host's wait, which on CUDA is the time to make the
-    waiting stream wait -- the real stall shows in the iteration time.
+    On CUDA "total" is device time between events and "exposed" only the host's enqueue of the
+    wait; the real stall shows in the iteration time.
     """
 
     def __init__(self, inline: CommStreams) -> None:

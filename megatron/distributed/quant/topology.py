@@ -8,11 +8,9 @@ Rank layout: DP rank ``r = node * D + local`` (``D = intra_size``, ``M = P // D`
 Megatron's default order (TP fastest, then DP) when TP divides the GPUs per node and every
 pipeline stage fills whole nodes.
 
-``torch.distributed.new_group`` is collective over the *whole world*: every process must call it
-for every group, in the same order, even for groups it does not belong to. Megatron has many DP
-groups (one per TP/PP/CP coordinate), so :func:`build_two_level_groups_for_all` creates the
-sub-groups of every DP group on every rank and returns the one that contains the caller. On
-NCCL each kind of sub-group (intra, inter, weights) is one ``split_group`` of the world.
+``new_group`` is world-collective, so :func:`build_two_level_groups_for_all` creates the
+sub-groups of every DP group on every rank (on NCCL one ``split_group`` per kind) and returns the
+caller's.
 """
 
 from __future__ import annotations
@@ -35,12 +33,9 @@ class TwoLevelGroups:
     hop). Group ranks equal ``local`` inside ``intra_group`` and ``node`` inside ``inter_group``
     (new_group orders members by global rank and ``dp_ranks`` is ascending).
 
-    One communicator per communication stage (streams.py): ``intra_group`` (the ``intra``
-    stage), ``inter_group`` (``inter``) and ``weights_group`` (``weights``, the DP ranks) are
-    communicators of their own even where a layout makes their ranks coincide with the DP group's
-    (M = 1, D = 1): megatron-core drives ``dp_group`` from the default stream, and one
-    communicator driven from several streams deadlocks as soon as two ranks issue in a different
-    order. ``weights_group`` None (scope views, hand-built groups) means ``dp_group``.
+    Each stage has a communicator of its own, even where its ranks equal the DP group's: one
+    communicator driven from several streams deadlocks when two ranks issue in different orders.
+    ``weights_group`` None (scope views, hand-built groups) means ``dp_group``.
     """
 
     dp_group: Any
@@ -154,9 +149,8 @@ def _partition_groups(partition: List[List[int]], backend: Optional[str],
     """Create the communicators of ``partition`` (disjoint lists of global ranks; every rank of
     the world calls this with the same lists) and return the caller's, or None.
 
-    On NCCL one ``split_group`` creates them all: a job with G DP groups otherwise runs
-    G * (M + D + 1) world-collective ``new_group`` calls one after another at startup (review
-    item 8). Elsewhere (gloo, an unbound default group) one ``new_group`` per list, in order."""
+    On NCCL one ``split_group`` creates them all (instead of G * (M + D + 1) world-collective
+    ``new_group`` calls at startup); elsewhere one ``new_group`` per list, in order."""
     if not partition:
         return None
     if _splits_communicators(backend):

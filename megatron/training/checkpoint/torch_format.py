@@ -79,7 +79,7 @@ def _optimizer_state(optimizer: Any) -> List[Dict[str, Any]]:
 
 
 def load_optimizer_state(optimizer: Any, states: List[Dict[str, Any]]) -> None:
-    from megatron.distributed.quant.mcore_compat.optimizer import (optimizer_bucket_layout,
+    from megatron.distributed.mcore_compat.optimizer import (optimizer_bucket_layout,
                                                                    saved_bucket_layout)
 
     subs = sub_optimizers(optimizer)

@@ -90,7 +90,7 @@ def guard_torch_dist_writer_queue() -> bool:
     when the rank dies.  Idempotent; returns whether the queue is ours."""
     if not sys.platform.startswith("linux"):
         return False
-    from megatron.distributed.quant.mcore_compat.process_globals import (
+    from megatron.distributed.mcore_compat.process_globals import (
         set_torch_dist_results_queue, torch_dist_results_queue)
 
     if torch_dist_results_queue() is not None:

@@ -14,7 +14,7 @@ Why checks of our own before megatron-core builds anything (megatron-core 0.16.1
   (``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``, run on a stand-in dataset
   class that only records the indices it is handed), so the check counts exactly the documents
   the real build will use.  Every megatron-core private touch point (the split code, the index
-  reader) goes through :mod:`megatron.distributed.quant.mcore_compat.data`.
+  reader) goes through :mod:`megatron.distributed.mcore_compat.data`.
 * a ``.bin`` that does not match its ``.idx`` (a truncated copy, files from two preprocessing
   runs) is not detected by megatron-core: it fails much later in a DataLoader worker, or reads
   garbage.  The ``.bin``'s size is compared with what the ``.idx`` (read with megatron-core's
@@ -59,7 +59,8 @@ class SplitRequest:
 
 
 def split_request(args: argparse.Namespace) -> SplitRequest:
-    """Megatron-LM's sample counts: every training step, and every evaluation run.
+    """Megatron-LM's sample counts: every training step (--train-samples, or --train-iters x
+    --global-batch-size), and every evaluation run.
 
     Validation is read whenever ``--eval-iters`` > 0: every ``--eval-interval`` steps and once at
     the end of training (so it is used even without an interval).
@@ -69,7 +70,8 @@ def split_request(args: argparse.Namespace) -> SplitRequest:
     train_used = not args.skip_train and args.train_iters > 0
     valid_used = args.eval_iters > 0
     return SplitRequest(used=(train_used, valid_used, False),
-                        samples=(args.train_iters * gbs if train_used else 0,
+                        samples=((getattr(args, "train_samples", None) or args.train_iters * gbs)
+                                 if train_used else 0,
                                  eval_runs * args.eval_iters * gbs if valid_used else 0, 0))
 
 
@@ -90,7 +92,8 @@ def dataset_config(args: argparse.Namespace, tokenizer: Any, request: SplitReque
         blend=data_blend(args.data_path) if args.data_path else None,
         split=args.split, tokenizer=tokenizer, reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=False, path_to_cache=args.data_cache_path, mmap_bin_files=True)
+        create_attention_mask=False, path_to_cache=args.data_cache_path,
+        mmap_bin_files=getattr(args, "mmap_bin_files", True))
     full_matrix = list(config.split_matrix)
     config.split_matrix = [b if used else None for b, used in zip(full_matrix, request.used)]
     return config, full_matrix
@@ -119,7 +122,7 @@ def check_indexed_files(prefix: str) -> IndexedFileInfo:
     last entries are read (every rank does this; the arrays can be gigabytes).
     """
     from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
-    from megatron.distributed.quant.mcore_compat.data import read_index_summary
+    from megatron.distributed.mcore_compat.data import read_index_summary
 
     idx_path, bin_path = get_idx_path(prefix), get_bin_path(prefix)
     for path in (idx_path, bin_path):
@@ -162,7 +165,7 @@ def split_parts(prefix: str, config) -> List[Optional[Any]]:
     is not built (weight 0 in ``--split``, or not used by the run).  No barrier: every rank
     runs this on its own.
     """
-    from megatron.distributed.quant.mcore_compat.data import dataset_split_parts
+    from megatron.distributed.mcore_compat.data import dataset_split_parts
 
     return dataset_split_parts(prefix, config)
 
@@ -174,7 +177,7 @@ def split_tokens(indexed_dataset: Any, indices: Sequence[int]) -> int:
     consecutive documents, so two pointers give the count without reading every length (what
     every rank would otherwise do for every file); anything else is summed.
     """
-    from megatron.distributed.quant.mcore_compat.data import index_token_count
+    from megatron.distributed.mcore_compat.data import index_token_count
 
     return index_token_count(indexed_dataset, indices)
 
@@ -191,6 +194,8 @@ class SplitStats:
 
 
 def _need(name: str, args: argparse.Namespace, samples: int) -> str:
+    if name == "train" and getattr(args, "train_samples", None):
+        return f"training needs {samples} samples (--train-samples)"
     if name == "train":
         return (f"training needs {samples} samples (--train-iters {args.train_iters} x "
                 f"--global-batch-size {args.global_batch_size})")

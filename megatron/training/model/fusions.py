@@ -247,9 +247,9 @@ def apply_optimizer_fusions(plan: FusionPlan, optimizer: Any) -> List[str]:
       made on the device, as fused needs); after a load, host ``step`` tensors move to their
       parameter's device.
     * ``torch-foreach``: megatron-core's grad-norm / scale fallbacks become ``_foreach`` ops
-      (:func:`~megatron.distributed.quant.mcore_compat.ops.install_foreach_multi_tensor_ops`)."""
-    from megatron.distributed.quant.mcore_compat.ops import install_foreach_multi_tensor_ops
-    from megatron.distributed.quant.mcore_compat.optimizer import leaf_optimizers
+      (:func:`~megatron.distributed.mcore_compat.ops.install_foreach_multi_tensor_ops`)."""
+    from megatron.distributed.mcore_compat.ops import install_foreach_multi_tensor_ops
+    from megatron.distributed.mcore_compat.optimizer import leaf_optimizers
 
     changed: List[str] = []
     if plan.optimizer == "torch-fused":

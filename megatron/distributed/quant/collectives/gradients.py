@@ -6,20 +6,18 @@ feedback -- and shares with the weight path (:mod:`.weights`) only what :mod:`.c
 
 For a bucket of N elements over P = M*D ranks (DP rank r = node*D + local):
 
-1. [Hadamard ->] quantize to ``bits_intra`` with ``group_size_intra`` and write destination
+1. [Hadamard ->] quantize as the ``intra`` :class:`HopSpec` says and write destination
    partitions in the order [dest local l][dest node n] (slot l*M + n holds partition n*D + l);
 2. all-to-all (codes, then scales) inside the node: local peer l receives slots l*M .. l*M+M-1;
-3. dequantize, fp32-sum the D sources, requantize to ``bits_inter`` with ``group_size_inter``
-   (the reference silently kept the intra group size here; we use the configured one);
+3. dequantize, fp32-sum the D sources, requantize as the ``inter`` :class:`HopSpec` says
+   (with its own group size);
 4. all-to-all across nodes: inter peer n receives the piece for node n (codes and scales
    packed in one message: :func:`_exchange`);
 5. dequantize, fp32-sum the M sources [-> inverse Hadamard] into the output shard.
 
-The result is the exact SUM over ranks (the layout of ``dist.reduce_scatter_tensor``), not the
-sum divided by the node count as in DeepSpeed's qgZ/LoCo path. Hadamard is applied once before
-the first quantization and inverted once at the very end; the middle hop works in the
-transformed domain. Non-finite inputs and stochastic rounding: the contracts of
-:mod:`..collectives`.
+The result is the exact SUM over ranks (the layout of ``dist.reduce_scatter_tensor``). Hadamard
+is applied once before the first quantization and inverted at the very end. Non-finite inputs and
+stochastic rounding: the contracts of :mod:`..collectives`.
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..accounting import CommAccounting
+from ..config import HopSpec
 from ..kernels.dispatch import (NoiseIndex, QuantizedTensor, dequantize, dequantize_sum,
                                 dequantize_sum_requantize, quantize, quantize_partitions)
 from ..streams import CommStreams, Job, used_on_this_stage
@@ -38,7 +37,8 @@ from ..topology import TwoLevelGroups
 from .common import (PendingCollective, _agree_finite, _as_bytes, _from_wire, _one_message,
                      _runner, _wire_message, required_padding_multiple)
 
-__all__ = ["two_level_reduce_scatter", "swizzle_order", "pipeline_bounds", "GRAD_COLLECTIVE"]
+__all__ = ["two_level_reduce_scatter", "swizzle_order", "pipeline_bounds", "GRAD_COLLECTIVE",
+           "HopSpec"]
 
 GRAD_COLLECTIVE = "grad_reduce_scatter"
 
@@ -80,18 +80,10 @@ def _exchange(q: QuantizedTensor, group, *, rows: int, a: int = 0, b: Optional[i
     """Equal-split all-to-all of elements ``[a, b)`` of each of ``q``'s ``rows`` rows (blocking:
     it runs on a stage of :mod:`..streams`, or inline).
 
-    ``one_message`` (the hops that cross nodes, :func:`.common._one_message`): codes and scales
-    travel as one packed message, so the hop pays one all-to-all latency, not two (review item
-    8; the latency dominates the inter-node hop at M >= 32). The price is a copy of the
-    compressed bytes on each side (about 1/4 of the memory traffic of quantizing fp32 to 4 bits,
-    a few % of sending those bytes over a 200 Gb/s link), which inside a node, where NVLink
-    moves them almost as fast as the copy, would cost more than the second message saves: there
-    codes and scales go as two all-to-alls.
-
-    ``q`` may come from another stage (the middle hop's codes, made on ``intra`` and sent on
-    ``inter``, whose last reference the caller drops once this job is enqueued): it is declared
-    used on this stage so the allocator cannot hand its memory to the next intra job before
-    this stage has read it."""
+    ``one_message`` (hops that cross nodes): codes and scales travel as one packed message, one
+    latency instead of two. ``q`` may come from another stage; it is declared used on this one."""
+    # See [Note: one packed message across nodes] in docs/architecture.md
+    # See [Note: cross-stream buffer lifetimes] in docs/architecture.md
     used_on_this_stage(q.codes, q.scales)
     row = q.numel // rows
     b = row if b is None else b
@@ -150,10 +142,39 @@ def _dequantize_in_input_order(q: QuantizedTensor, order: Optional[Sequence[int]
 # gradient reduce-scatter
 # ------------------------------------------------------------------------------------------------
 
+def _check_call(n: int, output: torch.Tensor, groups: TwoLevelGroups, intra: HopSpec,
+                inter: HopSpec, pipeline: int) -> None:
+    """Raise ValueError, before anything is sent, for a call
+    :func:`two_level_reduce_scatter` cannot run: an output that is not N/P elements, hops that
+    disagree on the Hadamard transform or whose groups a Hadamard block straddles, a bucket
+    that is not a multiple of :func:`.common.required_padding_multiple`, ``pipeline`` < 1."""
+    p, d, m = groups.dp_size, groups.intra_size, groups.inter_size
+    if output.numel() * p != n:
+        raise ValueError(f"output has {output.numel()} elements; expected N/P = {n}/{p}")
+    if inter.hadamard != intra.hadamard or (
+            intra.hadamard and inter.hadamard_block != intra.hadamard_block):
+        raise ValueError(f"the hops disagree on the Hadamard transform (intra {intra}, inter "
+                         f"{inter}): it is applied once before the first hop and inverted after "
+                         f"the last")
+    if intra.hadamard:
+        for hop, spec in (("intra", intra), ("inter", inter)):
+            if spec.group_size % spec.hadamard_block:
+                raise ValueError(f"with Hadamard, the {hop} group_size ({spec.group_size}) must "
+                                 f"be a multiple of the Hadamard block ({spec.hadamard_block}) "
+                                 f"so blocks never straddle groups")
+    mult = required_padding_multiple(p, d, intra.group_size, inter.group_size)
+    if n % mult:
+        raise ValueError(
+            f"bucket of {n} elements is not divisible by {mult} (P={p} x group sizes "
+            f"{intra.group_size}/{inter.group_size} for D={d}, M={m}); pad the bucket with "
+            f"required_padding_multiple()")
+    if int(pipeline) < 1:
+        raise ValueError(f"pipeline must be >= 1, got {pipeline}")
+
+
 def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: TwoLevelGroups, *,  # noqa: A002
-                             bits_intra: int, group_size_intra: int, bits_inter: int,
-                             group_size_inter: int, hadamard: bool = False, hadamard_block: int = 32,
-                             generator: Optional[torch.Generator] = None, stochastic: bool = True,
+                             intra: HopSpec, inter: HopSpec,
+                             generator: Optional[torch.Generator] = None,
                              accounting: Optional[CommAccounting] = None, error_feedback=None,
                              async_op: bool = False, check_finite: bool = True,
                              nonfinite_flag: Optional[torch.Tensor] = None, pipeline: int = 1,
@@ -163,8 +184,10 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
     """Quantized reduce-scatter: ``output`` (N/P elements) = sum over DP ranks of ``input``'s
     shard ``dp_rank`` — the layout of ``dist.reduce_scatter_tensor(output, input, dp_group)``.
 
-    Paths: D>1, M>1 two hops (intra bits, then inter bits); D>1, M==1 one intra hop with intra
-    bits; D==1, M>1 one inter hop with inter bits; P==1 copy. ``error_feedback`` is a
+    Paths: D>1, M>1 two hops (``intra``, then ``inter``); D>1, M==1 one hop as ``intra``;
+    D==1, M>1 one hop as ``inter``; P==1 copy. The Hadamard transform (TLq-HS) is applied once
+    before the first hop and inverted after the last, so ``intra`` and ``inter`` must agree on
+    it; each hop rounds as its own spec says. ``error_feedback`` is a
     :class:`~megatron.distributed.quant.loco.LoCoBucketErrors` (E1 before the first quantization,
     E2 before the inter requantization; single-hop paths use E1 only). ``output`` may alias the
     caller's own shard of ``input`` (SDP4Bit writes in place into the grad bucket): the input is
@@ -182,37 +205,20 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
     streams on GPU; a process-wide set if None) and returns a :class:`PendingCollective`; else
     they run inline and None is returned. Same steps, same order: the result does not depend on it.
 
-    ``generator`` lives on the host or on ``input``'s device (the stochastic rounding draws from
-    it: ``torch.rand`` in the torch reference, one seed per kernel call in the C++ / Triton
-    kernels; the trainer's are host generators, so a draw never syncs the device).
-    ``check_finite`` costs a one-element all-reduce over the DP group (and a host sync) per call;
-    it is what lets every rank raise :class:`~..kernels.NonFiniteError` together instead of
-    deadlocking. ``nonfinite_flag`` replaces it with the deferred contract
-    (:mod:`..collectives`): no check here, the flag records this rank's verdict for the caller's
-    once-per-step agreement.
+    ``generator`` (host or ``input``'s device) feeds the stochastic rounding; host generators never
+    sync the device. ``check_finite`` / ``nonfinite_flag``: the contracts of :mod:`..collectives`.
     ``label`` (default ``name``) says which buffer this is in the error every rank sees when a
     job of the call fails (:mod:`..failures`; the hop and pipeline chunk are added to it).
     """
+    # See [Note: non-finite contracts] in docs/architecture.md
     if not input.is_contiguous():
         raise ValueError("input must be a contiguous buffer (a flat gradient bucket)")
     x = input.reshape(-1)
     n = x.numel()
     p, d, m = groups.dp_size, groups.intra_size, groups.inter_size
-    if output.numel() * p != n:
-        raise ValueError(f"output has {output.numel()} elements; expected N/P = {n}/{p}")
-    if hadamard:
-        for flag, gs in (("group_size_intra", group_size_intra), ("group_size_inter", group_size_inter)):
-            if gs % hadamard_block:
-                raise ValueError(f"with Hadamard, {flag} ({gs}) must be a multiple of the Hadamard "
-                                 f"block ({hadamard_block}) so blocks never straddle groups")
-    mult = required_padding_multiple(p, d, group_size_intra, group_size_inter)
-    if n % mult:
-        raise ValueError(
-            f"bucket of {n} elements is not divisible by {mult} (P={p} x group sizes "
-            f"{group_size_intra}/{group_size_inter} for D={d}, M={m}); pad the bucket with "
-            f"required_padding_multiple()")
-    if int(pipeline) < 1:
-        raise ValueError(f"pipeline must be >= 1, got {pipeline}")
+    _check_call(n, output, groups, intra, inter, pipeline)
+    hadamard, hadamard_block = intra.hadamard, intra.hadamard_block
+    group_size_inter = inter.group_size
 
     if p == 1:
         output.copy_(x.view(output.shape))
@@ -223,9 +229,10 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
 
     two_level = d > 1 and m > 1
     if d > 1:  # two-level or intra-only: the first (or only) hop is inside the node
-        bits1, gs1, group1, size1 = bits_intra, group_size_intra, groups.intra_group, d
+        hop1, group1, size1 = intra, groups.intra_group, d
     else:
-        bits1, gs1, group1, size1 = bits_inter, group_size_inter, groups.inter_group, m
+        hop1, group1, size1 = inter, groups.inter_group, m
+    bits1, gs1 = hop1.bits, hop1.group_size
     one_message1 = _one_message("intra" if d > 1 else "inter")
     one_message2 = _one_message("inter")
     order = swizzle_order(d, m)
@@ -241,8 +248,7 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
     if accounting is not None:  # sizes are known now: record in the caller's thread
         accounting.record_two_level_reduce_scatter(
             name, numel=n, elem_size=x.element_size(), dp_size=p, intra_size=d,
-            bits_intra=bits_intra, group_size_intra=group_size_intra, bits_inter=bits_inter,
-            group_size_inter=group_size_inter)
+            intra=intra, inter=inter)
 
     state: dict = {}
 
@@ -254,8 +260,8 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
         become the residual ``h - sent`` in place; ``h`` is dropped before the stored error is
         read back for the update."""
         h = x if ef is None else ef.compensate("e1", x, group_size=gs1)
-        q1 = quantize_partitions(h, p, order, bits1, gs1, stochastic=stochastic, generator=gen,
-                                 hadamard=hadamard, hadamard_block=hadamard_block,
+        q1 = quantize_partitions(h, p, order, bits1, gs1, stochastic=hop1.stochastic,
+                                 generator=gen, hadamard=hadamard, hadamard_block=hadamard_block,
                                  check_finite=False, nonfinite_counter=nonfinite_flag)
         if ef is not None:
             residual = _dequantize_in_input_order(q1, order if two_level else None, hadamard,
@@ -296,7 +302,7 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
                 gen.set_state(state["gen"])
                 noise = NoiseIndex(part_len=b - a, part_stride=shard, base=a, total=m * shard)
             state["q2", y] = (dequantize_sum_requantize(
-                recv1, d, bits_inter, group_size_out=group_size_inter, stochastic=stochastic,
+                recv1, d, inter.bits, group_size_out=group_size_inter, stochastic=inter.stochastic,
                 generator=gen, noise_index=noise), 0, b - a)
         return run
 
@@ -308,7 +314,7 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
         del recv1
         h2 = ef.compensate("e2", s, group_size=group_size_inter)
         del s
-        q2 = quantize(h2, bits_inter, group_size_inter, stochastic=stochastic, generator=gen,
+        q2 = quantize(h2, inter.bits, group_size_inter, stochastic=inter.stochastic, generator=gen,
                       check_finite=False)
         residual = dequantize(q2)
         residual = torch.sub(h2, residual, out=residual)   # as in quantize_first

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..accounting import CommAccounting
+from ..config import HopSpec
 from ..kernels.dispatch import (QuantizedTensor, dequantize, dequantize_add, quantize,
                                 quantize_difference)
 from ..streams import CommStreams
@@ -39,9 +40,9 @@ def gather_layout(hops: Sequence[Any]) -> Tuple[List[int], int]:
 
 
 def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Tensor],
-                         output: torch.Tensor, group, *, mode: str = "diff", bits: int,
-                         group_size: int, generator: Optional[torch.Generator] = None,
-                         stochastic: bool = True, accounting: Optional[CommAccounting] = None,
+                         output: torch.Tensor, group, *, mode: str = "diff", spec: HopSpec,
+                         generator: Optional[torch.Generator] = None,
+                         accounting: Optional[CommAccounting] = None,
                          link_of_peer: Optional[Callable[[int], str]] = None,
                          hop_links: Optional[Sequence[str]] = None,
                          check_finite: bool = True, nonfinite_flag: Optional[torch.Tensor] = None,
@@ -49,7 +50,8 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
                          name: str = WEIGHT_COLLECTIVE, label: Optional[str] = None):
     """Quantized all-gather of parameter shards into ``output`` (P * shard elements).
 
-    Non-finite shards: ``check_finite`` / ``nonfinite_flag`` as in
+    ``spec`` says how the shard is quantized (bits, group size, rounding; no Hadamard transform
+    on this path). Non-finite shards: ``check_finite`` / ``nonfinite_flag`` as in
     :func:`.gradients.two_level_reduce_scatter` (the contracts: :mod:`..collectives`).
 
     ``mode='diff'`` (qWD, SDP4Bit): send Q(reference.dtype(shard) - full_reference[my shard]) and
@@ -64,10 +66,8 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
     *hops* (PaRO's hierarchical gathers): the shard is quantized once and its codes are forwarded
     hop by hop, so the first hop's pieces are innermost in ``output`` (position of this rank's
     shard = sum of rank_h * prod(sizes before h)) and nothing is quantized twice.
-    ``hop_links`` gives each hop's link ('intra' / 'inter') for the accounting; for one group,
-    ``link_of_peer(group_rank) -> 'intra' | 'inter'`` classifies peers instead (e.g.
-    ``TwoLevelGroups.link_of_peer`` when ``group`` is the DP group); without either every peer is
-    counted as inter-node (conservative).
+    ``hop_links`` (per hop) or ``link_of_peer`` (one group) classify links for the accounting;
+    without either every peer counts as inter-node.
 
     Returns ``output``; with ``async_op`` a :class:`PendingCollective` instead: quantize,
     all-gather and dequantize[-add] run on the ``weights`` stage of ``streams`` while the caller
@@ -76,6 +76,9 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
     """
     if mode not in ("diff", "direct"):
         raise ValueError(f"mode must be 'diff' or 'direct', got {mode!r}")
+    if spec.hadamard:
+        raise ValueError("the weight all-gather has no Hadamard transform")
+    bits, group_size, stochastic = spec.bits, spec.group_size, spec.stochastic
     hops = list(group) if isinstance(group, (list, tuple)) else [group]
     if hop_links is not None and len(hop_links) != len(hops):
         raise ValueError(f"{len(hop_links)} hop_links for {len(hops)} hops")
@@ -113,7 +116,7 @@ def quantized_all_gather(shard: torch.Tensor, full_reference: Optional[torch.Ten
             hops_peers = [((k - 1) * (link == "intra"), (k - 1) * (link != "intra"))
                           for k, link in zip(sizes, links)]
         accounting.record_quantized_all_gather(name, shard_numel=s, elem_size=output.element_size(),
-                                               bits=bits, group_size=group_size, hops=hops_peers)
+                                               spec=spec, hops=hops_peers)
 
     def _gather_one_message(q: QuantizedTensor) -> QuantizedTensor:
         """Codes and scales forwarded hop by hop as one packed message (as

@@ -1,16 +1,18 @@
 """The PaRO flags (``--paro-*``) and their checks against the rest of the command line.
 
 :func:`add_paro_args` registers them (the trainer's parser calls it through
-:func:`..integration.add_arguments`); :func:`check_paro_args` is the one place a ``--paro-strategy``
-is accepted or refused for training, with the reason and the fix. See docs/paro.md.
+:func:`..integration.add_arguments`); :meth:`..config.ParoConfig.from_args` reads them into the
+run's config and :meth:`..config.ParoConfig.resolved` finishes them (canonical name, group size);
+:func:`check_paro_args` is the one place a strategy is accepted or refused against the rest of
+the command line, with the reason and the fix. See docs/paro.md.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from .strategy import (AUTO, Level, PaRoStrategy, check_trainable, resolve_group_size,
-                       uses_engine)
+from ..config import QuantizationConfig
+from .strategy import AUTO, Level, PaRoStrategy, uses_engine
 
 __all__ = ["add_paro_args", "check_paro_args"]
 
@@ -49,26 +51,21 @@ def _require(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def check_paro_args(args: argparse.Namespace) -> None:
-    """Accept or refuse ``--paro-strategy`` for this run (ValueError with the fix).
+def check_paro_args(args: argparse.Namespace, quant: QuantizationConfig) -> None:
+    """Accept or refuse the strategy of ``quant.paro`` for this run (ValueError with the fix).
 
-    Needs the validated parallel sizes (``args.data_parallel_size``) and ``args.quant_config``.
-    Normalises ``args.paro_strategy`` (a canonical name, or ``'auto'``, resolved at startup once
-    the model size is known) and ``args.paro_group_size``. NNN / NNG run on megatron-core (with
-    the matching ``--use-distributed-optimizer``); the other 12 on the PaRO engine, which needs
-    pure data parallelism, bf16 or fp32, ``--overlap-param-gather`` only where parameters are
-    partitioned (p = I / G), ``--ckpt-format torch``,
-    and quantization only where the engine supports it (``engine.quantization_support_error``).
+    ``quant`` is the run's config (``integration.build_quantization_config``: the strategy's
+    spelling and group size already resolved); ``args`` the rest of the command line, read here
+    at argument validation and never written. NNN / NNG run on megatron-core (with the matching
+    ``--use-distributed-optimizer``, checked when the strategy was parsed); the other 12 on the
+    PaRO engine, which needs pure data parallelism, bf16 or fp32, ``--overlap-param-gather`` only
+    where parameters are partitioned (p = I / G), ``--ckpt-format torch``, and quantization only
+    where the engine supports it (``engine.quantization_support_error``).
     """
-    if args.paro_strategy is not None:
-        parsed = check_trainable(args.paro_strategy, args.use_distributed_optimizer)
-        args.paro_group_size = resolve_group_size(args.data_parallel_size, args.paro_group_size,
-                                                  args.tensor_model_parallel_size)
-        args.paro_strategy = parsed if parsed == AUTO else parsed.name
-    if uses_engine(args.paro_strategy):
+    strategy, group_size = quant.paro.strategy, quant.paro.group_size
+    if uses_engine(strategy):
         what = ("--paro-strategy auto (it may pick a PaRO-engine strategy)"
-                if args.paro_strategy == AUTO else
-                f"--paro-strategy {args.paro_strategy} (PaRO engine)")
+                if strategy == AUTO else f"--paro-strategy {strategy} (PaRO engine)")
         _require(args.tensor_model_parallel_size == 1 and args.pipeline_model_parallel_size == 1,
                  f"{what} needs --tensor-model-parallel-size 1 and "
                  f"--pipeline-model-parallel-size 1 (pure data parallelism)")
@@ -77,27 +74,26 @@ def check_paro_args(args: argparse.Namespace) -> None:
                  f"{what} gathers parameters in its hooks, not after the optimizer step: drop "
                  f"--overlap-param-gather-with-optimizer-step (--overlap-param-gather overlaps "
                  f"the hooks' gathers where parameters are partitioned)")
-        if args.paro_strategy != AUTO:
+        if strategy != AUTO:
             _require(not args.overlap_param_gather
-                     or PaRoStrategy.from_string(args.paro_strategy).params != Level.N,
+                     or PaRoStrategy.from_string(strategy).params != Level.N,
                      f"{what} keeps the full parameters on every rank (p = N): there are no "
                      f"per-micro-step gathers to overlap; drop --overlap-param-gather")
-        quant = args.quant_config
-        if args.paro_strategy == AUTO:
+        if strategy == AUTO:
             _require(not quant.enabled,
                      "--paro-strategy auto cannot be combined with quantized communication "
                      "(not every strategy supports it): pass an explicit strategy")
         else:
             from .engine import quantization_support_error
 
-            err = quantization_support_error(args.paro_strategy, quant)
+            err = quantization_support_error(strategy, quant)
             _require(err is None, err or "")
             intra = quant.data_parallel_intra_node_size
-            _require(not quant.enabled or intra is None or intra == args.paro_group_size,
+            _require(not quant.enabled or intra is None or intra == group_size,
                      f"{what}: --data-parallel-intra-node-size {intra} differs from "
-                     f"--paro-group-size {args.paro_group_size}; the engine quantizes inside "
+                     f"--paro-group-size {group_size}; the engine quantizes inside "
                      f"the PaRO groups")
         _require(args.ckpt_format != "torch_dist",
                  f"--ckpt-format torch_dist saves megatron-core's sharded state dicts; "
-                 f"--paro-strategy {args.paro_strategy} may train on the PaRO engine, which saves "
+                 f"--paro-strategy {strategy} may train on the PaRO engine, which saves "
                  f"--ckpt-format torch")

@@ -476,23 +476,10 @@ def activation_memory(*, seq_length: int, micro_batch_size: int, hidden_size: in
     """Bytes of activations one micro-batch keeps for its backward on one rank (no tensor,
     sequence or pipeline parallelism: the only layouts ``auto`` chooses for).
 
-    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
-    §4.1), generalised to the MLP width and the activation dtype: per layer, with s, b, h, a, f =
-    sequence, micro-batch, hidden, heads, MLP width and B = ``bytes_per_value``,
-
-    * attention: B·5·sbh (QKV input, Q, K, V, output-projection input) + sbh (dropout mask) and,
-      when the scores are materialised (``attention_scores``: the local / unfused kernel; not
-      flash or memory-efficient SDPA), B·2·as²b (softmax output, its dropout) + as²b (mask);
-    * MLP: B·sbh (input) + B·2·sbf (activation input and output; B·3·sbf for a gated MLP,
-      whose activation input has both halves) + sbh (dropout mask);
-    * two layer norms: B·2·sbh;
-
-    for B = 2 and f = 4h that is the paper's sbh·(34 + 5as/h). Plus the logits: B·sbV and the
-    fp32 copy the cross entropy keeps, 4·sbV. ``recompute='selective'`` drops the attention-score
-    terms; ``'full'`` keeps each layer's input (B·sbh) plus the activations of
-    ``recompute_num_layers`` layers being recomputed. An estimate for reserving room, not a
-    measurement: it leaves out embedding-gradient and optimizer-step temporaries.
+    Korthikanti et al. 2022 §4.1, generalised to the MLP width and activation dtype; an estimate
+    for reserving room, not a measurement.
     """
+    # See [Note: activation memory estimate] in docs/architecture.md
     s, b, h, a, v = seq_length, micro_batch_size, hidden_size, num_attention_heads, vocab_size
     f = ffn_hidden_size or 4 * h
     B = float(bytes_per_value)

@@ -16,23 +16,11 @@ composed here:
 * :mod:`.state` -- the weights to and from a host state dict, for checkpoints;
 * :mod:`.transitions` -- the counted collectives between levels.
 
-Imports go one way: those modules never import this one. The engine builds each of them from
-what it needs -- the shard geometry and flat layout (:mod:`.layout`, frozen values), the
-:class:`~.transitions.LevelCollectives` it owns, and a callback that tracks its memory peak --
-as PyTorch FSDP2's parameter groups are built from their mesh info and hooks.
-
-Every collective is one of :func:`.cost.strategy_collectives`, counted in a
-:class:`.comm.CommCounter` (so a step can be compared with :func:`.cost.communication_volume`).
-The *persistent* memory follows the PaRO formula; the *peak* is that plus about one bucket's full
-parameters and gradients (``peak_bytes``). :class:`~.optimizer.ParoOptimizer` is a flat fp32
-AdamW / SGD over this rank's optimizer-state shard, with the interface the trainer's
-``optimizer_step`` / ``train_step`` and megatron-core's ``OptimizerParamScheduler`` use.
-
-With a QuantizationConfig the engine owns the model's :class:`~..runtime.QuantizationRuntime` (the
-object megatron-core's bucket groups use) and SDP4Bit runs inside the PaRO groups through it:
-gradient reduce-scatters (one hop for intra / inter, two-level TLq / TLq-HS for global, LoCo, the
-start iteration, NaN/Inf agreement) and the post-step parameter sync as qWD with the codes
-forwarded hop by hop (:func:`quantization_support_error` lists what is supported).
+Those modules never import this one; the engine builds each from what it needs (as FSDP2's
+parameter groups). Every collective is counted in a :class:`.comm.CommCounter`, comparable with
+:func:`.cost.communication_volume`; peak memory is the PaRO formula plus about one bucket. With a
+QuantizationConfig SDP4Bit runs inside the PaRO groups through the model's
+:class:`~..runtime.QuantizationRuntime` (supported: :func:`quantization_support_error`).
 """
 
 from __future__ import annotations
@@ -105,21 +93,10 @@ class ParoDataParallel(torch.nn.Module):
     ``config``, ``no_sync``, ``zero_grad_buffer`` and ``finalize_model_grads`` (to be set as
     ``config.finalize_model_grads_func``).
 
-    ``grad_groups`` (``--overlap-grad-reduce``): a second set of the same groups, communicators of
-    their own. The gradient reduce-scatter of each bucket (g = I / G) then runs on the
-    communication stages (:mod:`..streams`: worker threads on CPU, CUDA streams on a GPU) while
-    the backward pass goes on, and is waited for at the end of the micro-step's backward (at most
-    :data:`.grad_reduce.GRAD_REDUCES_IN_FLIGHT` buckets at once, so their temporary full
-    gradients stay bounded). The stages drive only ``grad_groups``; the parameter gathers of the hooks drive
-    ``groups`` from the main thread: one communicator per stream. The numbers are those of the
-    inline path, bit for bit.
-
-    ``param_groups`` (``--overlap-param-gather``, p = I / G): a third set of the same groups. The
-    parameter gathers of the hooks then run on the ``weights`` stage over it, and each hook
-    starts the gather of the bucket it will need next (forward: the next bucket; backward: the
-    previous one) before its module computes, so the gather travels while the module runs
-    (:data:`.gather.PARAM_GATHERS_AHEAD` buckets ahead at most). Exact copies: the numbers do
-    not change.
+    ``grad_groups`` (``--overlap-grad-reduce``) and ``param_groups`` (``--overlap-param-gather``,
+    p = I / G): further sets of the same groups, communicators of their own (one per stream), over
+    which the per-bucket gradient reduce-scatters / parameter gathers run on the communication
+    stages while compute goes on; bit for bit the numbers of the inline path.
     """
 
     def __init__(self, config: Any, module: torch.nn.Module, strategy: PaRoStrategy, groups: Any,
@@ -324,11 +301,7 @@ class ParoDataParallel(torch.nn.Module):
         :meth:`_decays`); padding is excluded too.
 
         Built at the shard's size directly on ``device`` (default: CPU), one slice fill per
-        decayed parameter piece inside the shard. Why: the optimizer used to take
-        ``weight_decay_mask()[level_indices(level)]`` on the host -- a model-sized bool mask, int64
-        indices (per-bucket aranges and their concatenation, alive together) and the indexed
-        copy: 18 bytes per model element at os = N at the peak (~126 GB per rank for 7B).
-        Now the only allocation is the 1-byte-per-shard-element mask itself, where it is used.
+        decayed parameter piece: 1 byte per shard element and no model-sized index tensors.
         """
         k = self.level_ranks(level)
         mask = torch.zeros(self.padded_numel // k, dtype=torch.bool, device=device)

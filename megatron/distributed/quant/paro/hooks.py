@@ -1,17 +1,10 @@
 """When the engine acts during a micro-step: the forward / backward hooks that drive it.
 
-:class:`MicroStepHooks` decides the moments; what happens at them is :mod:`.gather` (parameters)
-and :mod:`.grad_reduce` (gradients). For p = I / G a forward pre-hook on a bucket's owner module
-gathers the bucket (and starts the next one's gather ahead, with ``param_groups``), a forward hook
-releases it after the (last) owner's forward -- or at the next owner's forward when the module
-returns the parameter to its caller (megatron's ``skip_bias_add`` bias) -- and a hook on the
-owner's output gradient gathers it again right before its backward; it is released when all its
-parameters got their gradient. A bucket with several owners (tied embeddings) therefore stays
-gathered from the embedding to the output layer in the forward pass and from the output layer to
-the embedding in the backward pass (still one forward and one backward gather per micro-step, as
-the cost model counts). Gradients arrive through per-parameter post-accumulate-grad hooks; a
-callback at the end of every micro-step's backward finishes any bucket left, in bucket order, so
-every rank issues the same collectives.
+:class:`MicroStepHooks` decides the moments; :mod:`.gather` and :mod:`.grad_reduce` act at them.
+For p = I / G a bucket is gathered before its owner's forward and again before its backward, and
+released after the last owner's forward and once all its gradients arrived (a tied bucket stays
+gathered between its owners). A callback at the end of each backward finishes leftover buckets in
+bucket order, so every rank issues the same collectives.
 """
 
 from __future__ import annotations

@@ -2,23 +2,27 @@
 
 Only :mod:`..integration` calls this module (the trainer never does). NNN / NNG (and no
 ``--paro-strategy``) stay on megatron-core's DDP; every other strategy wraps the model chunk in
-:class:`.engine.ParoDataParallel` and uses :class:`.optimizer.ParoOptimizer`. The
-functions that need the run's flags take the trainer's ``args`` (``--paro-*``, ``--bf16`` /
-``--fp16``, ``--accumulate-allreduce-grads-in-fp32``, the parallel sizes).
+:class:`.engine.ParoDataParallel` and uses :class:`.optimizer.ParoOptimizer`. What the run's
+flags say comes from the config (:class:`..config.ParoConfig`, read once at argument
+validation), never from the trainer's ``args``; ``auto`` is returned as a new config
+(:class:`AutoStrategy`) for the trainer to record.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import torch
 
-from ..config import QuantizationConfig
+from ..config import ParoConfig, QuantizationConfig
 
 __all__ = ["is_engine", "wrap_with_engine", "build_engine_optimizer", "resolve_auto_strategy",
-           "reserved_bytes_for_auto", "activation_bytes_estimate", "strategy_report"]
+           "AutoStrategy", "reserved_bytes_for_auto", "activation_bytes_estimate",
+           "strategy_report"]
 
 
 def is_engine(chunk: Any) -> bool:
@@ -78,27 +82,25 @@ def build_engine_optimizer(optimizer_config: Any, model_chunks: List[torch.nn.Mo
     return ParoOptimizer(model_chunks[0], optimizer_config)
 
 
-def _state_bytes(args: argparse.Namespace) -> Any:
+def _state_bytes(paro: ParoConfig) -> Any:
     """Bytes per element of parameters / gradients as this run stores them (K = 12 for Adam)."""
     from .cost import StateBytes
 
-    mixed = args.bf16 or args.fp16
-    return StateBytes(param=2.0 if mixed else 4.0,
-                      grad=4.0 if (args.accumulate_allreduce_grads_in_fp32 or not mixed) else 2.0)
+    return StateBytes(param=paro.param_bytes, grad=paro.grad_bytes)
 
 
-def _memory_for_auto(args: argparse.Namespace) -> float:
+def _memory_for_auto(paro: ParoConfig) -> float:
     """Bytes per rank that --paro-strategy auto may fill: the flag, else the device's memory (CPU:
     host memory shared by the ranks of this node); the minimum over all ranks (collective).
     :func:`reserved_bytes_for_auto` says how much of it is kept free."""
-    if args.paro_gpu_memory_gb is not None:
-        mem = args.paro_gpu_memory_gb * 1e9
-    elif args.device == "cuda":
+    if paro.gpu_memory_gb is not None:
+        mem = paro.gpu_memory_gb * 1e9
+    elif paro.device == "cuda":
         mem = float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     else:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         mem = host / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
+    dev = torch.device("cuda", torch.cuda.current_device()) if paro.device == "cuda" else None
     t = torch.tensor([mem], dtype=torch.float64, device=dev)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
     return float(t.item())
@@ -120,7 +122,8 @@ def _keeps_attention_scores(args: argparse.Namespace) -> bool:
 
 def activation_bytes_estimate(args: argparse.Namespace) -> float:
     """:func:`.cost.activation_memory` of one micro-batch of this run (its shape, precision,
-    attention kernel and recomputation flags)."""
+    attention kernel and recomputation flags): what the trainer passes to
+    :func:`resolve_auto_strategy` once the model (and its padded vocabulary) exists."""
     from .cost import activation_memory
 
     vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 0
@@ -136,56 +139,72 @@ def activation_bytes_estimate(args: argparse.Namespace) -> float:
         recompute_num_layers=getattr(args, "recompute_num_layers", None) or 1)
 
 
-def reserved_bytes_for_auto(args: argparse.Namespace, memory_bytes: float) -> Tuple[float, str]:
+def reserved_bytes_for_auto(paro: ParoConfig, memory_bytes: float,
+                            activation_bytes: float) -> Tuple[float, str]:
     """(bytes of ``memory_bytes`` that ``auto`` keeps free, how that was decided).
 
     ``--paro-reserved-memory-gb`` when given. Else, when the memory is the device's own (no
     ``--paro-gpu-memory-gb``): :data:`.cost.DEVICE_RESERVE_FRACTION` of it (CUDA context,
-    NCCL buffers, workspaces, fragmentation) plus :func:`activation_bytes_estimate`. Why: the
-    reserve was 0, so ``auto`` planned model states that filled the whole GPU and the first
-    forward ran out of memory. An explicit ``--paro-gpu-memory-gb`` already says what model states
-    may fill, so nothing is taken off it by default.
+    NCCL buffers, workspaces, fragmentation) plus ``activation_bytes`` (one micro-batch's,
+    :func:`activation_bytes_estimate`), so the model states ``auto`` plans leave room for the first
+    forward. An explicit ``--paro-gpu-memory-gb`` already says what model states may fill.
     """
     from .cost import DEVICE_RESERVE_FRACTION
 
-    if args.paro_reserved_memory_gb is not None:
-        return args.paro_reserved_memory_gb * 1e9, "--paro-reserved-memory-gb"
-    if args.paro_gpu_memory_gb is not None:
+    if paro.reserved_memory_gb is not None:
+        return paro.reserved_memory_gb * 1e9, "--paro-reserved-memory-gb"
+    if paro.gpu_memory_gb is not None:
         return 0.0, "none by default with --paro-gpu-memory-gb"
-    act = activation_bytes_estimate(args)
     fixed = DEVICE_RESERVE_FRACTION * memory_bytes
-    return fixed + act, (f"{DEVICE_RESERVE_FRACTION:.0%} of {memory_bytes / 1e9:.2f} GB for "
-                         f"context and workspace + {act / 1e9:.2f} GB estimated activations of a "
-                         f"micro-batch")
+    return fixed + activation_bytes, (
+        f"{DEVICE_RESERVE_FRACTION:.0%} of {memory_bytes / 1e9:.2f} GB for context and workspace "
+        f"+ {activation_bytes / 1e9:.2f} GB estimated activations of a micro-batch")
 
 
-def resolve_auto_strategy(args: argparse.Namespace, num_params: int) -> Optional[str]:
-    """``--paro-strategy auto``: the cheapest modelled communication that fits (spec §3).
+@dataclass(frozen=True)
+class AutoStrategy:
+    """What ``--paro-strategy auto`` chose, for the trainer to record (the layer writes nothing
+    of the trainer's)."""
 
-    Sets ``args.paro_strategy`` (and, for NNN / NNG, the matching ``--use-distributed-optimizer``)
-    and returns the choice with its reasons; None (nothing changed) for any other value.
-    Collective (the memory budget is the minimum over the ranks)."""
+    config: QuantizationConfig
+    """The run's config with ``paro.strategy`` the chosen canonical name."""
+    use_distributed_optimizer: Optional[bool]
+    """The ``--use-distributed-optimizer`` the choice needs (NNN / NNG on megatron-core), or None
+    (a PaRO-engine strategy: the engine has its own optimizer)."""
+    note: str
+    """The choice with its reasons (the startup log line)."""
+
+
+def resolve_auto_strategy(quant_config: QuantizationConfig, num_params: int,
+                          activation_bytes: float) -> Optional[AutoStrategy]:
+    """``--paro-strategy auto``: the cheapest modelled communication that fits (spec §3), with
+    one micro-batch's ``activation_bytes`` kept free by default (:func:`reserved_bytes_for_auto`).
+
+    Returns the choice (a new config, the optimizer setting it needs, why); None for any other
+    strategy. Collective (the memory budget is the minimum over the ranks)."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     from .cost import choose_strategy_auto
     from .strategy import AUTO, MEGATRON_CORE_STRATEGIES
 
-    if args.paro_strategy != AUTO:
+    paro = quant_config.paro
+    if paro.strategy != AUTO:
         return None
-    memory = _memory_for_auto(args)
-    reserved, why = reserved_bytes_for_auto(args, memory)
+    memory = _memory_for_auto(paro)
+    reserved, why = reserved_bytes_for_auto(paro, memory, activation_bytes)
     choice = choose_strategy_auto(
-        num_params, args.data_parallel_size, args.paro_group_size, memory,
-        args.paro_intra_bandwidth_gbs * 1e9, args.paro_inter_bandwidth_gbs * 1e9,
-        micro_steps=get_num_microbatches(), state_bytes=_state_bytes(args),
+        num_params, paro.data_parallel_size, paro.group_size, memory,
+        paro.intra_bandwidth_gbs * 1e9, paro.inter_bandwidth_gbs * 1e9,
+        micro_steps=get_num_microbatches(), state_bytes=_state_bytes(paro),
         reserved_bytes=reserved)
-    args.paro_strategy = choice.strategy.name
-    if args.paro_strategy in MEGATRON_CORE_STRATEGIES:
-        args.use_distributed_optimizer = MEGATRON_CORE_STRATEGIES[args.paro_strategy]
-    return f"{choice.explanation} Reserved {reserved / 1e9:.2f} GB ({why})."
+    name = choice.strategy.name
+    return AutoStrategy(
+        config=dataclasses.replace(quant_config, paro=dataclasses.replace(paro, strategy=name)),
+        use_distributed_optimizer=MEGATRON_CORE_STRATEGIES.get(name),
+        note=f"{choice.explanation} Reserved {reserved / 1e9:.2f} GB ({why}).")
 
 
-def strategy_report(args: argparse.Namespace, model_chunks: List[torch.nn.Module],
+def strategy_report(quant_config: QuantizationConfig, model_chunks: List[torch.nn.Module],
                     optimizer: Any) -> Optional[str]:
     """The startup report of ``--paro-strategy`` (memory and communication per rank, from the
     cost model; for the engine also the resident bytes it measures), or None without one."""
@@ -193,7 +212,8 @@ def strategy_report(args: argparse.Namespace, model_chunks: List[torch.nn.Module
 
     from .cost import format_report, paro_report
 
-    if args.paro_strategy is None:
+    paro = quant_config.paro
+    if paro.strategy is None:
         return None
     chunk = model_chunks[0]
     # This rank's model-parallel share: what its data-parallel group holds and moves (the
@@ -203,10 +223,10 @@ def strategy_report(args: argparse.Namespace, model_chunks: List[torch.nn.Module
     if engine:
         n_total = chunk.padded_numel  # what the engine allocates and sends (padded to n)
     text = format_report(paro_report(
-        args.paro_strategy, n_total, args.data_parallel_size, args.paro_group_size,
-        micro_steps=get_num_microbatches(), quant_config=args.quant_config,
-        state_bytes=_state_bytes(args)))
-    mp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+        paro.strategy, n_total, paro.data_parallel_size, paro.group_size,
+        micro_steps=get_num_microbatches(), quant_config=quant_config,
+        state_bytes=_state_bytes(paro)))
+    mp = paro.tensor_model_parallel_size * paro.pipeline_model_parallel_size
     if mp > 1:
         text += (f"\n > Ψ is this rank's share of the model (tensor x pipeline parallel = {mp}): "
                  "its data-parallel group holds and moves that")

@@ -1,26 +1,10 @@
 """The PaRO engine's flat layout: which parameters share a bucket, and where each one lives.
 
-Flat layout (why it looks like this). The parameters are grouped into *buckets*, the unit of
-gather / release and of the per-micro-step gradient reduce-scatter (as FSDP / ZeRO-3): contiguous
-runs of parameters in module order, one per unit module (:func:`_units`: the embedding, every
-transformer layer, the final norm, the output layer; a unit above ``bucket_numel`` elements is
-split into its children), and a bucket of its own for a parameter several modules use (the tied
-word-embedding / output weight). The flat buffer is the concatenation of the buckets, each padded
-to a multiple of the DP size ``n`` (and of the quantization unit when quantized);
-``padded_numel`` = S is the sum. Inside a bucket of ``s`` elements the layout is local-major: the
-I-shard of local index ``l`` is ``[l*s/m, (l+1)*s/m)`` and the G-shard of the rank in group ``k``
-with local index ``l`` is sub-chunk ``k`` of it, ``[l*s/m + k*s/n, l*s/m + (k+1)*s/n)``. A rank's
-shard at a level (what it keeps for p / g / os at I or G) is the concatenation of its shards of
-the buckets, S/m or S/n elements. With this order every PaRO transition of a bucket is one plain
-collective on a contiguous slice and nothing is reordered:
-
-* full -> I: intra reduce-scatter; I -> G: inter reduce-scatter of the I slice;
-* global reduce-scatter (full -> G) = intra RS + inter RS (PaRO-CC, spec §4);
-* G -> I: inter all-gather; I -> full: intra all-gather; global all-gather = inter AG + intra AG;
-* global all-reduce (NNN) = :func:`.comm.hierarchical_all_reduce` (whole buffer).
-
-Byte totals do not depend on the bucketing (ring bytes are linear in the element count).
+Buckets (one per unit module, padded to the DP size and quantization unit) are the unit of
+gather / release and gradient reduce-scatter; inside a bucket the layout is local-major, so every
+PaRO transition is one plain collective on a contiguous slice.
 """
+# See [Note: PaRO flat layout] in docs/architecture.md
 
 from __future__ import annotations
 

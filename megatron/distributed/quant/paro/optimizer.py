@@ -23,18 +23,10 @@ shard is, and the only temporary is one chunk's squares."""
 def sum_of_squares(t: torch.Tensor, chunk_numel: int = GRAD_NORM_CHUNK_NUMEL) -> torch.Tensor:
     """Sum of the squares of ``t``'s elements as a 0-d fp64 tensor on ``t``'s device.
 
-    Why this shape: ``torch.sum(t.double() ** 2)`` allocated two fp64 copies of ``t`` (16 bytes
-    per element, every step; 2 x 56 GB for a 7B shard at os = N). Here ``t`` is split into views
-    of ``chunk_numel`` elements; each chunk's squares (one chunk of fp32 scratch, reused) are
-    summed in fp32 into one slot of a ``ceil(numel / chunk_numel)``-element partials vector, and
-    only the partials are added in fp64. ``torch.sum`` and not ``torch.linalg.vector_norm`` /
-    ``torch._foreach_norm``: on the CPU those accumulate in fp32 lane by lane (relative error
-    1.4e-5 on a 256K-element chunk of mixed magnitudes, 1.4e-4 on 3M), ``sum`` reduces
-    pairwise (~1e-7) on both CPU and GPU. tests/test_paro_memory.py checks relative 1e-6 against
-    the fp64 reference. Like megatron-core's fp32 norm, a chunk whose sum of squares exceeds the
-    fp32 range gives inf (a norm above ~1.8e19), which the trainer treats as a non-finite
-    gradient; a NaN gives NaN. No host synchronization.
+    Chunked fp32 squares summed into fp64 partials: no fp64 copy of ``t``, no host sync. Overflow
+    of the fp32 range gives inf, a NaN gives NaN.
     """
+    # See [Note: chunked sum of squares] in docs/architecture.md
     if chunk_numel <= 0:
         raise ValueError(f"chunk_numel must be positive, got {chunk_numel}")
     flat = t.reshape(-1)
@@ -124,8 +116,7 @@ class ParoOptimizer:
         (replicas counted once).
 
         fp32 arithmetic on the gradient, as megatron-core's ``get_grad_norm_fp32`` (see
-        :func:`sum_of_squares`): no fp64 copy of the shard is made, only one fp64 scalar per chunk
-        (the old ``main_grad.double() ** 2`` made two 8-byte-per-element temporaries per step)."""
+        :func:`sum_of_squares`): no fp64 copy of the shard, only one fp64 scalar per chunk."""
         sq = sum_of_squares(self.engine.main_grad, GRAD_NORM_CHUNK_NUMEL).reshape(1)
         if self._norm_ranks > 1:
             dist.all_reduce(sq, group=self._norm_group)
@@ -178,10 +169,8 @@ class ParoOptimizer:
     def state_dict(self) -> Dict[str, Any]:
         """Everything for an exact resume of this rank: master shard, moments, step, groups.
 
-        The tensors are host copies (bit-identical to the state). Why not ``.clone()``: on a GPU
-        that put a second copy of the master and moments -- 12 bytes per shard element, the whole
-        model's at os = N -- on the device just to hand it to ``torch.save``, which copies to
-        the host anyway; the loader maps everything to the CPU and copies in place."""
+        The tensors are host copies (bit-identical to the state), not device clones: a clone would
+        add 12 bytes per shard element on the device only for ``torch.save`` to copy to the host."""
         return {"paro_strategy": self.engine.strategy.name,
                 "padded_numel": self.engine.padded_numel,
                 "group_size": self.engine.m,

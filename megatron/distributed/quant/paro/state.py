@@ -1,11 +1,8 @@
 """The engine's weights to and from a host (CPU) state dict, for checkpoints.
 
-Why a module of its own: the obvious save / load paths (``state_dict()`` or ``load_state_dict``
-inside ``full_params``) gather every bucket at once, the whole model's parameters on the device
-on top of the shards -- at least what a p = I / G strategy was chosen to avoid. These functions
-give the same keys, order, dtypes, shapes and values while gathering at most one bucket at a
-time (save) or nothing at all (load: each parameter's piece of this rank's shard is copied from
-the host tensor). The engine's ``host_state_dict`` / ``load_host_state_dict`` call them.
+Why: ``state_dict()`` / ``load_state_dict`` inside ``full_params`` would gather every bucket at
+once, the model-sized memory a p = I / G strategy avoids. These give the same result gathering at
+most one bucket at a time (save) or nothing (load).
 """
 
 from __future__ import annotations
@@ -41,13 +38,9 @@ def host_state_dict(module: torch.nn.Module, layout: FlatLayout, param_gathers: 
     that do not store the weights: they take part in the gathers and return None).
     ``layout`` / ``param_gathers``: the engine's, whose parameters are ``module``'s.
 
-    Same keys, order, dtypes, shapes and values as the old save path (``state_dict()`` inside
-    ``full_params``, then ``.detach().clone()`` of every tensor), but the buckets are
-    gathered one at a time, copied to the host and released. Why: the old path held every
-    bucket's full parameters *and* a device clone of them at once -- twice the model's
-    parameters on the GPU on top of the shards, at a moment the caching allocator's
-    activation blocks may still be reserved. Now the device holds at most one gathered bucket
-    above the persistent state (none for p = N) and nothing is cloned on it.
+    Same keys, order, dtypes, shapes and values as ``state_dict()`` inside ``full_params``, but
+    buckets are gathered one at a time, copied to the host and released: the device holds at most
+    one gathered bucket above the persistent state and nothing is cloned on it.
     """
     sd = module.state_dict(keep_vars=True)
     keys_of = _param_keys(layout, sd)
@@ -83,12 +76,8 @@ def load_host_state_dict(module: torch.nn.Module, sd: Dict[str, Any], layout: Fl
     ``geometry``, ``param_level`` (p), ``param_shard`` (None for p = N) and ``param_gathers``:
     the engine's, whose parameters are ``module``'s.
 
-    Same result as the old load path (``load_state_dict`` inside ``full_params(writeback=
-    True)``: the shard's slice of every parameter, tied weights taking their last key's
-    value, padding untouched), but the old path gathered every bucket at once -- the whole
-    model's parameters on the device on top of the shards, at least what a p = I / G
-    strategy was chosen to avoid. Now each parameter's piece inside the shard is copied from
-    the host tensor and nothing model-sized is allocated."""
+    Same result as ``load_state_dict`` inside ``full_params(writeback=True)`` (tied weights take
+    their last key's value, padding untouched), but nothing model-sized is allocated."""
     if param_shard is None:                  # p = N: the parameters are always full
         module.load_state_dict(sd, strict=True)
         return

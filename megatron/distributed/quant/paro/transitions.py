@@ -176,11 +176,10 @@ class LevelCollectives:
         For 'global' the local-major buffer is first permuted into DP-rank order (chunk of rank
         k*m + l = our chunk (l, k)): one local copy, the layout the runtime expects.
 
-        A NaN / Inf in any rank's input is noted on the device (the payload moves anyway, a
-        poisoned quantization group arrives as NaN);
-        :meth:`.optimizer.ParoOptimizer.prepare_grads` agrees on it once per step, so every rank
-        skips the step together.
+        NaN / Inf is noted on the device and agreed once per step by
+        :meth:`.optimizer.ParoOptimizer.prepare_grads`.
         """
+        # See [Note: non-finite contracts] in docs/architecture.md
         rt = self.quant_runtime
         x = inp.reshape(-1)
         if scope == "global":

@@ -44,10 +44,8 @@ class IndexSummary:
 def read_index_summary(idx_path: str) -> IndexSummary:
     """Read an ``.idx`` with megatron-core's ``_IndexReader`` (any parse error propagates).
 
-    Why the private reader: the public ``IndexedDataset`` also memory-maps the ``.bin``, which
-    fails for a 0-byte ``.bin`` and is what we want to check against the index. Only the header
-    and the last entries are touched (the arrays can be gigabytes), and the memory map is closed
-    before returning."""
+    Why the private reader: the public ``IndexedDataset`` also memory-maps the ``.bin``, which fails
+    for a 0-byte ``.bin``. Only the header and the last entries are touched."""
     from megatron.core.datasets.indexed_dataset import _IndexReader
 
     index = _IndexReader(idx_path, multimodal=False)
@@ -101,11 +99,9 @@ def _split_probe_class() -> type:
 def dataset_split_parts(prefix: str, config: Any) -> List[Optional[Any]]:
     """Per split (train, validation, test): what megatron-core hands that split's dataset, or None.
 
-    Each part has ``.indices`` (the document indices of the split) and ``.dataset`` (the file's
-    ``IndexedDataset``). Why the private method: 0.16 has no public function for the per-split
-    ranges (the rounding lives in ``_build_megatron_dataset_splits``); running it on a stand-in
-    class gives by construction the ranges the real build uses. None: a ``None`` bookend in
-    ``config.split_matrix`` (the split is not built). No barrier: every rank runs this alone."""
+    Each part has ``.indices`` and ``.dataset`` (the file's ``IndexedDataset``); None where
+    ``config.split_matrix`` has a ``None`` bookend. Why the private method: running it on a
+    stand-in class gives the real build's ranges by construction. No barrier."""
     from megatron.core.datasets.blended_megatron_dataset_builder import \
         BlendedMegatronDatasetBuilder
 

@@ -13,7 +13,7 @@ Touch points (megatron-core name -- what we rely on -- who uses it):
   (:data:`TP_RNG_LOGGER`, :data:`TP_RNG_CPU_STATE_WARNING`) that CPU mode filters.
 * ``megatron.core.jit.jit_fuser`` -- modules decorate with the module global at import time;
   ``disable_jit_fuser`` replaces it -- :func:`suspend_jit_fuser`, used by cpu_mode.py.
-* ``num_microbatches_calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR`` -- no longer read: init
+* ``num_microbatches_calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR`` -- not read: init
   asserts that no calculator exists, destroy is safe when none does --
   :func:`reinit_num_microbatches_calculator`, used by ``megatron/training/initialize.py``.
 * ``dist_checkpointing.strategies.filesystem_async._results_queue`` -- the lazily created

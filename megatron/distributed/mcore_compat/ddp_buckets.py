@@ -1,11 +1,8 @@
 """megatron-core's DDP buffers and bucket groups (``distributed.param_and_grad_buffer``,
 ``distributed_data_parallel``).
 
-Why a module of its own: the quantized DDP (``quant/ddp.py``) pads megatron-core's buckets,
-subclasses its bucket groups and replaces the body of their ``start_grad_sync`` /
-``start_param_sync``, and 0.16 has neither a padding hook, nor a buffer-class hook, nor public
-names for the bucket groups' state; the weight all-gathers of
-``--overlap-param-gather-with-optimizer-step`` are started and waited on here too.
+Why a module of its own: the quantized DDP (``quant/ddp.py``) pads the buckets and overrides the
+bucket groups' syncs, and 0.16 has no padding hook, buffer-class hook or public bucket-group state.
 
 Touch points (megatron-core name -- what we rely on -- who uses it):
 
@@ -254,13 +251,10 @@ def dispatch_param_gathers_after_step(ddp_chunk: Any) -> None:
     forward order, then the expert-parallel ones (also in forward order) -- and tell its forward
     pre-hooks not to chain-dispatch them again.
 
-    Why: megatron-core's ``DistributedDataParallel.start_param_sync(force_dispatch=True)`` walks
-    ``bucket_groups`` in buffer order, which is the *reverse* of forward order (buffers are
-    filled in backward order; ``next_param_gather_bucket_group`` links group i to i-1). The
-    first layer would then wait for every gather queued before its own. The pre-hook's
-    ``finish_param_sync(skip_next_bucket_dispatch=...)`` reads the chunk's
-    ``overlap_param_gather_with_optimizer_step`` attribute, which megatron-core sets in
-    ``get_megatron_optimizer`` only for the interleaved case."""
+    Why: megatron-core's ``start_param_sync(force_dispatch=True)`` walks ``bucket_groups`` in
+    buffer order, the *reverse* of forward order, so the first layer would wait for every other
+    gather. The pre-hooks read the chunk's ``overlap_param_gather_with_optimizer_step``, which
+    megatron-core sets only for the interleaved case."""
     ddp_chunk.overlap_param_gather_with_optimizer_step = True
     groups = (list(reversed(ddp_chunk.bucket_groups)) +
               list(reversed(getattr(ddp_chunk, "expert_parallel_bucket_groups", []))))

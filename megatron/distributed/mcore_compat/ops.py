@@ -44,7 +44,7 @@ def foreach_multi_tensor_scale(chunk_size: int, noop_flag: Any, tensor_lists: An
     Out of place, the products are made a group of tensors at a time (at most
     :data:`FOREACH_SCALE_GROUP_NUMEL` elements), not for every tensor at once: fp16 training
     copies the main params into the model through here every step, and one temporary of all of
-    them was an extra 4 bytes per parameter at the step's peak. A scale of 1 is a plain copy."""
+    them would add 4 bytes per parameter at the step's peak. A scale of 1 is a plain copy."""
     src, dst = list(tensor_lists[0]), list(tensor_lists[1])
     if all(a is b for a, b in zip(src, dst)):
         torch._foreach_mul_(dst, scale)
@@ -70,12 +70,8 @@ fp32 temporaries at most)."""
 def install_foreach_multi_tensor_ops() -> Undo:
     """Where megatron-core fell back to its per-tensor loops (neither TE nor Apex imported),
     route its grad-norm and scale calls through :func:`foreach_multi_tensor_l2_norm` /
-    :func:`foreach_multi_tensor_scale`. Touch points: the module globals ``l2_norm_impl`` and
-    ``multi_tensor_scale_impl`` of ``megatron.core.optimizer.clip_grads`` and
-    ``multi_tensor_scale_impl`` of ``megatron.core.optimizer.optimizer``, which their functions
-    read at call time through ``multi_tensor_applier`` (the local applier passes its arguments
-    through). A no-op (returns a no-op undo) when megatron-core uses TE's or Apex's kernels, or
-    when they are installed already (the trainer applies its fusions again after a load)."""
+    :func:`foreach_multi_tensor_scale` (the module globals listed in the module docstring).
+    A no-op (returns a no-op undo) with TE's or Apex's kernels, or when already installed."""
     from megatron.core import utils as mcore_utils
     from megatron.core.optimizer import clip_grads, optimizer as mcore_optimizer
 

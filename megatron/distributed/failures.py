@@ -16,6 +16,12 @@ cause), and every rank watches for it:
   synchronisation behind an NCCL kernel that never completes) prints the line and leaves with
   exit status 1 after :data:`GRACE_S` seconds; torchrun then stops the rest of the node.
 
+A rank that dies without a word (SIGKILL, a lost node) posts nothing; its peers meet gloo's
+"Connection reset by peer" / "Connection closed by peer", each naming itself. So every rank's
+watcher also beats a counter of its own in the store, and a rank whose collective failed with a
+lost connection first looks which peers' counters stopped (for :data:`ROLL_CALL_S`): the line it
+posts then names them -- ``rank 1 stopped answering: rank 0 at <where>: <gloo's text>``.
+
 Nothing here runs until :func:`install` (the trainer, after ``init_process_group``): the
 collectives used standalone or by tests keep their plain exceptions.
 """
@@ -27,17 +33,28 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 __all__ = ["CommunicationFailure", "default_store", "install", "uninstall", "report", "posted",
            "raise_if_posted", "watch", "wait_until", "POLL_S", "GRACE_S"]
 
 KEY = "megatron_quant/failure"
+ALIVE_KEY = "megatron_quant/alive/"
+"""Each rank's heartbeat counter: ``ALIVE_KEY + str(rank)``."""
+PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Connection refused",
+             "Broken pipe")
+"""Phrases of a failure that a peer's death causes (gloo's, the socket's)."""
 POLL_S = float(os.environ.get("QUANT_FAILURE_POLL_S", "2"))
 """Seconds between two looks at the store (one small request per rank)."""
 GRACE_S = float(os.environ.get("QUANT_FAILURE_GRACE_S", "20"))
 """Seconds a rank that saw a posted failure has to stop through its normal error path before it
 exits with status 1 (a rank blocked inside a collective never gets there)."""
+
+
+def roll_call_s() -> float:
+    """How long a rank that lost a connection watches its peers' heartbeats before it names
+    the silent ones: two and a half beats (a live peer beats every :data:`POLL_S`)."""
+    return 2.5 * POLL_S
 
 
 class CommunicationFailure(RuntimeError):
@@ -46,9 +63,11 @@ class CommunicationFailure(RuntimeError):
 
 
 class _Beacon:
-    def __init__(self, store: Any, rank: int) -> None:
+    def __init__(self, store: Any, rank: int, world_size: Optional[int]) -> None:
         self.store = store
         self.rank = rank
+        self.world_size = world_size
+        """Set: this rank beats its heartbeat and a lost connection names the silent peers."""
         self.seen: Optional[str] = None
         """The posted line once this rank has seen it (posted here, or read by the watcher)."""
         self.stop = threading.Event()
@@ -58,20 +77,52 @@ _BEACON: Optional[_Beacon] = None
 
 
 def default_store() -> Any:
-    """The store of the default process group (the launcher's rendezvous store; under torchrun
-    prefixed per restart attempt, so a restarted job never sees the last attempt's failure).
-    torch has no public accessor for it."""
+    """The store of the default process group: the launcher's store under the prefix of this
+    attempt (megatron/training/attempt.py), so a restarted job never sees the last attempt's
+    failure or heartbeats. torch has no public accessor for it."""
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
 
 
-def install(store: Any, rank: int) -> None:
+def install(store: Any, rank: int, world_size: Optional[int] = None) -> None:
     """Report failures of this process (rank ``rank``) to ``store``, the job's shared store
-    (a previous installation's watcher stops)."""
+    (a previous installation's watcher stops). ``world_size``: also keep a heartbeat (beaten by
+    :func:`watch`), so a peer that dies silently can be named."""
     global _BEACON
     uninstall()
-    _BEACON = _Beacon(store, rank)
+    _BEACON = _Beacon(store, rank, world_size)
+    _beat(_BEACON)
+
+
+def _beat(beacon: _Beacon) -> None:
+    if beacon.world_size is not None:
+        try:
+            beacon.store.add(f"{ALIVE_KEY}{beacon.rank}", 1)
+        except Exception:  # noqa: BLE001 -- the store went away: the job is ending
+            pass
+
+
+def _silent_peers(beacon: _Beacon) -> List[int]:
+    """The peers whose heartbeat did not move for :func:`roll_call_s` (none when a failure
+    was posted meanwhile: that line is the cause, or when the store is gone)."""
+    if beacon.world_size is None or beacon.world_size < 2:
+        return []
+    peers = [r for r in range(beacon.world_size) if r != beacon.rank]
+    try:
+        if beacon.store.check([KEY]):
+            return []
+        start = {r: beacon.store.add(f"{ALIVE_KEY}{r}", 0) for r in peers}
+        deadline = time.monotonic() + roll_call_s()
+        idle = threading.Event()
+        while peers and time.monotonic() < deadline:
+            idle.wait(POLL_S / 2)
+            if beacon.store.check([KEY]):
+                return []
+            peers = [r for r in peers if beacon.store.add(f"{ALIVE_KEY}{r}", 0) == start[r]]
+    except Exception:  # noqa: BLE001 -- the store went away with a peer: nothing to name
+        return []
+    return peers
 
 
 def uninstall() -> None:
@@ -98,6 +149,12 @@ def report(where: str, exc: BaseException) -> BaseException:
     if beacon is None or isinstance(exc, CommunicationFailure):
         return exc
     mine = _line(beacon.rank, where, exc)
+    if any(phrase in str(exc) for phrase in PEER_LOSS):
+        silent = _silent_peers(beacon)
+        if silent:
+            who = (f"rank {silent[0]}" if len(silent) == 1 else
+                   f"ranks {', '.join(map(str, silent))}")
+            mine = f"{who} stopped answering: {mine.replace(': ', ' at ', 1)}"
     try:
         first = beacon.store.compare_set(KEY, "", mine)
         beacon.seen = first.decode() if isinstance(first, bytes) else str(first)
@@ -141,6 +198,7 @@ def watch(log: Any = None) -> Optional[threading.Thread]:
 
     def run() -> None:
         while not beacon.stop.wait(POLL_S):
+            _beat(beacon)
             try:
                 found = beacon.store.check([KEY])
                 line = beacon.store.get(KEY).decode() if found else None

@@ -1,17 +1,9 @@
 """The one seam to megatron-core's private names and private behaviour (megatron-core 0.16.x).
 
-Why this package exists: megatron-core has no public hook for several things the trainer and the
-quantized communication layer need (a bucket-padding hook, a buffer-class hook, a hook before the
-distributed optimizer writes the model params, a public index reader, the per-split document
-ranges, ...). Every access to a private name, and every reliance on an undocumented behaviour,
-lives in this package, behind a small public function that says why; nothing else in our code
-touches megatron-core internals. Importing any submodule first runs this file, which checks the
-installed version (:data:`SUPPORTED`), and ``tests/test_mcore_compat.py`` holds one contract
-test per touch point, so a megatron-core upgrade fails in one named test instead of somewhere in
-training.
-
-One submodule per megatron-core part it adapts (each lists its touch points and their users);
-import a name from the submodule that defines it:
+Every access to a megatron-core private name or undocumented behaviour lives here, behind a
+small public function; importing a submodule checks the version (:data:`SUPPORTED`), and
+``tests/test_mcore_compat.py`` has one contract test per touch point. One submodule per
+megatron-core part (import from it):
 
 * :mod:`.process_globals` -- process-wide module globals the trainer replaces or recreates:
   ``tensor_parallel.random``'s CUDA RNG state functions, ``jit.jit_fuser``, the
@@ -25,11 +17,8 @@ import a name from the submodule that defines it:
   around the step, the dp-reshardable state's bucket layout, dummy states, param ranges.
 * :mod:`.ops` -- ``optimizer.clip_grads`` / ``optimizer.optimizer``: the multi-tensor op
   globals, replaced by torch ``_foreach`` versions.
-
-Behaviour relied on by cpu_mode.py's torch proxy (megatron-core modules use a module-global
-``torch``; the optimizers classify params by ``Tensor.type()`` strings) is exercised end to end by
-``tests/test_cpu_mode.py``.
 """
+# See [Note: megatron-core seam] in docs/architecture.md
 
 from __future__ import annotations
 
@@ -45,9 +34,7 @@ SUPPORTED_SPEC = "0.16.x"
 def check_version(version: str) -> None:
     """Raise ImportError unless ``version`` is a megatron-core release this package supports.
 
-    Why at import: every touch point in the submodules is private; on another minor release any
-    of them may be gone or behave differently, and the failure would otherwise surface
-    mid-training."""
+    Checked at import so that an unsupported release fails at once, not mid-training."""
     parts = str(version).split(".")
     try:
         major_minor = (int(parts[0]), int(parts[1]))
@@ -55,7 +42,7 @@ def check_version(version: str) -> None:
         major_minor = None
     if major_minor != SUPPORTED:
         raise ImportError(
-            f"megatron-core {version} is installed, but megatron/distributed/quant/mcore_compat/ "
+            f"megatron-core {version} is installed, but megatron/distributed/mcore_compat/ "
             f"supports megatron-core {SUPPORTED_SPEC} only (it touches private names); install "
             f"megatron-core=={SUPPORTED_SPEC.replace('x', '1')} or update mcore_compat and run "
             f"tests/test_mcore_compat.py")

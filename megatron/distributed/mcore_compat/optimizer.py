@@ -1,9 +1,7 @@
 """megatron-core's ``optimizer``: hooks around the step and what its sharded state looks like.
 
-Why a module of its own: the quantized DDP must act right before the distributed optimizer
-writes the model params and when the step decides whether gradients are finite, and the
-checkpoint code must read the optimizer's state layout; 0.16 offers no hook and no public name
-for any of that.
+Why a module of its own: 0.16 has no hook before the optimizer writes the model params or decides
+whether gradients are finite, and no public name for its state layout.
 
 Touch points (megatron-core name -- what we rely on -- who uses it):
 
@@ -129,11 +127,9 @@ def wrap_prepare_grads(optimizer: Any, extra: Callable[[], bool]) -> None:
 def wrap_step_with_ready_grads(optimizer: Any, after: Callable[[], None]) -> None:
     """Call ``after()`` right after a successful ``optimizer.step_with_ready_grads()``.
 
-    Why: megatron-core's own ``overlap_param_gather_with_optimizer_step`` dispatches the weight
-    all-gathers from ``ChainedOptimizer.step_with_ready_grads`` but only for interleaved
-    pipelines (``get_megatron_optimizer`` puts the first model chunk in an optimizer of its own
-    and fails with a single chunk). ``step()`` and our trainer's step both go through this
-    instance attribute, so wrapping it gives the same dispatch point for one chunk. Idempotent."""
+    Why: megatron-core dispatches the weight all-gathers after the step only for interleaved
+    pipelines; ``step()`` and our trainer's step both call this instance attribute, so wrapping it
+    gives the same dispatch point for one chunk. Idempotent."""
     orig = optimizer.step_with_ready_grads
     if getattr(orig, HOOK_MARK, False):
         return

@@ -51,7 +51,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron.distributed.quant.kernels import reference as R  # noqa: E402
-from megatron.planner.calibration import SOURCES as NUM_SOURCES, moved_bytes  # noqa: E402
+from megatron.planner.calibration import SOURCES, moved_bytes  # noqa: E402
 
 TIMINGS = ("device", "per-call-sync")
 
@@ -185,8 +185,9 @@ def _err(y: torch.Tensor, x: torch.Tensor) -> Tuple[float, float]:
 
 
 def cases(impl, n: int, bits: int, gs: int, dev: str, data_gen: torch.Generator,
-          conv: CallConvention):
-    """(name, fn, input_bytes, moved_bytes, error_fn) for every kernel."""
+          conv: CallConvention, sources: int = SOURCES):
+    """(name, fn, input_bytes, moved_bytes, error_fn) for every kernel; the middle and final
+    hops sum ``sources`` slots (the GPUs of a node)."""
     x = torch.randn(n, device=dev, generator=data_gen)
     qb = n * bits // 8 + 4 * (n // gs)                       # packed bytes of n elements
     gen = conv.seed_generator
@@ -220,19 +221,20 @@ def cases(impl, n: int, bits: int, gs: int, dev: str, data_gen: torch.Generator,
     xq = R.dequantize(q)
     out.append(("dequantize", lambda: impl.dequantize(q), qb, moved_bytes("dequantize", n, bits, gs),
                 lambda: _err(impl.dequantize(q), xq)))
-    if n % (NUM_SOURCES * gs) == 0:
-        m = n // NUM_SOURCES
-        exact = xq.view(NUM_SOURCES, m).sum(0)
-        out.append((f"dequant_sum_requant(S={NUM_SOURCES})",
-                    lambda: impl.dequantize_sum_requantize(q, NUM_SOURCES, bits, generator=gen),
-                    qb, moved_bytes("dequantize_sum_requantize", n, bits, gs),
+    S = sources
+    if n % (S * gs) == 0:
+        m = n // S
+        exact = xq.view(S, m).sum(0)
+        out.append((f"dequant_sum_requant(S={S})",
+                    lambda: impl.dequantize_sum_requantize(q, S, bits, generator=gen),
+                    qb, moved_bytes("dequantize_sum_requantize", n, bits, gs, S),
                     lambda: _err(R.dequantize(impl.dequantize_sum_requantize(
-                        q, NUM_SOURCES, bits, generator=gen)), exact)))
+                        q, S, bits, generator=gen)), exact)))
         dst = torch.empty(m, device=dev)
-        out.append((f"dequant_sum(S={NUM_SOURCES})",
-                    lambda: impl.dequantize_sum(q, NUM_SOURCES, out=dst),
-                    qb, moved_bytes("dequantize_sum", n, bits, gs),
-                    lambda: _err(impl.dequantize_sum(q, NUM_SOURCES), exact)))
+        out.append((f"dequant_sum(S={S})",
+                    lambda: impl.dequantize_sum(q, S, out=dst),
+                    qb, moved_bytes("dequantize_sum", n, bits, gs, S),
+                    lambda: _err(impl.dequantize_sum(q, S), exact)))
     ref = x.bfloat16()
     new = x + 1e-3 * torch.randn(n, device=dev, generator=data_gen)
     out.append(("quantize_difference(bf16)",
@@ -257,6 +259,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     choices=["cpu", "cuda"])
     ap.add_argument("--bits", default="4,8", help="comma-separated bit widths (2, 4, 8)")
     ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--sources", type=int, default=SOURCES,
+                    help=f"slots the middle and final hops sum: the run's GPUs per node "
+                         f"(default {SOURCES}; the 2026-11-27 tables used 4)")
     ap.add_argument("--iters", type=int, default=0,
                     help="timed calls for wall timings and the host enqueue column "
                          "(default: 3 cpu, 20 cuda)")
@@ -276,6 +281,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="also write every row (kernel, backend, bits, numel, seconds, moved "
                          "bytes, copy GB/s) to FILE, the form tools/planner.py --kernels-json reads")
     args = ap.parse_args(argv)
+    if args.sources < 1:
+        ap.error(f"--sources must be at least 1, got {args.sources}")
     dev = args.device
     if dev == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda requested but CUDA is not available")
@@ -328,7 +335,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for bits in bits_list:
             for bname, impl in backends.items():
                 for name, fn, in_b, mv_b, err_fn in cases(impl, n, bits, args.group_size, dev,
-                                                          data_gen, conv):
+                                                          data_gen, conv, args.sources):
                     t = time_fn(fn, dev, iters, args.timing)
                     rel, mx = err_fn()
                     mv = mv_b / t.seconds / 1e9

@@ -41,7 +41,14 @@ only re-compiles what changed.
 The byte columns are a static traffic model (from the argument dtypes, bits and group sizes, not
 measured): bytes read + written in HBM per element, and the time to move that many bytes for a
 1.3e9-element bucket at the H100 SXM HBM3 bandwidth of 3.35 TB/s, the floor for a memory-bound
-kernel. Exit status: 0 all compiled, 1 a compile failed, 2 a usage / coverage error.
+kernel. The last column is bench/kernel_cost_model.py's modelled % of copy bandwidth on an H200
+(from the SASS: instructions per element, local and shared memory traffic, occupancy; modelled,
+not measured) and the bound that sets it.
+
+Budget: a reachable specialisation with a register spill, a stack frame or more than
+``MAX_REGISTERS`` registers is reported as OVER BUDGET and fails the run. Exit status: 0 all
+compiled within budget, 1 a compile failed or a specialisation is over budget, 2 a usage /
+coverage error.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ import json
 import math
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,9 +73,17 @@ REPO = Path(__file__).resolve().parent.parent
 SCHEMA = 2                       # bump when the cached record's fields change
 HBM_BYTES_PER_S = 3.35e12        # H100 SXM HBM3
 BUCKET_ELEMENTS = 1.3e9          # a 1.3B-parameter model's gradient / weight bucket
-GPUS_PER_NODE = 8                # D: sources summed by the middle hop (for the byte model)
-NODES = 4                        # M: sources summed by the final hop (for the byte model)
+GPUS_PER_NODE = 8                # D: the layout's GPUs per node (shard geometry of the scenarios)
+NODES = 4                        # M: nodes of the scenarios' layout
+SOURCE_COUNTS = (2, 4, 8)
+"""Slots S the middle and final hops sum: GPUs per node (the middle hop, LoCo's intra sum) and
+nodes or GPUs per node (the final hop). 8 is what an 8-GPU node with TP 1 runs; 4 and 2 are TP 2
+and TP 4 (or 2 and 4 nodes). S is a constexpr, so each is its own specialisation."""
 DEFAULT_TARGETS = "sm_80,sm_90"
+MAX_REGISTERS = 128
+"""Register budget per thread: 4 CTAs of 128 threads per SM, enough loads in flight for HBM
+(bench/kernel_cost_model.py). A reachable specialisation over it, or with any spill or stack,
+fails the run."""
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "u8": 1, "i8": 1, "i32": 4}
 # The SDP4Bit sample recipe (examples/sdp4bit/common.sh): what --quick compiles per kernel.
 SDP4BIT_RECIPE = {"bits_intra": 8, "gs_intra": 128, "bits_inter": 4, "gs_inter": 128,
@@ -199,28 +215,27 @@ def scenarios(space: FlagSpace) -> List[Scenario]:
                                                   list(reversed(range(P))), bits, gs, stochastic=sr,
                                                   generator=_typical_generator(T), hadamard=had,
                                                   hadamard_block=hb, check_finite=False))
-    # -- TLq middle hop: dequantize D sources, fp32 sum, requantize to inter bits / group ----------
-    for bits_in in space.bits:
-        for gs_in in space.gs_intra:
-            for bits_out in space.bits:
-                for gs_out in space.gs_inter:
-                    for sr in (True, False):
-                        quick = (bits_in == r["bits_intra"] and gs_in == r["gs_intra"]
-                                 and bits_out == r["bits_inter"] and gs_out == r["gs_inter"] and sr)
-                        add("TLq middle", quick,
-                            lambda T, bi=bits_in, gi=gs_in, bo=bits_out, go=gs_out, sr=sr:
-                            T.dequantize_sum_requantize(qt(D * unit, bi, gi), D, bo,
-                                                        group_size_out=go, stochastic=sr,
-                                                        generator=_typical_generator(T)))
-    # -- TLq final hop: dequantize + sum M (or D) sources [-> inverse Hadamard] -> fp32 shard ------
-    for bits in space.bits:
-        for gs in grad_gs:
-            for had, hb in had_options(gs):
-                quick = bits == r["bits_inter"] and gs == r["gs_inter"] and had
-                add("TLq final", quick,
-                    lambda T, bits=bits, gs=gs, had=had, hb=hb:
-                    T.dequantize_sum(qt(M * unit, bits, gs), M, hadamard=had, hadamard_block=hb,
-                                     out=torch.empty(unit, dtype=fp32)))
+    # -- TLq middle hop: dequantize S sources, fp32 sum, requantize to inter bits / group ----------
+    middle = [(S, bi, gi, bo, go, sr) for S in SOURCE_COUNTS for bi in space.bits
+              for gi in space.gs_intra for bo in space.bits for go in space.gs_inter
+              for sr in (True, False)]
+    for S, bits_in, gs_in, bits_out, gs_out, sr in middle:
+        quick = (bits_in == r["bits_intra"] and gs_in == r["gs_intra"] and bits_out == r["bits_inter"]
+                 and gs_out == r["gs_inter"] and sr and S == D)
+        add("TLq middle", quick,
+            lambda T, bi=bits_in, gi=gs_in, bo=bits_out, go=gs_out, sr=sr, S=S:
+            T.dequantize_sum_requantize(qt(S * unit, bi, gi), S, bo, group_size_out=go,
+                                        stochastic=sr, generator=_typical_generator(T)))
+    # -- TLq final hop: dequantize + sum S (nodes, or GPUs per node) sources [-> inverse Hadamard] --
+    for S in SOURCE_COUNTS:
+        for bits in space.bits:
+            for gs in grad_gs:
+                for had, hb in had_options(gs):
+                    quick = bits == r["bits_inter"] and gs == r["gs_inter"] and had and S == D
+                    add("TLq final", quick,
+                        lambda T, bits=bits, gs=gs, had=had, hb=hb, S=S:
+                        T.dequantize_sum(qt(S * unit, bits, gs), S, hadamard=had,
+                                         hadamard_block=hb, out=torch.empty(unit, dtype=fp32)))
     # -- LoCo: hop-1 'sent' values, middle hop unfused, 8-bit error buffers ------------------------
     for bits in space.bits:
         for gs in grad_gs:
@@ -228,7 +243,9 @@ def scenarios(space: FlagSpace) -> List[Scenario]:
                 add("LoCo", False, lambda T, bits=bits, gs=gs, had=had, hb=hb:
                     T.dequantize(qt(P * unit, bits, gs), hadamard=had, hadamard_block=hb))
         for gs in space.gs_intra:
-            add("LoCo", False, lambda T, bits=bits, gs=gs: T.dequantize_sum(qt(D * unit, bits, gs), D))
+            for S in SOURCE_COUNTS:
+                add("LoCo", False, lambda T, bits=bits, gs=gs, S=S:
+                    T.dequantize_sum(qt(S * unit, bits, gs), S))
         for gs in space.gs_inter:
             for sr in (True, False):
                 add("LoCo", False, lambda T, bits=bits, gs=gs, sr=sr:
@@ -456,6 +473,15 @@ class Cache:
             return None
         return rec
 
+    def cubin(self, key: str) -> Optional[bytes]:
+        """The cached cubin of ``key`` (checked by get() before a record is used)."""
+        if self.root is None:
+            return None
+        try:
+            return (self.root / f"{key}.cubin").read_bytes()
+        except OSError:
+            return None
+
     def put(self, key: str, rec: Dict[str, Any], cubin: bytes) -> None:
         if self.root is None:
             return
@@ -627,10 +653,52 @@ def default_cache_dir() -> Path:
     return Path(base) / "sdp4bit-megatron" / "triton_aot"
 
 
+def over_budget(row: Dict[str, Any], max_registers: int) -> List[str]:
+    """What of the budget a compiled row breaks: spills, a stack frame, registers."""
+    out = []
+    if row["spill_stores"] or row["spill_loads"]:
+        out.append(f"spills {row['spill_stores']}/{row['spill_loads']} B")
+    if row.get("stack"):
+        out.append(f"stack {row['stack']} B")
+    if row["regs"] > max_registers:
+        out.append(f"{row['regs']} > {max_registers} registers")
+    return out
+
+
+def sass_counts(spec: Spec, cubin: bytes) -> Dict[str, Any]:
+    """The cost model's per-thread counts of the cubin's SASS (bench/kernel_cost_model.py)."""
+    import kernel_cost_model as C
+
+    trips = int(spec.constexpr_by_name.get("S", 1))
+    counts = C.count(C.parse_sass(C.disassemble(cubin), spec.kernel), trips)
+    return dataclasses.asdict(counts) | {"trips": trips}
+
+
+def model(spec: Spec, rec: Dict[str, Any], tr: Tuple[float, float, str]) -> Dict[str, Any]:
+    """Modelled % of copy bandwidth on an H200 and its bound, from the cached SASS counts."""
+    import kernel_cost_model as C
+
+    counts = C.SassCounts(**{k: v for k, v in rec["sass"].items() if k != "trips"})
+    shape = C.shape_of(spec.kernel, spec.constexpr_by_name, tr[0] + tr[1], int(rec["regs"]),
+                       int(rec["smem_dynamic"]) + int(rec.get("smem_static", 0)),
+                       int(rec["num_warps"]))
+    est = C.estimate(counts, shape, 256 << 20)
+    return {"modelled_pct": round(est.percent_of_copy, 1), "bound": est.bound,
+            "instr_per_elem": round(est.instructions_per_element, 1),
+            "local_B_per_elem": round(est.local_bytes_per_element, 2),
+            "warps_per_sm": est.occupancy_warps}
+
+
 def run(targets: Sequence[int], quick: bool, cache_dir: Optional[Path],
-        progress: Callable[[str], None] = lambda s: None) -> List[Dict[str, Any]]:
-    """Compile every specialisation (cached) and return one row per (specialisation, target)."""
+        progress: Callable[[str], None] = lambda s: None, only: Optional[str] = None,
+        max_registers: int = MAX_REGISTERS) -> List[Dict[str, Any]]:
+    """Compile every specialisation (cached) and return one row per (specialisation, target);
+    ``only``: a regular expression on "kernel specialisation"."""
     specs = build_specs(targets, quick)
+    if only is not None:
+        specs = [sp for sp in specs if re.search(only, f"{sp.kernel} {label(sp)}")]
+        if not specs:
+            raise AotError(f"--only {only!r} matches no specialisation")
     cache = Cache(cache_dir)
     rows: List[Dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="triton_aot_") as scratch:
@@ -648,6 +716,7 @@ def run(targets: Sequence[int], quick: bool, cache_dir: Optional[Path],
             rec = cache.get(sp.key)
             if rec is not None:
                 row.update(rec, cached=True)
+                cubin = cache.cubin(sp.key)
             else:
                 try:
                     rec, cubin = compile_spec(sp, scratch)
@@ -655,6 +724,16 @@ def run(targets: Sequence[int], quick: bool, cache_dir: Optional[Path],
                     row.update(rec, cached=False)
                 except Exception as exc:  # every failure is reported, then the exit status is 1
                     row["error"] = f"{type(exc).__name__}: {exc}"
+            if not row["error"]:
+                row["over_budget"] = over_budget(row, max_registers)
+                if tr is not None and cubin is not None:
+                    try:
+                        if "sass" not in rec:         # SASS counts cached beside the record
+                            rec["sass"] = sass_counts(sp, cubin)
+                            cache.put(sp.key, rec, cubin)
+                        row.update(model(sp, rec, tr))
+                    except (OSError, subprocess.CalledProcessError) as exc:  # no cuobjdump
+                        row["model_error"] = f"{type(exc).__name__}: {exc}"
             status = "FAILED" if row["error"] else ("cached" if row.get("cached") else
                                                      f"{row['compile_s']:.1f}s")
             progress(f"[{i}/{len(specs)}] {row['target']} {sp.kernel} {row['specialisation']}: {status}")
@@ -668,21 +747,28 @@ def _fmt_bytes(row: Dict[str, Any]) -> str:
     return f"{row['bytes_read']:.3g}+{row['bytes_written']:.3g}"
 
 
+def _fmt_model(row: Dict[str, Any]) -> str:
+    if "modelled_pct" not in row:
+        return "n/a"
+    return f"{row['modelled_pct']:.0f} ({row['bound']})"
+
+
 def format_text(rows: Sequence[Dict[str, Any]]) -> str:
     """Aligned plain-text table, one line per (specialisation, target)."""
-    head = ["kernel", "specialisation", "used by", "target", "regs", "spill st/ld B", "smem B",
-            "cvt/bar/shfl", "B/elem R+W", "1.3B @3.35TB/s ms"]
+    head = ["kernel", "specialisation", "used by", "target", "regs", "spill st/ld B", "stack B",
+            "smem B", "cvt/bar/shfl", "B/elem R+W", "1.3B @3.35TB/s ms", "model % copy"]
     body = []
     for r in rows:
         if r["error"]:
             body.append([r["kernel"], r["specialisation"], r["used_by"], r["target"],
-                         "FAILED", "-", "-", "-", _fmt_bytes(r), "-"])
+                         "FAILED", "-", "-", "-", "-", _fmt_bytes(r), "-", "-"])
             continue
         body.append([r["kernel"], r["specialisation"], r["used_by"], r["target"], str(r["regs"]),
-                     f"{r['spill_stores']}/{r['spill_loads']}",
+                     f"{r['spill_stores']}/{r['spill_loads']}", str(r.get("stack", 0)),
                      str(r["smem_dynamic"] + r["smem_static"]),
                      f"{r['layout_conversions']}/{r['barriers']}/{r['shuffles']}", _fmt_bytes(r),
-                     f"{r['roofline_ms']:.2f}" if "roofline_ms" in r else "n/a"])
+                     f"{r['roofline_ms']:.2f}" if "roofline_ms" in r else "n/a",
+                     _fmt_model(r)])
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
@@ -699,10 +785,11 @@ def format_markdown(rows: Sequence[Dict[str, Any]]) -> str:
         grouped.setdefault(r["spec_id"], {})[r["target"]] = r
     tg = ", ".join(targets)
     out = [f"| kernel | specialisation | used by | regs ({tg}) | spills B ({tg}) | "
-           f"smem B ({tg}) | B/elem R+W | 1.3B @ 3.35 TB/s (ms) |",
-           "|---|---|---|---|---|---|---:|---:|"]
+           f"stack B ({tg}) | smem B ({tg}) | B/elem R+W | 1.3B @ 3.35 TB/s (ms) | "
+           f"modelled % of copy (H200) |",
+           "|---|---|---|---|---|---|---|---:|---:|---:|"]
     for per in grouped.values():
-        cells: Dict[str, List[str]] = {"regs": [], "spill": [], "smem": []}
+        cells: Dict[str, List[str]] = {"regs": [], "spill": [], "stack": [], "smem": []}
         for t in targets:
             r = per.get(t)
             if r is None or r["error"]:
@@ -712,26 +799,32 @@ def format_markdown(rows: Sequence[Dict[str, Any]]) -> str:
             cells["regs"].append(str(r["regs"]))
             spilled = r["spill_stores"] or r["spill_loads"]
             cells["spill"].append(f"**{r['spill_stores']}st {r['spill_loads']}ld**" if spilled else "0")
+            cells["stack"].append(str(r.get("stack", 0)))
             cells["smem"].append(str(r["smem_dynamic"] + r["smem_static"]))
         any_row = next(iter(per.values()))
+        sm90 = per.get("sm_90", any_row)
         roof = f"{any_row['roofline_ms']:.2f}" if "roofline_ms" in any_row else "n/a"
         out.append(f"| `{any_row['kernel']}` | {any_row['specialisation']} | {any_row['used_by']} | "
                    f"{', '.join(cells['regs'])} | {', '.join(cells['spill'])} | "
-                   f"{', '.join(cells['smem'])} | {_fmt_bytes(any_row)} | {roof} |")
+                   f"{', '.join(cells['stack'])} | {', '.join(cells['smem'])} | "
+                   f"{_fmt_bytes(any_row)} | {roof} | {_fmt_model(sm90)} |")
     return "\n".join(out)
 
 
-def summary(rows: Sequence[Dict[str, Any]], seconds: float) -> str:
+def summary(rows: Sequence[Dict[str, Any]], seconds: float,
+            max_registers: int = MAX_REGISTERS) -> str:
     ok = [r for r in rows if not r["error"]]
     failed = [r for r in rows if r["error"]]
     spilled = [r for r in ok if r["spill_stores"] or r["spill_loads"]]
+    over = [r for r in ok if r.get("over_budget")]
     kernels = sorted({r["kernel"] for r in rows})
     targets = sorted({r["target"] for r in rows})
     compiled = sum(1 for r in ok if not r.get("cached"))
     lines = [f"{len(rows)} compiles ({len({r['spec_id'] for r in rows})} "
              f"specialisations of {len(kernels)} entry kernels x {len(targets)} targets "
              f"{','.join(targets)}): {compiled} compiled, {len(ok) - compiled} from cache, "
-             f"{len(failed)} failed; {len(spilled)} with spills; {seconds:.1f} s"]
+             f"{len(failed)} failed; {len(spilled)} with spills; {len(over)} over budget "
+             f"(spill, stack or > {max_registers} registers); {seconds:.1f} s"]
     if ok:
         lines.append("registers per target: " + "; ".join(
             f"{t} {min(r['regs'] for r in ok if r['target'] == t)}-"
@@ -740,6 +833,9 @@ def summary(rows: Sequence[Dict[str, Any]], seconds: float) -> str:
     for r in spilled:
         lines.append(f"SPILLS {r['target']} {r['kernel']} {r['specialisation']}: "
                      f"{r['spill_stores']} B stores / {r['spill_loads']} B loads")
+    for r in over:
+        lines.append(f"OVER BUDGET {r['target']} {r['kernel']} {r['specialisation']}: "
+                     f"{', '.join(r['over_budget'])}")
     for r in failed:
         lines.append(f"FAILED {r['target']} {r['kernel']} {r['specialisation']}: {r['error']}")
     return "\n".join(lines)
@@ -756,6 +852,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help=f"compile cache (default {default_cache_dir()})")
     ap.add_argument("--no-cache", action="store_true", help="compile everything, store nothing")
     ap.add_argument("--list", action="store_true", help="print the specialisations, compile nothing")
+    ap.add_argument("--only", default=None, metavar="REGEX",
+                    help="compile only the specialisations whose 'kernel specialisation' matches")
+    ap.add_argument("--max-registers", type=int, default=MAX_REGISTERS,
+                    help=f"register budget per thread (default {MAX_REGISTERS})")
     ap.add_argument("--markdown", action="store_true",
                     help="print the table as markdown, targets side by side (docs/performance.md)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
@@ -770,16 +870,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 0
         cache_dir = None if args.no_cache else (args.cache_dir or default_cache_dir())
         progress = (lambda s: print(s, file=sys.stderr, flush=True)) if args.verbose else (lambda s: None)
-        rows = run(targets, args.quick, cache_dir, progress)
+        rows = run(targets, args.quick, cache_dir, progress, args.only, args.max_registers)
     except AotError as exc:
         print(f"triton_aot: error: {exc}", file=sys.stderr)
         return 2
     print(format_markdown(rows) if args.markdown else format_text(rows))
     print()
-    print(summary(rows, time.perf_counter() - t0))
+    print(summary(rows, time.perf_counter() - t0, args.max_registers))
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1, sort_keys=True), encoding="utf-8")
-    return 1 if any(r["error"] for r in rows) else 0
+    return 1 if any(r["error"] or r.get("over_budget") for r in rows) else 0
 
 
 if __name__ == "__main__":
@@ -788,4 +888,5 @@ if __name__ == "__main__":
         print("triton_aot: note: ignoring TRITON_INTERPRET (this tool compiles for real)",
               file=sys.stderr)
     sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "bench"))
     sys.exit(main())

@@ -5,6 +5,7 @@ plus the host enqueue time, runs only on a GPU.)"""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -53,12 +54,36 @@ def test_cpu_rows_for_every_kernel(capsys):
             if line and not line.startswith(("#", "kernel"))]
     names = [r[0] for r in rows]
     assert names == ["quantize", "quantize+HT32", "quantize_partitions(4)+HT", "dequantize",
-                     "dequant_sum_requant(S=4)", "dequant_sum(S=4)",
+                     "dequant_sum_requant(S=8)", "dequant_sum(S=8)",
                      "quantize_difference(bf16)", "dequantize_add(bf16)"]
     for r in rows:
         assert r[1] == "torch" and float(r[4]) > 0 and r[5] == "-"   # ms, no host column on CPU
     # round to nearest dequantizes exactly; the quantizers' error is that of 4 bits
     assert float(rows[3][-2]) == 0.0 and 0.05 < float(rows[0][-2]) < 0.3
+
+
+def test_sources_flag_names_the_hop_rows_and_the_planner_reads_them(capsys, tmp_path):
+    """--sources sets the slots the middle and final hops sum (the run's GPUs per node); the
+    planner's --kernels-json reads the rows whatever S they were timed at."""
+    from megatron.planner import calibration
+
+    bq = _bench()
+    out = tmp_path / "rows.json"
+    assert bq.main(["--sizes", "4K", "--bits", "4", "--device", "cpu", "--iters", "1",
+                    "--backends", "torch", "--sources", "2", "--json", str(out)]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()
+             if line and not line.startswith(("#", "kernel"))]
+    assert "dequant_sum_requant(S=2)" in names and "dequant_sum(S=2)" in names
+    rows = json.loads(out.read_text())["rows"]
+    mid = next(r for r in rows if r["kernel"] == "dequant_sum_requant(S=2)")
+    # 4096 4-bit codes + scales in, 2048 out
+    assert mid["moved_bytes"] == (2048 + 128) + (1024 + 64)
+    assert calibration.bench_kernel_name("dequant_sum(S=8)") == "dequantize_sum"
+    assert calibration.bench_kernel_name("dequant_sum_requant(S=2)") == "dequantize_sum_requantize"
+    assert calibration.bench_kernel_name("quantize_difference(bf16)") == "quantize_difference"
+    assert calibration.bench_kernel_name("copy") is None
+    rates = calibration.load_kernels_json(str(out), calibration.default_rates())
+    assert rates.kernel("dequantize_sum").bandwidth > 0
 
 
 @pytest.mark.parametrize("argv, message", [

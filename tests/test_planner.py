@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron.distributed.quant.accounting import CommAccounting
-from megatron.distributed.quant.config import QuantizationConfig
+from megatron.distributed.quant.config import HopSpec, QuantizationConfig
 from megatron.distributed.quant.kernels.reference import QuantizedTensor
 from megatron.planner import calibration
 from megatron.planner.calibration import Contention, DeviceRates, KernelRate, fit_kernel
@@ -209,12 +209,11 @@ def test_planner_bytes_are_the_collectives_accounting():
     acc = CommAccounting()
     n, p, d = 1 << 20, 8, 4
     acc.record_two_level_reduce_scatter("b", numel=n, elem_size=4, dp_size=p, intra_size=d,
-                                        bits_intra=8, group_size_intra=128, bits_inter=4,
-                                        group_size_inter=128)
+                                        intra=HopSpec(8, 128), inter=HopSpec(4, 128))
     g = acc.totals()["grad"]
     assert g["intra"]["bytes"] == QuantizedTensor.wire_bytes(n, 8, 128) * 3 // 4
     assert g["inter"]["bytes"] == QuantizedTensor.wire_bytes(n // 4, 4, 128) // 2
-    acc.record_quantized_all_gather("w", shard_numel=4096, elem_size=2, bits=4, group_size=2048,
+    acc.record_quantized_all_gather("w", shard_numel=4096, elem_size=2, spec=HopSpec(4, 2048),
                                     hops=[(3, 4)])
     wt = acc.totals()["weight"]
     assert wt["inter"]["bytes"] == QuantizedTensor.wire_bytes(4096, 4, 2048) * 1   # (M-1) shares

@@ -63,7 +63,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, object]:
     second = _run(*common, "--json", str(d / "second.json"))
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
     return {"first": first, "rows1": rows1, "rows2": json.loads((d / "second.json").read_text()),
-            "victim": victim}
+            "victim": victim, "cache": cache}
 
 
 def test_quick_compiles_every_entry_kernel_for_each_target(quick: Dict[str, object]) -> None:
@@ -84,6 +84,10 @@ def test_quick_compiles_every_entry_kernel_for_each_target(quick: Dict[str, obje
         # here means a kernel or Triton change made a hot kernel slower: look at the table.
         assert (r["spill_stores"], r["spill_loads"]) == (0, 0), where
         assert r["bytes_read"] > 0 and r["bytes_written"] > 0 and r["roofline_ms"] > 0, where
+        assert r["stack"] == 0 and r["regs"] <= 128 and r["over_budget"] == [], where
+        # the cost model's columns, from the SASS (bench/kernel_cost_model.py)
+        assert 0 < r["modelled_pct"] <= 100 and r["instr_per_elem"] > 0, where
+        assert r["bound"] in ("memory", "issue", "latency", "shared"), where
 
 
 def test_quick_picks_the_sdp4bit_recipe_specialisations(quick: Dict[str, object]) -> None:
@@ -114,11 +118,12 @@ def test_recipe_hop1_butterfly_moves_no_data_through_shared_memory(quick: Dict[s
 def test_table_and_summary_printed(quick: Dict[str, object]) -> None:
     out = quick["first"].stdout
     head = out.splitlines()[0]
-    for col in ("kernel", "specialisation", "target", "regs", "spill", "smem", "B/elem",
-                "1.3B @3.35TB/s ms"):
+    for col in ("kernel", "specialisation", "target", "regs", "spill", "stack B", "smem",
+                "B/elem", "1.3B @3.35TB/s ms", "model % copy"):
         assert col in head, head
     m = re.search(r"(\d+) compiles \((\d+) specialisations of (\d+) entry kernels x 2 targets "
-                  r"sm_80,sm_90\): (\d+) compiled, (\d+) from cache, 0 failed; 0 with spills", out)
+                  r"sm_80,sm_90\): (\d+) compiled, (\d+) from cache, 0 failed; 0 with spills; "
+                  r"0 over budget", out)
     assert m, out[-2000:]
     n_kernels = len(_entry_kernels_from_source())
     assert m.groups() == tuple(str(x) for x in (2 * n_kernels, n_kernels, n_kernels,
@@ -153,10 +158,49 @@ def test_full_set_covers_the_flag_space() -> None:
         assert f"x:fp32 ref:bf16 GS=2048 R=2 BITS={bits} STOCHASTIC DIFF" in quant   # PaRO qWD
         assert f"x:bf16 ref:bf16 GS=2048 R=2 BITS={bits} DIFF" in quant               # qWD, RN
     requant = " | ".join(by_kernel["_dsum_requant_kernel"])
-    assert requant.count("[TLq middle]") == 3 * 2 * 3 * 1 * 2   # bits in x gs in x bits out x gs out x SR
+    # S x bits in x gs in x bits out x gs out x SR
+    assert requant.count("[TLq middle]") == 3 * 3 * 2 * 3 * 1 * 2
+    for S in (2, 4, 8):                  # GPUs per node: TP 4, TP 2, TP 1 on 8-GPU nodes
+        for bits in (2, 4, 8):
+            for gs_in in (128, 512):     # --gq-group-size-intra: recipes 128, default 512
+                assert (f"S={S} GS_IN={gs_in} BITS_IN={bits} GS=128 R=32 BITS=4 STOCHASTIC "
+                        f"ALIGNED ROWS") in requant
+        assert f"out:fp32 S={S} GS=128 BITS=4 BLOCK=4096 HADAMARD HB=32 ROWS" in " | ".join(
+            by_kernel["_dsum_kernel"])                                            # final hop
     dsum = " | ".join(by_kernel["_dsum_kernel"])
     assert "out:fp32 S=1 GS=128 BITS=4 BLOCK=4096 HADAMARD HB=32" in dsum            # LoCo 'sent'
     assert "out:bf16 S=1 GS=2048 BITS=4 BLOCK=4096" in dsum                           # qW receive
+
+
+BUDGET_SUBSET = (r"(_dsum_requant_kernel S=8 GS_IN=512 BITS_IN=[248] GS=128 R=32 BITS=4 STOCHASTIC)"
+                 r"|(_quantize_kernel x:fp32 GS=128 R=32 BITS=2 STOCHASTIC (HADAMARD HB=32 )?PERMUTE)")
+"""The specialisations that broke the budget before issue 47 (sm_90): the middle hop at S = 8
+from the default intra groups of 512 (18 KB spills and an 8 KB stack per thread with 2- or 4-bit
+codes, 255 registers with 8-bit ones) and the 2-bit stochastic hop 1 (134-140 registers). The
+full set (~550 compiles, ~25 min cold on 2 cores) runs with ``python bench/triton_aot.py``."""
+
+
+def test_budget_subset_compiles_without_spill_stack_or_excess_registers(tmp_path) -> None:
+    res = _run("--targets", "sm_90", "--only", BUDGET_SUBSET, "--cache-dir", str(tmp_path),
+               "--json", str(tmp_path / "rows.json"))
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert len(rows) == 5
+    for r in rows:
+        where = r["specialisation"]
+        assert (r["spill_stores"], r["spill_loads"], r["stack"]) == (0, 0, 0), where
+        assert r["regs"] <= 128 and r["over_budget"] == [], where
+    assert "0 over budget" in res.stdout
+
+
+def test_over_budget_fails_the_run(quick: Dict[str, object]) -> None:
+    """A register budget below what the recipe's middle hop uses: reported and exit status 1
+    (from the quick run's cache: no compile)."""
+    res = _run("--targets", "sm_90", "--only", r"_dsum_requant_kernel", "--quick",
+               "--cache-dir", str(quick["cache"]), "--max-registers", "16")
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert re.search(r"OVER BUDGET sm_90 _dsum_requant_kernel S=8 .*: \d+ > 16 registers",
+                     res.stdout), res.stdout[-3000:]
 
 
 def test_bad_target_is_a_usage_error() -> None:

@@ -108,6 +108,26 @@ def test_dequantize_sum_requantize_bit_exact() -> None:
             assert _same(a, b), (bits_in, bits_out, gso)
 
 
+@pytest.mark.parametrize("sources", [2, 8])
+def test_dequantize_sum_requantize_slots_and_default_group_sizes_bit_exact(sources: int) -> None:
+    """The middle hop at the shapes users run: S = 8 GPUs per node (and 2), intra groups of 512
+    (--gq-group-size-intra's default) requantized to inter groups of 128, every bit width: each
+    output row lies in one input group (the row path: one scale per row), summed in slot order
+    like the reference. Slot s's scales differ per group so a wrong scale index shows."""
+    n = 2048
+    x = _randn(sources * n, seed=5) * torch.linspace(0.5, 4.0, sources * n, device=DEV)
+    for bits_in in (2, 4, 8):
+        q = R.quantize(x, bits_in, 512, stochastic=False)
+        for bits_out in (2, 4, 8):
+            a = K.dequantize_sum_requantize(q, sources, bits_out, group_size_out=128,
+                                            stochastic=False)
+            b = R.dequantize_sum_requantize(q, sources, bits_out, group_size_out=128,
+                                            stochastic=False)
+            assert _same(a, b), (bits_in, bits_out)
+    c = K.dequantize_sum(R.quantize(x, 4, 128, stochastic=False), sources)
+    assert torch.equal(c, R.dequantize_sum(R.quantize(x, 4, 128, stochastic=False), sources))
+
+
 @pytest.mark.parametrize("hadamard", [False, True])
 def test_dequantize_sum_bit_exact(hadamard: bool) -> None:
     s, n = 4, 512

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -32,7 +33,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from megatron.distributed.quant.kernels.reference import QuantizedTensor
 
 __all__ = ["KernelRate", "ComputeRate", "Contention", "CONTENTION_KINDS", "DeviceRates",
-           "PEAK_TFLOPS", "KERNELS", "SOURCES", "moved_bytes", "default_rates", "fit_kernel",
+           "PEAK_TFLOPS", "KERNELS", "SOURCES", "MEASURED_SOURCES", "moved_bytes", "default_rates", "fit_kernel",
            "load_compute_json", "load_kernels_json", "for_gpu"]
 
 PEAK_TFLOPS: Dict[str, float] = {
@@ -48,11 +49,17 @@ KERNELS = ("quantize", "quantize_ht", "quantize_partitions_ht", "dequantize_sum_
 _BENCH_NAMES = {
     "quantize": "quantize", "quantize+HT32": "quantize_ht",
     "quantize_partitions(4)+HT": "quantize_partitions_ht",
-    "dequant_sum_requant(S=4)": "dequantize_sum_requantize", "dequant_sum(S=4)": "dequantize_sum",
+    "dequant_sum_requant": "dequantize_sum_requantize", "dequant_sum": "dequantize_sum",
     "quantize_difference(bf16)": "quantize_difference", "dequantize": "dequantize",
     "dequantize_add(bf16)": "dequantize_add",
 }
-"""bench_quant.py's row names -> :data:`KERNELS`."""
+"""bench_quant.py's row names (without the slot count ``(S=...)``) -> :data:`KERNELS`."""
+
+
+def bench_kernel_name(row_name: str) -> Optional[str]:
+    """The :data:`KERNELS` name of a bench_quant.py row name ('dequant_sum(S=8)' ->
+    'dequantize_sum'); None for a row the planner does not use."""
+    return _BENCH_NAMES.get(re.sub(r"\(S=\d+\)$", "", row_name))
 
 
 @dataclass(frozen=True)
@@ -165,17 +172,23 @@ class DeviceRates:
             raise KeyError(f"no rate for the kernel {name!r}; measured: {sorted(self.kernels)}") from None
 
 
-SOURCES = 4
-"""Sources the middle and final hops' kernels sum when they are timed (bench_quant.py,
-``--measure``)."""
+SOURCES = 8
+"""Slots the middle and final hops' kernels sum when they are timed and no run says otherwise
+(bench_quant.py ``--sources``; ``--measure`` takes the run's GPUs per node): the middle hop sums
+the GPUs of a node, 8 on the nodes users run with TP 1."""
+
+MEASURED_SOURCES = 4
+"""Slots of the 2026-11-27 H200 measurements behind :func:`default_rates`."""
 
 
-def moved_bytes(kernel: str, numel: int, bits: int = 4, group_size: int = 128) -> int:
+def moved_bytes(kernel: str, numel: int, bits: int = 4, group_size: int = 128,
+                sources: int = SOURCES) -> int:
     """Bytes ``kernel`` reads and writes for ``numel`` input elements (fp32 gradients; fp32 new and
-    bf16 reference weights for the difference), as ``bench/bench_quant.py`` counts them: the one
-    formula behind its GB/s column, ``--measure``'s fits and the H200 defaults."""
+    bf16 reference weights for the difference; ``sources`` slots summed by the middle and final
+    hops), as ``bench/bench_quant.py`` counts them: the one formula behind its GB/s column,
+    ``--measure``'s fits and the H200 defaults."""
     codes = QuantizedTensor.wire_bytes(numel, bits, group_size)
-    part = numel // SOURCES
+    part = numel // sources
     return {
         "quantize": 4 * numel + codes, "quantize_ht": 4 * numel + codes,
         "quantize_partitions_ht": 4 * numel + codes,
@@ -221,8 +234,10 @@ _H200_COMPUTE = (ComputeRate("125m", 125_262_336, 239.0), ComputeRate("1.3b", 1_
 
 def default_rates() -> DeviceRates:
     """The H200 figures the project measured (module docstring)."""
-    kernels = {name: fit_kernel([(moved_bytes(name, n), moved_bytes(name, n) / (gbps * 1e9))
-                                 for n, gbps in rows])
+    def moved(name: str, n: int) -> int:
+        return moved_bytes(name, n, sources=MEASURED_SOURCES)
+
+    kernels = {name: fit_kernel([(moved(name, n), moved(name, n) / (gbps * 1e9)) for n, gbps in rows])
                for name, rows in _H200_KERNEL_GBPS.items()}
     return DeviceRates(
         device="NVIDIA H200", peak_tflops=PEAK_TFLOPS["H200"],
@@ -272,7 +287,7 @@ def load_kernels_json(path: str, base: DeviceRates) -> DeviceRates:
     samples: Dict[str, Dict[int, Tuple[float, float]]] = {}
     copy: List[float] = []
     for r in data.get("rows", []):
-        name = _BENCH_NAMES.get(r.get("kernel"))
+        name = bench_kernel_name(str(r.get("kernel")))
         if name is None:
             continue
         key = int(r["numel"])

@@ -1,32 +1,11 @@
 """``tools/planner.py --measure``: time the user's own launch, so the prediction is for their cluster.
 
 Why measure and not ask: a user rarely knows the latency and usable bandwidth of their links, or
-the rate their GPUs reach on their model; under a minute of timing on the real launch (torchrun
-across the nodes, the run's own flags) gives all three. Every rank takes part:
-
-* **collectives**, each as the run calls it, all groups at once as in training, at 64 KiB,
-  1 MiB and 16 MiB (:data:`PROBE_SIZES`) and the run's largest bucket (:func:`probe_sizes`), each
-  size repeated back to back (:data:`BACK_TO_BACK_BYTES`; medians of repeats): the
-  all-to-all the quantized hops call
-  (``all_to_all_single`` of uint8 codes) on the layer's two-level groups
-  (:func:`~megatron.distributed.quant.topology.build_two_level_groups_for_all`: the ranks of a
-  node; the same local rank across nodes), and megatron-core's gradient reduce-scatter and
-  parameter all-gather on the data-parallel group (whatever implements them in this process:
-  NCCL's, gloo's, or a benchmark's replacement). The timeline interpolates each collective
-  between its sizes (:class:`~.cluster.MeasuredCollective`); the links' latency and bandwidth
-  printed with the prediction are fitted through the all-to-all's smallest and largest;
-* **kernels**: each quantization kernel the step calls, on the backend the trainer picks, at two
-  sizes, the larger the run's largest bucket (up to 64M elements: on CPU ranks a bucket beyond
-  the caches costs more per byte than a small call, 4-18x for 16M elements against 4M here)
-  (``fixed + bytes / bandwidth``), and a device copy;
-* **compute**: the model's forward and backward for a few micro-batches (``--compute-steps``)
-  with no gradient communication, giving the model TFLOP/s the timeline scales; and the
-  optimizer's update of the rank's shard, per element;
-* every rank runs the kernels and the compute at once, as in a step, and each repeat counts at
-  its slowest rank (:func:`slowest_rank_median`): a synchronous step waits for its last rank;
-* **contention**: the forward and backward again with a bucket's collective running beside them
-  as the overlapped run runs it (:func:`beside_jobs`: a quantized hop, and megatron-core's
-  reduce-scatter), each one's slowdown (:class:`~.calibration.Contention`).
+the rate their GPUs reach on their model; under a minute of timing on the real launch gives all
+three. Every rank times the collectives as the run calls them (:data:`PROBE_SIZES` and the largest
+bucket), the quantization kernels, the model's compute and optimizer update, and the compute
+beside a collective (contention); each repeat counts at its slowest rank. What is measured and
+how: docs/planner.md ("The model", ``measure.py``).
 
 Rank 0 writes the result as JSON (:func:`write_measurement`, read back by
 :func:`read_measurement`).
@@ -83,11 +62,9 @@ def slowest_rank_median(fn: Callable[[], Any], repeats: int, sync: Callable[[], 
     """Median over ``repeats`` of the slowest rank's seconds of ``fn``, every rank running it at
     once after a barrier (a collective call: every rank calls it with the same ``repeats``).
 
-    Why the slowest rank of each repeat and not each rank's median: a synchronous step waits,
-    at each collective, for the last rank to arrive, and ranks do not run at an even pace --
-    on the emulated network the two ranks arrived at each bucket's collective 20 ms apart on
-    average (one rank's optimizer step and kernels 52 ms, the other's 71 ms, in the same
-    iterations), where the larger of the two ranks' medians is the pace of neither."""
+    Why the slowest rank of each repeat and not each rank's median: a synchronous step waits at
+    each collective for the last rank, and ranks do not run at an even pace, so the larger of
+    the ranks' medians is the pace of none of them."""
     times = []
     for _ in range(repeats):
         sync()
@@ -104,9 +81,8 @@ def slowest_rank_median(fn: Callable[[], Any], repeats: int, sync: Callable[[], 
 BACK_TO_BACK_BYTES = 64 << 20
 """A probe repeats a small collective back to back until about this many bytes have gone: in
 training the buckets' collectives follow each other, so the link is busy, not idle; a single call
-after an idle pause rides on whatever the link lets through in a burst (a token bucket's credit,
-a congestion window kept from before) and measured 2-4x the rate training got on the emulated
-network (docs/planner.md)."""
+after an idle pause rides on the link's burst allowance and can time 2-4x faster than training
+(docs/planner.md)."""
 
 
 PROBE_SIZES = (1 << 16, 1 << 20, 1 << 24)
@@ -119,8 +95,7 @@ MAX_PROBE_BYTES = 1 << 28
 def probe_sizes(largest_call: int) -> Tuple[int, ...]:
     """:data:`PROBE_SIZES`, and the run's largest call where it is larger (up to
     :data:`MAX_PROBE_BYTES`): a whole-model bucket's call can cost more per byte than the line
-    through smaller sizes says (on the emulated network the trainer's 67 MB reduce-scatter took
-    650 ms where the line through 16 MiB gave 510, docs/planner.md)."""
+    through smaller sizes says (docs/planner.md)."""
     largest = min(MAX_PROBE_BYTES, int(largest_call))
     return PROBE_SIZES + ((largest,) if largest > PROBE_SIZES[-1] else ())
 
@@ -201,20 +176,23 @@ PROBE_BITS, PROBE_GROUP_SIZE = 4, 128
 """The quantized hop the probes time: SDP4Bit's inter-node gradients (4 bits, groups of 128)."""
 
 
-def first_hop_kernel(x: torch.Tensor, generator: torch.Generator) -> Any:
+def first_hop_kernel(x: torch.Tensor, generator: torch.Generator,
+                     sources: int = SOURCES) -> Any:
     """The first hop's kernel as the probes time it: Hadamard, then :data:`PROBE_BITS`-bit codes
-    of :data:`~.calibration.SOURCES` partitions in a swizzled order."""
+    of ``sources`` partitions in a swizzled order (even slots, then odd)."""
     from megatron.distributed.quant.kernels import dispatch as K
 
-    return K.quantize_partitions(x, SOURCES, [0, 2, 1, 3], PROBE_BITS, PROBE_GROUP_SIZE,
+    order = list(range(0, sources, 2)) + list(range(1, sources, 2))
+    return K.quantize_partitions(x, sources, order, PROBE_BITS, PROBE_GROUP_SIZE,
                                  hadamard=True, generator=generator)
 
 
 def measure_kernels(device: torch.device, sizes: Tuple[int, int], sync: Callable[[], None],
-                    repeats: int = 3) -> Tuple[Dict[str, KernelRate], float]:
+                    repeats: int = 3, sources: int = SOURCES) -> Tuple[Dict[str, KernelRate], float]:
     """Each kernel's fitted rate on this device's backend, and the copy bandwidth: every rank
     runs each kernel at once, as in a step, and each repeat counts at its slowest rank
-    (:func:`slowest_rank_median`; a collective call)."""
+    (:func:`slowest_rank_median`; a collective call). The middle and final hops sum ``sources``
+    slots (the run's GPUs per node)."""
     from megatron.distributed.quant.kernels import dispatch as K
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -222,7 +200,7 @@ def measure_kernels(device: torch.device, sizes: Tuple[int, int], sync: Callable
     copy: List[float] = []
     bits, gs = PROBE_BITS, PROBE_GROUP_SIZE
     for n in sizes:
-        n -= n % (SOURCES * 2048)
+        n -= n % (sources * 2048)
         x = torch.randn(n, device=device, generator=gen)
         y = torch.empty_like(x)
         copy.append(8 * n / slowest_rank_median(lambda: y.copy_(x), repeats, sync, device))
@@ -232,17 +210,17 @@ def measure_kernels(device: torch.device, sizes: Tuple[int, int], sync: Callable
         calls = {
             "quantize": lambda: K.quantize(x, bits, gs, generator=gen),
             "quantize_ht": lambda: K.quantize(x, bits, gs, hadamard=True, generator=gen),
-            "quantize_partitions_ht": lambda: first_hop_kernel(x, gen),
-            "dequantize_sum_requantize": lambda: K.dequantize_sum_requantize(q, SOURCES, bits,
+            "quantize_partitions_ht": lambda: first_hop_kernel(x, gen, sources),
+            "dequantize_sum_requantize": lambda: K.dequantize_sum_requantize(q, sources, bits,
                                                                              generator=gen),
-            "dequantize_sum": lambda: K.dequantize_sum(q, SOURCES),
+            "dequantize_sum": lambda: K.dequantize_sum(q, sources),
             "quantize_difference": lambda: K.quantize_difference(x, ref, bits, gs, generator=gen),
             "dequantize": lambda: K.dequantize(q),
             "dequantize_add": lambda: K.dequantize_add(qd, ref),
         }
         for name, fn in calls.items():
             fn()
-            samples.setdefault(name, []).append((float(moved_bytes(name, n, bits, gs)),
+            samples.setdefault(name, []).append((float(moved_bytes(name, n, bits, gs, sources)),
                                                  slowest_rank_median(fn, repeats, sync,
                                                                      device)))
     return {k: fit_kernel(v) for k, v in samples.items()}, max(copy)
@@ -427,7 +405,8 @@ def measure(args: argparse.Namespace, *,
                                                sync, dp_group, grad_dtype)
     if kernel_sizes is None:   # the largest call the run makes: a bucket (CPU caches, page faults)
         kernel_sizes = (1 << 18, min(1 << 26, max(1 << 22, max(work.buckets))))
-    kernels, copy_bw = measure_kernels(device, kernel_sizes, sync)
+    kernels, copy_bw = measure_kernels(device, kernel_sizes, sync,
+                                       sources=gpus_per_node if gpus_per_node > 1 else SOURCES)
     beside = beside_jobs(device, groups, min(1 << 24, max(1 << 20, max(work.buckets))), dp_group,
                          grad_dtype)
     probe = compute_seconds(args, compute_steps, beside)

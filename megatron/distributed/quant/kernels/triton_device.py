@@ -188,11 +188,12 @@ def _load_deq(codes_ptr, scales_ptr, idx, mask, BITS: tl.constexpr, GS: tl.const
 
 @triton.jit
 def _load_deq_rows(codes_ptr, scales_ptr, first, gmask, R: tl.constexpr, GP: tl.constexpr,
-                   GS: tl.constexpr, BITS: tl.constexpr):
-    """Dequantize R whole groups -> fp32 [R, GP]: row r is the group starting at flat index
-    first[r] (int64, a multiple of GS).  Same values as _load_deq, but each row's packed bytes
-    are loaded once as a contiguous run (4- and 2-bit codes are split in registers instead of
-    every element loading its own byte) and there is one scale load per group."""
+                   GS: tl.constexpr, BITS: tl.constexpr, GS_SCALE: tl.constexpr):
+    """Dequantize R rows of GS elements -> fp32 [R, GP]: row r starts at flat index first[r]
+    (int64, a multiple of GS) and lies inside one scale group of GS_SCALE elements (GS_SCALE a
+    multiple of GS).  Same values as _load_deq, but each row's packed bytes are loaded once as a
+    contiguous run (4- and 2-bit codes are split in registers instead of every element loading
+    its own byte) and there is one scale load per row."""
     SIGN: tl.constexpr = 1 << (BITS - 1)
     PER: tl.constexpr = 8 // BITS
     eb = tl.arange(0, GP // PER)
@@ -208,7 +209,7 @@ def _load_deq_rows(codes_ptr, scales_ptr, first, gmask, R: tl.constexpr, GP: tl.
         c = tl.reshape(tl.join(tl.join(byte >> 6, (byte >> 2) & 3),
                                tl.join((byte >> 4) & 3, byte & 3)), (R, GP))
     c = (c ^ SIGN) - SIGN
-    s = tl.load(scales_ptr + first // GS, mask=gmask, other=0.0)
+    s = tl.load(scales_ptr + first // GS_SCALE, mask=gmask, other=0.0)
     return c.to(tl.float32) * s[:, None]
 
 
@@ -260,11 +261,16 @@ def _dsum_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, s
                          n, num_groups_out, part_len, part_stride, base, S: tl.constexpr,
                          GS_IN: tl.constexpr, BITS_IN: tl.constexpr,
                          GS: tl.constexpr, GP: tl.constexpr, R: tl.constexpr,
-                         BITS: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr):
+                         BITS: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr,
+                         ROWS: tl.constexpr):
     """Sum the dequantized source chunks (order 0..S-1, fp32) and requantize per output group.
     The noise of output element i is that of element (i // part_len) * part_stride + base +
     i % part_len of the whole call (reference.NoiseIndex; part_len = n, base = 0: identity).
-    S is a compile-time constant so the S source loads are unrolled and issued together."""
+    S is a compile-time constant so the S source loads are unrolled and issued together (a
+    runtime loop holding one slot at a time leaves a thread 1/S of the bytes in flight, which
+    bench/kernel_cost_model.py models slower at S = 8). ROWS (GS_IN a multiple of GS, GP == GS): each tile row lies in
+    one input group, so its packed bytes load as one run and its scale once; else every element
+    loads its own byte and scale (far more registers: it spills at S = 8 on sm_90)."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     pid = tl.program_id(0)
     g = pid.to(tl.int64) * R + tl.arange(0, R)
@@ -275,8 +281,9 @@ def _dsum_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, s
     first = g * GS                              # a row never straddles a part (NoiseIndex.check)
     src = first                                 # int64 running offset: no int32 overflow
     for _s in tl.static_range(S):
-        if GS_IN == GS:                         # output groups are input groups: a scale per row
-            acc = acc + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, R, GP, GS, BITS_IN)
+        if ROWS:                                # a row lies in one input group: a scale per row
+            acc = acc + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, R, GP, GS, BITS_IN,
+                                       GS_IN)
         else:
             acc = acc + _load_deq(codes_ptr, scales_ptr, src[:, None] + e[None, :], m, BITS_IN,
                                   GS_IN)
@@ -306,7 +313,7 @@ def _dsum_kernel(codes_ptr, scales_ptr, out_ptr, out_stride, scale, n, S: tl.con
         acc2 = tl.zeros((RB, GS), dtype=tl.float32)
         src = first                             # int64 running offset: no int32 overflow
         for _s in tl.static_range(S):
-            acc2 = acc2 + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, RB, GS, GS, BITS)
+            acc2 = acc2 + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, RB, GS, GS, BITS, GS)
             src = src + n
         acc = tl.reshape(acc2, (BLOCK,))
     else:

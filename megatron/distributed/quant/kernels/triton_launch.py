@@ -45,6 +45,16 @@ def _rows_for(gp: int) -> int:
     return max(1, _TILE // gp)
 
 
+def _quantize_warps(bits: int, stochastic: bool, x: torch.Tensor) -> int:
+    """Warps of a quantize program (4096-element tile). 8 for stochastic 2-bit codes from fp32
+    input: at 4 warps (32 elements per thread) Philox plus packing four codes per byte took
+    134-140 registers per thread on sm_90, over bench/triton_aot.py's budget of 128 (a 128 cap
+    spills on the Hadamard variants; 8 warps for bf16 input spill 4 B where 4 warps fit in 94).
+    4 otherwise. The values do not depend on it (a group's absmax is exact in any order); the
+    cost model puts 8 warps about 5 % below 4 for these issue-bound kernels."""
+    return 8 if bits == 2 and stochastic and x.dtype == torch.float32 else 4
+
+
 # ------------------------------------------------------------------------------------------------
 # host wrappers (same signatures and checks as the reference)
 # ------------------------------------------------------------------------------------------------
@@ -94,7 +104,8 @@ def _launch_quantize(x: torch.Tensor, ref: Optional[torch.Tensor], bits: int, gr
             GS=group_size, GP=gp, R=rows, BITS=bits, STOCHASTIC=bool(stochastic),
             HADAMARD=bool(hadamard), HB=hadamard_block if hadamard else 1,
             DIFF=ref is not None, PERMUTE=slots is not None, CHECK=counter is not None,
-            ALIGNED=_noise_rows_aligned(group_size, gp), enable_fp_fusion=False)
+            ALIGNED=_noise_rows_aligned(group_size, gp),
+            num_warps=_quantize_warps(bits, stochastic, x), enable_fp_fusion=False)
     if check_finite and nonfinite_counter is None:
         bad = int(counter.item())
         if bad:
@@ -265,7 +276,7 @@ def dequantize_sum_requantize(q: QuantizedTensor, num_sources: int, bits_out: in
             S=num_sources, GS_IN=q.group_size, BITS_IN=q.bits, GS=gs, GP=gp, R=rows,
             BITS=bits_out, STOCHASTIC=bool(stochastic),
             ALIGNED=_noise_rows_aligned(gs, gp, part_len, part_stride, base),
-            enable_fp_fusion=False)
+            ROWS=gp == gs and q.group_size % gs == 0, enable_fp_fusion=False)
     return QuantizedTensor(codes, scales, bits_out, gs, n)
 
 

@@ -86,3 +86,38 @@ def test_a_failed_stage_job_on_one_rank_stops_every_rank_with_its_cause(tmp_path
     assert re.search(r"\[default2\]:RuntimeError: injected", out), out[-4000:]
     assert not re.search(r"\[default[013]\]:RuntimeError: injected", out), out[-4000:]
     print(f"all ranks stopped {elapsed:.0f} s after the launch")
+
+
+def test_a_peer_killed_without_torchrun_is_named_by_the_survivor(tmp_path: Path) -> None:
+    """Issue 46, item 4: two ranks launched alone (no launcher to stop the survivor), SDP4Bit +
+    LoCo with both overlaps; rank 1 SIGKILLed after iteration 2. Rank 0's collective fails with
+    gloo's "Connection closed/reset by peer"; its error names rank 1 as the one that stopped
+    answering (rank 1's heartbeat in the failure beacon's store stopped), then gloo's text."""
+    import subprocess
+
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore",
+                   RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), QUANT_FAILURE_POLL_S="0.5",
+                   MEGATRON_FAULT_INJECTION="kill:iteration-end:2:1")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(REPO / "pretrain_gpt.py"), *TINY_GPT, "--global-batch-size",
+             "8", "--train-iters", "4", "--lr", "1e-3", "--bf16", "--use-distributed-optimizer",
+             "--log-interval", "1", "--eval-iters", "0", "--quantized-gradients",
+             "--quantized-weights", "--hadamard-transform", "--loco", "--overlap-grad-reduce",
+             "--overlap-param-gather", "--distributed-timeout-minutes", "5"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        out0, err0 = procs[0].communicate(timeout=240)
+        procs[1].communicate(timeout=30)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == -9
+    assert procs[0].returncode == 1, (out0 + err0)[-4000:]
+    line = [ln for ln in err0.splitlines() if ln.startswith("error: ")]
+    assert len(line) == 1, err0[-4000:]
+    assert re.match(r"error: rank 1 stopped answering: rank 0 at .+: RuntimeError: .*"
+                    r"Connection (closed|reset) by peer", line[0]), line[0]

@@ -29,7 +29,8 @@ LOCO = {  # script -> (layers, hidden, heads, ffn)
     "examples/loco/run_0.8b.sh": (24, 1536, 12, 4096),
     "examples/loco/run_8b.sh": (32, 4096, 32, 11008),
 }
-ALL_SCRIPTS = list(SDP) + list(LOCO) + ["examples/sdp4bit/common.sh", "examples/quickstart.sh"]
+ALL_SCRIPTS = list(SDP) + list(LOCO) + ["examples/sdp4bit/common.sh", "examples/quickstart.sh",
+                                        "examples/sdp4bit/sbatch_elastic.sh"]
 
 QWD = ["--quantized-weights", "--weight-quantization-bits", "4", "--wq-group-size", "2048"]
 TLQ = ["--quantized-gradients", "--gq-group-size-inter", "128", "--gradient-quantization-bits-inter", "4",
@@ -342,3 +343,58 @@ def test_quickstart_pipeline_until_training(tmp_path):
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert r2.stderr.count("(skipping)") == 3
     assert os.path.getmtime(data_path + ".bin") == mtime
+
+
+# ------------------------------------------------------------------------------------------------
+# ELASTIC=1 and the SLURM template (issue 46)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_elastic_mode_and_sbatch_template(tmp_path):
+    """ELASTIC=1: c10d rendezvous (no node rank or master port of a static world), --nnodes
+    MIN:MAX, --max-restarts, torch_dist checkpoints (a restart on fewer nodes reshards). The sbatch
+    template: --requeue, one ``srun`` task per node that survives a node's failure, running the
+    recipe, whose torchrun line carries the job id as rendezvous id; its argument list validates
+    with the trainer's parser."""
+    from megatron.training.arguments import parse_args
+
+    cmd = _echo("examples/sdp4bit/run_125m.sh", ELASTIC=1, NNODES=4, MIN_NNODES=2, GPUS_PER_NODE=8,
+                MASTER_ADDR="10.0.0.1", MASTER_PORT=29400, MAX_RESTARTS=5, DATA_PATH="mock",
+                VARIANT="sdp4bit")
+    assert cmd[0] == "torchrun" and "--node-rank" not in cmd and "--master-port" not in cmd
+    assert [_opt(cmd, f) for f in ("--nproc-per-node", "--nnodes", "--rdzv-backend",
+                                    "--rdzv-endpoint", "--rdzv-id", "--max-restarts",
+                                    "--ckpt-format")] == \
+        ["8", "2:4", "c10d", "10.0.0.1:29400", "gpt-125m-sdp4bit", "5", "torch_dist"]
+    r = _run("examples/sdp4bit/run_125m.sh", ECHO_ONLY=1, ELASTIC=1, DATA_PATH="mock")
+    assert "[recipe] ELASTIC=1: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in r.stderr
+    static = _echo("examples/sdp4bit/run_125m.sh", NNODES=4, DATA_PATH="mock")
+    assert "--rdzv-backend" not in static and "--ckpt-format" not in static
+    for bad in ({"ELASTIC": "2"}, {"ELASTIC": "1", "NNODES": "2", "MIN_NNODES": "3"}):
+        r = _run("examples/sdp4bit/run_125m.sh", ECHO_ONLY=1, DATA_PATH="mock", **bad)
+        assert r.returncode == 2 and "[recipe] error:" in r.stderr, r.stderr
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] && "
+                                   "printf 'gpu-a17\\ngpu-a18\\n'\n")
+    (fake / "scontrol").chmod(0o755)
+    template = "examples/sdp4bit/sbatch_elastic.sh"
+    assert "#SBATCH --requeue\n" in open(os.path.join(REPO, template)).read()
+    r = _run(template, "--exit-signal-handler", ECHO_ONLY=1, PATH=f"{fake}:{os.environ['PATH']}",
+             SLURM_JOB_ID=4242, SLURM_NNODES=4, SLURM_NODEID=2, SLURM_JOB_NODELIST="gpu-a[17-18]",
+             SLURM_GPUS_ON_NODE=4, SLURM_SUBMIT_DIR=REPO, DATA_PATH="mock", VARIANT="sdp4bit",
+             RECIPE="run_350m.sh")
+    assert r.returncode == 0, r.stderr
+    srun, torchrun = (shlex.split(line) for line in r.stdout.strip().splitlines()[-2:])
+    assert srun[:4] == ["srun", "--ntasks-per-node=1", "--no-kill", "--kill-on-bad-exit=0"]
+    assert srun[4:] == ["bash", os.path.join(REPO, "examples/sdp4bit/run_350m.sh"),
+                        "--exit-signal-handler"]
+    assert [_opt(torchrun, f) for f in ("--nproc-per-node", "--nnodes", "--rdzv-endpoint",
+                                         "--rdzv-id", "--max-restarts", "--ckpt-format")] == \
+        ["4", "2:4", "gpu-a17:29500", "4242", "3", "torch_dist"]
+    assert torchrun[-1] == "--exit-signal-handler" and _opt(torchrun, "--num-layers") == "24"
+    dry = _echo(template, DRY_RUN=1, SLURM_NNODES=2, GPUS_PER_NODE=2, SLURM_SUBMIT_DIR=REPO,
+                DATA_PATH="mock", VARIANT="sdp4bit", GLOBAL_BATCH_SIZE=32)
+    args = parse_args(dry[dry.index("pretrain_gpt.py") + 1:])
+    assert args.ckpt_format == "torch_dist" and args.quant_config.quantized_gradients

@@ -125,6 +125,74 @@ def test_a_requeued_slurm_job_takes_over_its_previous_runs_fresh_lock(tmp_path: 
         lock.release()
 
 
+def _job_env(monkeypatch, slurm_job: str = None, slurm_restart: str = "0", run_id: str = None,
+             restart: str = None, attempt_number: int = None) -> None:
+    """This process as a worker of a job: SLURM / torchrun variables and the agreed attempt."""
+    from megatron.training import attempt
+
+    for name, value in (("SLURM_JOB_ID", slurm_job), ("SLURM_RESTART_COUNT", slurm_restart),
+                        ("TORCHELASTIC_RUN_ID", run_id),
+                        ("TORCHELASTIC_RESTART_COUNT", restart)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(attempt, "_CURRENT", None if attempt_number is None else attempt.Attempt(
+        attempt_number, f"megatron/attempt{attempt_number}/pg/", run_id))
+
+
+def test_a_later_attempt_of_the_same_job_takes_over_on_any_host(tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    """Issue 46, item 3: rank 0 of a torchrun job SIGKILLed (or its node lost) leaves a fresh
+    lock; the restarted attempt, whose rank 0 may be on another host, takes it over at once --
+    recognised by the run id and a later agreed attempt (or this agent's later restart count),
+    also inside one SLURM run (``srun torchrun --max-restarts``). Another job, or the same
+    attempt, is still refused until the lock is stale."""
+    path = tmp_path / save_lock.LOCK_NAME
+    held = {"host": "node-elsewhere", "pid": 4242, "started": "t0", "slurm_job_id": None,
+            "slurm_restart_count": 0, "torchelastic_run_id": "job-a",
+            "torchelastic_restart_count": 0, "attempt": 1}
+
+    def acquire() -> str:
+        lock = SaveLock(str(tmp_path))
+        try:
+            return lock.acquire()
+        finally:
+            lock.release()
+            path.write_text(json.dumps(held))   # the holder's lock again, for the next case
+
+    path.write_text(json.dumps(held))
+    # 1. the same torchrun job, a later attempt (restart counts are each agent's own: the new
+    #    rank 0's node may count 0) -> taken over
+    _job_env(monkeypatch, run_id="job-a", restart="0", attempt_number=2)
+    assert "this torchrun job's previous attempt (run job-a, attempt 1 -> 2; host " \
+        "node-elsewhere, pid 4242" in acquire()
+    _job_env(monkeypatch, run_id="job-a", restart="1")           # no agreed attempt known
+    assert "(run job-a, restart 0 -> 1;" in acquire()
+    # 2. the same SLURM job: requeued, or restarted by torchrun inside the same SLURM run
+    held.update(slurm_job_id="777")
+    path.write_text(json.dumps(held))
+    _job_env(monkeypatch, slurm_job="777", slurm_restart="1", run_id="job-b", attempt_number=1)
+    assert "this SLURM job's previous run (job 777, restart 0 -> 1;" in acquire()
+    _job_env(monkeypatch, slurm_job="777", run_id="job-a", restart="0", attempt_number=3)
+    assert "(run job-a, attempt 1 -> 3;" in acquire()
+    # 3. another job, or not a later attempt -> refused
+    for env in (dict(run_id="job-b", restart="1", attempt_number=2),         # another run id
+                dict(slurm_job="778", run_id="job-c", attempt_number=5),     # another SLURM job
+                dict(slurm_job="777", run_id="job-a", attempt_number=1),     # the same attempt
+                dict(slurm_job="777", slurm_restart="0"),                    # no torchrun
+                dict()):                                                     # no job at all
+        _job_env(monkeypatch, **env)
+        with pytest.raises(SaveDirBusy, match="host node-elsewhere, pid 4242.*refreshed"):
+            SaveLock(str(tmp_path)).acquire()
+    # a holder of a later SLURM run is never taken over by an earlier one's attempt
+    held.update(slurm_restart_count=2)
+    path.write_text(json.dumps(held))
+    _job_env(monkeypatch, slurm_job="777", slurm_restart="1", run_id="job-a", attempt_number=9)
+    with pytest.raises(SaveDirBusy):
+        SaveLock(str(tmp_path)).acquire()
+
+
 def test_writable_check_creates_the_directory_and_names_a_bad_one(tmp_path: Path) -> None:
     target = tmp_path / "a" / "b"
     assert save_guard.check_writable(str(target)) is None and target.is_dir()

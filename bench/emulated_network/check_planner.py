@@ -172,7 +172,9 @@ def main() -> int:
         print("check_planner.py needs root (ip netns / tc)", file=sys.stderr)
         return 2
     else:
-        work = Path(tempfile.mkdtemp(prefix="planner_check_", dir=REPO / "bench" / "out"))
+        scratch = REPO / "bench" / "out"      # not in a fresh clone (ignored by git)
+        scratch.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix="planner_check_", dir=scratch))
     for bw in ([] if a.from_dir else a.bandwidths.split(",")):
         state = work / f"state_{bw}"
         env = dict(os.environ, BANDWIDTH=bw, LATENCY="1ms", MTU="1500", NS_PREFIX=f"pc{os.getpid()}",

@@ -17,6 +17,12 @@
 #              TOKENIZER_TYPE VOCAB_FILE MERGE_FILE TOKENIZER_MODEL VOCAB_SIZE (NullTokenizer/mock)
 #   Outputs  : RUN_DIR (runs/<family>/<name>)  SAVE_INTERVAL  LOG_INTERVAL  EVAL_INTERVAL  EVAL_ITERS
 #   Modes    : DRY_RUN=1  ECHO_ONLY=1  PYTHON (python)
+#   Elastic  : ELASTIC=1 -> torchrun with c10d rendezvous at MASTER_ADDR:MASTER_PORT
+#              (--rdzv-id RDZV_ID, else SLURM_JOB_ID, else the run's name), --nnodes
+#              MIN_NNODES:NNODES (MIN_NNODES defaults to NNODES), --max-restarts MAX_RESTARTS (3),
+#              and --ckpt-format torch_dist (a restart on fewer nodes reshards the checkpoint).
+#              A lost worker or node restarts every worker from the last checkpoint; see
+#              examples/sdp4bit/sbatch_elastic.sh for SLURM (--requeue, srun torchrun).
 
 recipe_init() {
     ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -103,6 +109,9 @@ recipe_output_args() {
         --log-interval "${LOG_INTERVAL:-10}" --log-throughput
         --eval-interval "${EVAL_INTERVAL:-1000}" --eval-iters "${EVAL_ITERS:-10}"
     )
+    if [[ "${ELASTIC:-0}" == 1 ]]; then   # loads on another data-parallel size
+        OUTPUT_ARGS+=(--ckpt-format torch_dist)
+    fi
 }
 
 # Multi-node torchrun launcher settings (SLURM aware).
@@ -126,8 +135,27 @@ recipe_launcher() {
         fi
     fi
     MASTER_PORT=${MASTER_PORT:-6000}
-    LAUNCHER=(torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
-              --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+    if [[ "${ELASTIC:-0}" == 1 ]]; then
+        # c10d rendezvous: no fixed node rank; every node names the same endpoint and id
+        local min_nodes=${MIN_NNODES:-$NNODES}
+        (( min_nodes >= 1 && min_nodes <= NNODES )) \
+            || recipe_die "MIN_NNODES=$min_nodes must be between 1 and NNODES=$NNODES"
+        # A store per rendezvous round: with torch's shared one, a node that joins a later round
+        # than the first waits for a MASTER_ADDR its rank-0 agent never writes again, and the
+        # whole job ends after the store timeout. (The trainer rendezvouses per attempt either
+        # way: megatron/training/attempt.py.)
+        export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+        echo "[recipe] ELASTIC=1: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=$TORCH_DISABLE_SHARE_RDZV_TCP_STORE" >&2
+        LAUNCHER=(torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$min_nodes:$NNODES"
+                  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
+                  --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-$(basename "${RUN_DIR:-recipe}")}}"
+                  --max-restarts "${MAX_RESTARTS:-3}")
+    elif [[ "${ELASTIC:-0}" != 0 ]]; then
+        recipe_die "ELASTIC must be 1 or 0, got '$ELASTIC'"
+    else
+        LAUNCHER=(torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
+                  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+    fi
     if [[ -n "${TORCHRUN:-}" ]]; then
         read -r -a _tr <<<"$TORCHRUN"
         LAUNCHER=("${_tr[@]}" "${LAUNCHER[@]:1}")

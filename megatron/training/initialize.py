@@ -17,7 +17,7 @@ from typing import Mapping, Optional, Tuple
 import numpy as np
 import torch
 
-from megatron.training import cpu_mode
+from megatron.training import attempt, cpu_mode
 from megatron.training.errors import StartupError
 
 
@@ -47,16 +47,20 @@ def initialize_distributed(args: argparse.Namespace) -> None:
         kwargs = {}
         if args.device == "cuda":
             kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        timeout = timedelta(minutes=args.distributed_timeout_minutes)
+        store = attempt_store(rank, world_size, timeout)
         torch.distributed.init_process_group(
-            backend=args.distributed_backend,
-            world_size=int(os.environ["WORLD_SIZE"]), rank=int(os.environ["RANK"]),
-            timeout=timedelta(minutes=args.distributed_timeout_minutes), **kwargs)
+            backend=args.distributed_backend, store=store, world_size=world_size, rank=rank,
+            timeout=timeout, **kwargs)
+        if rank == 0:
+            print(f" > {attempt.current().describe()}", flush=True)
     args.rank = torch.distributed.get_rank()
     args.world_size = torch.distributed.get_world_size()
     if args.world_size > 1:   # one rank's failure stops every rank with its cause (failures.py)
-        from megatron.distributed.quant import failures
+        from megatron.distributed import failures
 
-        failures.install(failures.default_store(), args.rank)
+        failures.install(failures.default_store(), args.rank, args.world_size)
         failures.watch()
 
     from megatron.core import parallel_state
@@ -68,6 +72,18 @@ def initialize_distributed(args: argparse.Namespace) -> None:
             distributed_timeout_minutes=args.distributed_timeout_minutes)
     assert parallel_state.get_data_parallel_world_size() == args.data_parallel_size, (
         "data-parallel size from WORLD_SIZE at parse time differs from the process group")
+
+
+def attempt_store(rank: int, world_size: int, timeout: timedelta) -> "torch.distributed.Store":
+    """The launcher's store (``env://``: torchrun's agent store, or one rank 0 hosts) under a
+    prefix of this attempt's own (:mod:`.attempt`): a restarted job's process groups never
+    meet the keys of the attempt that died."""
+    store, _, _ = next(torch.distributed.rendezvous("env://", rank=rank, world_size=world_size,
+                                                    timeout=timeout))
+    store.set_timeout(timeout)
+    agreed = attempt.agree(store, rank, world_size, timeout.total_seconds())
+    attempt.set_current(agreed)
+    return torch.distributed.PrefixStore(agreed.prefix, store)
 
 
 MULTI_RANK_GPU_NCCL = (2, 30, 0)
@@ -144,13 +160,14 @@ def set_random_seed(seed: int, device: str) -> None:
 
 
 def init_num_microbatches(args: argparse.Namespace) -> None:
-    """megatron-core's global num-microbatches calculator (constant batch size); replaces one a
-    previous initialization in this process left."""
-    from megatron.distributed.quant.mcore_compat.process_globals import \
+    """megatron-core's global num-microbatches calculator (constant batch size, or growing with
+    --rampup-batch-size); replaces one a previous initialization in this process left."""
+    from megatron.distributed.mcore_compat.process_globals import \
         reinit_num_microbatches_calculator
 
     reinit_num_microbatches_calculator(
-        rank=args.rank, rampup_batch_size=None, global_batch_size=args.global_batch_size,
+        rank=args.rank, rampup_batch_size=getattr(args, "rampup_batch_size", None),
+        global_batch_size=args.global_batch_size,
         micro_batch_size=args.micro_batch_size, data_parallel_size=args.data_parallel_size)
 
 

@@ -9,8 +9,8 @@ released by the kernel, the text stays) is taken over with a logged note when th
 on this host and is gone.  On a file system where ``flock`` is not coherent between hosts the
 text is the lock: the holder refreshes the file's modification time every :data:`HEARTBEAT_S`
 seconds, and a lock of another host is stale once it is :data:`STALE_AFTER_S` seconds old -- or
-at once when it was written by an earlier run of the same SLURM job (a requeue after a SIGKILL
-mid-save).  The file is removed when the run ends.
+at once when it was written by an earlier run of the same job (a SLURM requeue, or a torchrun
+restart after a SIGKILL; :func:`earlier_run_of_this_job`).  The file is removed when the run ends.
 """
 
 from __future__ import annotations
@@ -70,7 +70,20 @@ def holder_info() -> Dict[str, Any]:
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "boot_id": _boot_id(),
             "proc_start": _proc_start(os.getpid()), "command": " ".join(sys.argv)[:300],
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            "slurm_restart_count": _int_or_none(os.environ.get("SLURM_RESTART_COUNT", "0"))}
+            "slurm_restart_count": _int_or_none(os.environ.get("SLURM_RESTART_COUNT", "0")),
+            "torchelastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+            "torchelastic_restart_count": _int_or_none(
+                os.environ.get("TORCHELASTIC_RESTART_COUNT")),
+            "attempt": _attempt_number()}
+
+
+def _attempt_number() -> Optional[int]:
+    """The agreed attempt number of this job's store (megatron/training/attempt.py), once the
+    process group exists."""
+    from megatron.training import attempt
+
+    current = attempt.current()
+    return None if current is None else current.number
 
 
 def _int_or_none(text: Optional[str]) -> Optional[int]:
@@ -80,16 +93,37 @@ def _int_or_none(text: Optional[str]) -> Optional[int]:
         return None
 
 
-def _earlier_incarnation_of_this_job(info: Dict[str, Any], me: Dict[str, Any]) -> bool:
-    """Whether the lock's holder was an earlier run of this very SLURM job, which SLURM
-    requeued (same job id, a higher restart count now): SLURM runs one incarnation of a job at a
-    time, so that holder is gone. The case that matters: a preempted job SIGKILLed while saving
-    leaves a fresh lock, and its requeue (usually on other nodes) would wait out the staleness
-    period."""
-    if not me.get("slurm_job_id") or info.get("slurm_job_id") != me["slurm_job_id"]:
-        return False
-    theirs, mine = info.get("slurm_restart_count"), me.get("slurm_restart_count")
+def _newer(mine: Any, theirs: Any) -> bool:
     return isinstance(theirs, int) and isinstance(mine, int) and mine > theirs
+
+
+def earlier_run_of_this_job(info: Dict[str, Any], me: Dict[str, Any]) -> Optional[str]:
+    """How the lock's holder is an earlier run of this very job (a note), or None.
+
+    The same job: the same ``SLURM_JOB_ID``, or the same ``TORCHELASTIC_RUN_ID`` (torchrun's
+    ``--rdzv-id``; a uuid of its own under ``--standalone``). Earlier: a higher
+    ``SLURM_RESTART_COUNT`` now (SLURM requeued the job), or, within one SLURM run (or outside
+    SLURM), a later torchrun attempt -- the attempt number the ranks agree on through the job's
+    store (:mod:`megatron.training.attempt`), which grows with every rendezvous round whichever
+    node rank 0 is on, or else this agent's ``TORCHELASTIC_RESTART_COUNT``. A launcher runs one
+    incarnation of a job at a time (SLURM one run, torchrun one worker group, whose workers it
+    stops before the next round), so that holder is gone. The case that matters: a rank 0
+    SIGKILLed (or whose node died) leaves a fresh lock, and its restart, usually on another
+    host, would wait out the staleness period."""
+    same_slurm = bool(me.get("slurm_job_id")) and info.get("slurm_job_id") == me["slurm_job_id"]
+    if same_slurm and _newer(me.get("slurm_restart_count"), info.get("slurm_restart_count")):
+        return (f"this SLURM job's previous run (job {me['slurm_job_id']}, restart "
+                f"{info.get('slurm_restart_count')} -> {me['slurm_restart_count']}")
+    if same_slurm and info.get("slurm_restart_count") != me.get("slurm_restart_count"):
+        return None    # a later SLURM run holds it: this one is the stale one
+    run_id = me.get("torchelastic_run_id")
+    if not run_id or info.get("torchelastic_run_id") != run_id:
+        return None
+    for key, what in (("attempt", "attempt"), ("torchelastic_restart_count", "restart")):
+        if _newer(me.get(key), info.get(key)):
+            return (f"this torchrun job's previous attempt (run {run_id}, {what} "
+                    f"{info.get(key)} -> {me.get(key)}")
+    return None
 
 
 def describe_holder(info: Dict[str, Any]) -> str:
@@ -180,10 +214,10 @@ class SaveLock:
                 raise SaveDirBusy(self._busy_message(info))
             return (f" > --save {self.directory}: took over a stale lock of a run that is no "
                     f"longer alive ({describe_holder(info)})")
-        if _earlier_incarnation_of_this_job(info, me):
-            return (f" > --save {self.directory}: took over the lock of this SLURM job's previous "
-                    f"run (job {me['slurm_job_id']}, restart {info.get('slurm_restart_count')} -> "
-                    f"{me['slurm_restart_count']}; {describe_holder(info)})")
+        earlier = earlier_run_of_this_job(info, me)
+        if earlier:
+            return (f" > --save {self.directory}: took over the lock of {earlier}; "
+                    f"{describe_holder(info)})")
         try:
             age = time.time() - os.stat(self.path).st_mtime
         except OSError:

@@ -10,7 +10,7 @@ buckets -- is one decision, the same for both checkpoint formats.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -27,8 +27,16 @@ def restore_quantization_state(args: argparse.Namespace, model: List[torch.nn.Mo
             log(" > the checkpoint holds quantization state; this run does not quantize: ignored")
         return
     if not saved:
-        log(" > the checkpoint has no quantization state (written without quantization): "
-            "stochastic-rounding generators start from --seed, LoCo error buffers from zero")
+        written = _written_layout(state.get("args"))
+        if not same_layout and written is not None:
+            # torch_dist keeps each rank's state only for the layout that wrote it
+            log(f" > quantization state re-derived: the checkpoint's was written for another "
+                f"layout ({written}): stochastic-rounding generators restart from --seed, qWD "
+                "references are the loaded weights, LoCo error buffers restart from zero (they "
+                "belong to the old ranks' gradient streams)")
+        else:
+            log(" > the checkpoint has no quantization state (written without quantization): "
+                "stochastic-rounding generators start from --seed, LoCo error buffers from zero")
         integration.reset_quantization_state(model, iteration)
         return
     changed = _changed_quantization_settings(saved, args.quant_config)
@@ -59,3 +67,16 @@ def _changed_quantization_settings(saved: Dict[str, Any], cfg: Any) -> List[str]
     saved_cfg = (saved.get("runtimes") or [{}])[0].get("config") or {}
     return [f"--{k.replace('_', '-')} {saved_cfg[k]} -> {getattr(cfg, k)}"
             for k in STATE_SHAPING_SETTINGS if k in saved_cfg and saved_cfg[k] != getattr(cfg, k)]
+
+
+def _written_layout(saved_args: Any) -> Optional[str]:
+    """``TP=.., PP=.., DP=..`` of a checkpoint written with quantized communication (its saved
+    arguments say so), else None."""
+    def get(name: str) -> Any:
+        return saved_args.get(name) if isinstance(saved_args, dict) else \
+            getattr(saved_args, name, None)
+
+    if saved_args is None or not any(get(k) for k in ("quantized_gradients", "quantized_weights")):
+        return None
+    return (f"TP={get('tensor_model_parallel_size')}, PP={get('pipeline_model_parallel_size')}, "
+            f"DP={get('data_parallel_size')}")

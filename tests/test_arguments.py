@@ -100,6 +100,7 @@ def test_quantization_config_built_from_args() -> None:
     (["--quantized-weights"], "needs --use-distributed-optimizer"),
     (["--quantized-grad-bits", "4"], "needs --use-distributed-optimizer"),
     (["--bf16", "--fp16"], "mutually exclusive"),
+    (["--openai-gelu", "--swiglu"], "--openai-gelu and --swiglu are mutually exclusive"),
     (["--global-batch-size", "5"], "must be divisible by --micro-batch-size"),
     (["--overlap-param-gather", "--overlap-grad-reduce"], "needs --use-distributed-optimizer"),
     # fp32 parameters: megatron-core's optimizer has no separate master copy to quantize against

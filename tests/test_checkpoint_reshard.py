@@ -128,12 +128,14 @@ def test_torch_dist_quantization_switched_on_and_off_at_resume(tmp_path: Path,
     # LoCo switched off: its error buffers do not apply to the new setting.
     res = run_pretrain(BASE + SDP4BIT_LOCO[:-1] + ["--data-parallel-intra-node-size", "1",
                                                    "--train-iters", "10", "--load", str(quant),
+                                                   "--use-checkpoint-opt_param-scheduler",
                                                    "--save", str(quant), "--ckpt-format",
                                                    "torch_dist"])
     _ok(res)
     assert "quantization state re-derived for changed settings (--loco True -> False)" \
         in res.stdout
-    res = run_pretrain(BASE + ["--train-iters", "12", "--load", str(quant)])
+    res = run_pretrain(BASE + ["--train-iters", "12", "--load", str(quant),
+                               "--use-checkpoint-opt_param-scheduler"])
     _ok(res)
     assert "this run does not quantize: ignored" in res.stdout
     assert " iteration       12/" in res.stdout

@@ -148,6 +148,23 @@ def convert_to_hf(command: str, work: Path) -> None:
     assert (work / argv[argv.index("--output") + 1] / "config.json").is_file()
 
 
+def continue_pretraining(command: str, work: Path) -> None:
+    """examples/continue_pretraining/run.sh as written, 2 iterations: tiny HF Llama -> import ->
+    SDP4Bit + LoCo on 2 CPU ranks -> an export that transformers loads."""
+    from dist_harness import free_port
+
+    env = _env(WORK=str(work / "work"), TRAIN_ITERS="2", MASTER_PORT=str(free_port()))
+    out = _run(command, work, env)
+    w = work / "work"
+    assert "--mask-padded-vocab-logits" in (w / "imported" / "model_args.txt").read_text()
+    assert "iteration        2/       2" in out and "quantization: True" in out, out[-3000:]
+    config = json.loads((w / "hf-continued" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert "exported LlamaForCausalLM (vocab " in out
+    assert config["vocab_size"] == json.loads(
+        (w / "hf-tiny-llama" / "config.json").read_text())["vocab_size"]
+
+
 def plot_logs(command: str, work: Path) -> None:
     """The real command on a JSON-lines log and a tensorboard directory at its paths."""
     from torch.utils.tensorboard import SummaryWriter
@@ -205,6 +222,7 @@ RUNNERS: Dict[str, Callable[[str, Path], None]] = {
     "python tools/checkpoint/convert_to_hf.py --load runs/loco/llama-0.8b-loco/checkpoints "
     "--output hf/llama-0.8b --tokenizer-dir data/llama2-tokenizer --vocab-size 32000":
         convert_to_hf,
+    "bash examples/continue_pretraining/run.sh": continue_pretraining,
     "python tools/plot_logs.py baseline=runs/a/metrics.jsonl sdp4bit=runs/b/tensorboard "
     "--output loss.png": plot_logs,
     "pip install -e .": pip_install_dry,

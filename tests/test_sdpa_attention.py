@@ -350,7 +350,8 @@ def test_trains_with_sdpa_and_resumes_from_a_local_attention_checkpoint(tmp_path
                        weights_only=False)["args"]
     assert (saved.attention_backend, saved.attention_impl) == ("local", "local")
 
-    second = run_pretrain(common + ["--train-iters", "4", "--load", str(ckpt)], nproc=1,
+    second = run_pretrain(common + ["--train-iters", "4", "--load", str(ckpt),
+                                    "--use-checkpoint-opt_param-scheduler"], nproc=1,
                           timeout=300)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
     out = second.stdout

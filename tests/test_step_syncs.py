@@ -193,6 +193,8 @@ def test_fp16_scale_changes_still_reach_the_quantized_layer(monkeypatch) -> None
                         lambda: (lambda **kw: []))
     monkeypatch.setattr("megatron.core.num_microbatches_calculator.get_num_microbatches",
                         lambda: 1)
+    monkeypatch.setattr(
+        "megatron.core.num_microbatches_calculator.get_current_global_batch_size", lambda: 1)
     monkeypatch.setattr(training_step.integration, "on_loss_scale_changed",
                         lambda model, factor: calls.append(("rescale", factor)))
     monkeypatch.setattr(training_step.integration, "on_step_skipped",

@@ -34,13 +34,42 @@ def model_provider(args: argparse.Namespace, config: Any, vocab_size: int,
     ``post_process``)."""
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(config=config, transformer_layer_spec=gpt_layer_spec(args, config),
-                    vocab_size=vocab_size,
-                    max_sequence_length=args.max_position_embeddings,
-                    pre_process=pre_process, post_process=post_process,
-                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                    position_embedding_type=args.position_embedding_type,
-                    rotary_percent=args.rotary_percent, rotary_base=args.rotary_base)
+    model = GPTModel(config=config, transformer_layer_spec=gpt_layer_spec(args, config),
+                     vocab_size=vocab_size,
+                     max_sequence_length=args.max_position_embeddings,
+                     pre_process=pre_process, post_process=post_process,
+                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                     position_embedding_type=args.position_embedding_type,
+                     rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+                     rope_scaling=getattr(args, "use_rope_scaling", False),
+                     rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0))
+    if post_process and getattr(args, "mask_padded_vocab_logits", False):
+        unpadded = getattr(args, "model_vocab_size", None)
+        if unpadded is None:
+            raise ValueError("--mask-padded-vocab-logits: args.model_vocab_size (the vocabulary "
+                             "before padding) is not set")
+        mask_padded_vocab_logits(model, unpadded, vocab_size)
+    return model
+
+
+def mask_padded_vocab_logits(model: torch.nn.Module, unpadded: int, padded: int) -> None:
+    """``--mask-padded-vocab-logits``: the output layer's logits of ids >= ``unpadded`` become
+    -inf (a forward hook), so softmax and loss see only the real vocabulary, as the unpadded
+    model (e.g. the Hugging Face one it was imported from) does.  Works on this rank's
+    vocabulary shard (tensor parallelism) or on gathered logits."""
+    if unpadded >= padded:
+        return
+
+    def hook(module: torch.nn.Module, _inputs: Any, output: Any) -> Any:
+        from megatron.core import parallel_state as ps
+
+        logits, bias = output
+        local = logits.shape[-1]
+        start = 0 if local == padded else ps.get_tensor_model_parallel_rank() * local
+        ids = torch.arange(start, start + local, device=logits.device)
+        return logits.masked_fill(ids >= unpadded, float("-inf")), bias
+
+    model.output_layer.register_forward_hook(hook)
 
 
 def get_model(args: argparse.Namespace, config: Any, vocab_size: int) -> List[torch.nn.Module]:
@@ -55,9 +84,14 @@ def get_model(args: argparse.Namespace, config: Any, vocab_size: int) -> List[to
         chunk.cuda(torch.cuda.current_device())
     if args.bf16 or args.fp16:
         chunk = Float16Module(config, chunk)
-    note = integration.resolve_auto_strategy(args, sum(p.numel() for p in chunk.parameters()))
-    if note:
-        print_rank_0(f" > --paro-strategy {note}")
+    auto = integration.resolve_auto_strategy(args.quant_config,
+                                             sum(p.numel() for p in chunk.parameters()),
+                                             integration.activation_bytes_estimate(args))
+    if auto is not None:  # --paro-strategy auto: the trainer records what the layer chose
+        args.quant_config, args.paro_strategy = auto.config, auto.config.paro.strategy
+        if auto.use_distributed_optimizer is not None:
+            args.use_distributed_optimizer = auto.use_distributed_optimizer
+        print_rank_0(f" > --paro-strategy {auto.note}")
     return integration.wrap_model(config, build_ddp_config(args), [chunk], args.quant_config,
                                   strategy=args.paro_strategy, group_size=args.paro_group_size)
 
@@ -74,23 +108,13 @@ def configure_schedule(args: argparse.Namespace, config: Any, model: List[torch.
 
 
 def get_optimizer_and_scheduler(args: argparse.Namespace, model: List[torch.nn.Module]):
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    """The optimizer of the wrapped chunks and its learning-rate scheduler (megatron-core's
+    OptimizerParamScheduler, :mod:`megatron.training.lr_schedule`)."""
+    from megatron.training.lr_schedule import build_scheduler
 
     optimizer = integration.build_optimizer(build_optimizer_config(args), model, args.quant_config)
     apply_optimizer_fusions(fusion_plan(args), optimizer)
-    gbs = args.global_batch_size
-    decay_steps = args.lr_decay_iters * gbs
-    if args.lr_warmup_fraction is not None:
-        warmup_steps = int(args.lr_warmup_fraction * decay_steps)
-    else:
-        warmup_steps = args.lr_warmup_iters * gbs
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False)
-    return optimizer, scheduler
+    return optimizer, build_scheduler(args, optimizer)
 
 
 # ----------------------------------------------------------------------------- data

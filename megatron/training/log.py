@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -42,13 +42,17 @@ class LogInterval:
     finite_losses: int = 0
     skipped: int = 0
     nan: int = 0
+    samples: int = 0
+    """Sequences of the interval's steps (their batch sizes grow with --rampup-batch-size)."""
 
-    def add(self, loss: float, seconds: float, skipped: bool, is_nan: bool) -> None:
+    def add(self, loss: float, seconds: float, skipped: bool, is_nan: bool,
+            samples: int = 0) -> None:
         """One iteration. The logged loss is the mean of the interval's finite forward losses: a
         step skipped for NaN/Inf gradients (a 'nan' iteration) still ran a finite forward when
         only its gradients were poisoned, and that loss is real; a loss the forward itself made
         non-finite is left out, and an interval with none left prints NAN."""
         self.iterations += 1
+        self.samples += samples
         self.time_s += seconds
         self.skipped += int(skipped)
         self.nan += int(is_nan)
@@ -65,15 +69,20 @@ class LogInterval:
     def tokens_per_s(self, tokens_per_iteration: int) -> float:
         return tokens_per_iteration * self.iterations / self.time_s if self.time_s > 0 else 0.0
 
+    def samples_per_iteration(self) -> float:
+        """The interval's mean batch size (what its tokens/s and TFLOP/s are of)."""
+        return self.samples / self.iterations if self.iterations else 0.0
+
 
 def _fmt_log_line(iteration: int, args, consumed: int, ms_per_iter: float, lr: float,
                   loss: float, loss_scale: float, grad_norm: Optional[float], skipped: int,
-                  nans: int, tokens_per_s: float, comm: Dict[str, float]) -> str:
+                  nans: int, tokens_per_s: float, comm: Dict[str, float],
+                  batch_size: Optional[int] = None, tflops: float = 0.0) -> str:
     parts = [f" iteration {iteration:8d}/{args.train_iters:8d}",
              f"consumed samples: {consumed:12d}",
              f"elapsed time per iteration (ms): {ms_per_iter:.1f}",
              f"learning rate: {lr:.6E}",
-             f"global batch size: {args.global_batch_size:5d}",
+             f"global batch size: {batch_size or args.global_batch_size:5d}",
              f"lm loss: {loss:.6E}",
              f"loss scale: {loss_scale:.1f}"]
     if grad_norm is not None:
@@ -82,7 +91,7 @@ def _fmt_log_line(iteration: int, args, consumed: int, ms_per_iter: float, lr: f
               f"number of nan iterations: {nans:3d}"]
     if args.log_throughput:
         parts.append(f"throughput per GPU (TFLOP/s/GPU): "
-                     f"{tflops_per_gpu(args, ms_per_iter / 1000.0):.3f}")
+                     f"{tflops:.3f}")
         parts.append(f"throughput (tokens/s): {tokens_per_s:.1f}")
     for k in LOG_LINE_COMM_KEYS:  # the rest goes to --jsonl-log / tensorboard only
         if k in comm:
@@ -109,19 +118,27 @@ class TrainingLog:
         self.timers = timers if timers is not None else StepTimers()
         self.tokens_per_iteration = args.global_batch_size * args.seq_length
         self.interval = LogInterval()
+        self.run_samples = 0
+        """Sequences of this run's steps, for the summary's rates."""
         self.memory_reported = False
 
     def iteration(self, iteration: int, consumed_samples: int, model: List[torch.nn.Module],
                   optimizer: Any, loss: float, lr: float, grad_norm: Optional[float],
-                  seconds: float, skipped: bool, is_nan: bool) -> None:
+                  seconds: float, skipped: bool, is_nan: bool,
+                  batch_size: Optional[int] = None) -> None:
         """One step: counted into the interval; its scalars on the tensorboard interval; the
-        iteration line (and, once, the memory report) when the log interval ends."""
+        iteration line (and, once, the memory report) when the log interval ends.
+        ``batch_size``: this step's global batch size (it grows with --rampup-batch-size); the
+        rates (tokens/s, TFLOP/s) are of the batches actually run."""
         args, metrics = self.args, self.metrics
-        self.interval.add(loss, seconds, skipped, is_nan)
+        samples = batch_size or args.global_batch_size
+        self.interval.add(loss, seconds, skipped, is_nan, samples)
+        self.run_samples += samples
         if iteration % args.tensorboard_log_interval == 0:
             tb = {"lm loss": loss if math.isfinite(loss) else None, "learning-rate": lr,
                   "grad-norm": grad_norm if (grad_norm is not None and math.isfinite(grad_norm)) else None,
-                  "throughput/tokens-per-sec": self.tokens_per_iteration / seconds if seconds > 0 else None}
+                  "throughput/tokens-per-sec":
+                      samples * args.seq_length / seconds if seconds > 0 else None}
             if args.log_loss_scale:
                 tb["loss-scale"] = current_loss_scale(optimizer)
             if args.log_timers_to_tensorboard:
@@ -132,12 +149,14 @@ class TrainingLog:
             interval = self.interval
             ms = interval.ms_per_iteration()
             avg_loss = interval.mean_loss()
-            tps = interval.tokens_per_s(self.tokens_per_iteration)
+            per_iteration = interval.samples_per_iteration()
+            tps = interval.tokens_per_s(per_iteration * args.seq_length)
+            tflops = tflops_per_gpu(args, ms / 1000.0, per_iteration)
             comm = integration.communication_report(model, reset=True)
             timed = self.timers.report(interval.iterations)   # every rank: an all-reduce
             line = _fmt_log_line(iteration, args, consumed_samples, ms, lr, avg_loss,
                                  current_loss_scale(optimizer), grad_norm, interval.skipped,
-                                 interval.nan, tps, comm)
+                                 interval.nan, tps, comm, batch_size, tflops)
             print_rank_0(line)
             if timed:   # Megatron-LM prints its timers on a line of their own, after the iteration's
                 print_rank_0(" timers (ms per iteration, slowest rank) | " + " | ".join(
@@ -147,12 +166,13 @@ class TrainingLog:
                 print_rank_0(memory_report(args.device, iteration, torch.distributed.get_rank()))
             metrics.record({"type": "train", "iteration": iteration,
                             "consumed_samples": consumed_samples, "lm_loss": avg_loss, "lr": lr,
+                            "global_batch_size": batch_size or args.global_batch_size,
                             "grad_norm": grad_norm, "loss_scale": current_loss_scale(optimizer),
                             "skipped_iterations": interval.skipped,
                             "nan_iterations": interval.nan, "ms_per_iteration": ms,
                             "iterations_in_interval": interval.iterations,
                             "tokens_per_s": tps,
-                            "tflops_per_gpu": tflops_per_gpu(args, ms / 1000.0), **comm,
+                            "tflops_per_gpu": tflops, **comm,
                             **({"timers_ms": timed} if timed else {})})
             if comm:
                 metrics.scalars({f"comm/{k}": v for k, v in comm.items()}, iteration)
@@ -189,6 +209,15 @@ class TrainingLog:
                          + " | ".join(f"{k}: {v:g}" for k, v in final.items()) + " |")
             self.metrics.record({"type": "final_interval", "iteration": iteration, **final,
                                  **({"timers_ms": timed} if timed else {})})
+
+    def run_rates(self, iterations: int, seconds: float) -> Tuple[float, float]:
+        """(tokens/s, TFLOP/s per GPU) of this run's ``iterations`` steps in ``seconds``, of the
+        batches actually run (they grow with --rampup-batch-size)."""
+        if seconds <= 0 or iterations <= 0:
+            return 0.0, 0.0
+        per_iteration = self.run_samples / iterations
+        return (self.run_samples * self.args.seq_length / seconds,
+                tflops_per_gpu(self.args, seconds / iterations, per_iteration))
 
     def summary(self, summary: Dict[str, Any]) -> None:
         """The training summary line and record; closes the records."""

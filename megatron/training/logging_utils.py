@@ -80,6 +80,7 @@ class MetricsLogger:
                 import wandb
 
                 self.wandb = wandb.init(project=args.wandb_project,
+                                        entity=getattr(args, "wandb_entity", "") or None,
                                         name=args.wandb_exp_name or None,
                                         dir=args.wandb_save_dir or None,
                                         config={k: str(v) for k, v in vars(args).items()})

@@ -29,13 +29,14 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.distributed.quant import failures, integration
+from megatron.distributed import failures
+from megatron.distributed.quant import integration
 
 from megatron.training.checkpoint import save_load as checkpointing
 from megatron.training.checkpoint import save_guard
-from megatron.training import step_timers
+from megatron.training import attempt, fault_injection, step_timers
 from megatron.training.checkpoint import writer_processes
-from megatron.training.arguments.parser import padded_vocab_size
+from megatron.training.arguments.parser import model_vocab_size, padded_vocab_size
 from megatron.training.model.config_builders import build_transformer_config
 from megatron.training.errors import StartupError
 from megatron.training.exit_conditions import ExitConditions
@@ -44,12 +45,12 @@ from megatron.training.model.layer_specs import attention_choice
 from megatron.training.logging_utils import MetricsLogger, print_rank_0
 from megatron.training.profiling import StepProfiler
 from megatron.training.data.sampler import build_data_iterator
-from megatron.training.model.flops import tflops_per_gpu
 from megatron.training.data.tokenizer import build_tokenizer
 from megatron.training.components import (build_datasets, configure_schedule, get_model,
                                   get_optimizer_and_scheduler)
 from megatron.training.log import TrainingLog
-from megatron.training.step import evaluate, forward_step, step_outcome, train_step
+from megatron.training.step import (current_global_batch_size, evaluate, forward_step,
+                                    start_iteration, step_outcome, train_step)
 
 
 @dataclasses.dataclass
@@ -181,7 +182,11 @@ def _build(args: argparse.Namespace) -> Tuple[List[torch.nn.Module], Any, Any, A
     tokenizer = build_tokenizer(args)
     # Data first: a truncated file or an empty split stops the run before the model is built.
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    try:
+        args.model_vocab_size = model_vocab_size(tokenizer.vocab_size, args)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    args.padded_vocab_size = padded_vocab_size(args.model_vocab_size, args)
     config = build_transformer_config(args)
     model = get_model(args, config, args.padded_vocab_size)
     optimizer, scheduler = get_optimizer_and_scheduler(args, model)
@@ -199,6 +204,12 @@ def _resume(args: argparse.Namespace, model: List[torch.nn.Module], optimizer: A
         apply_optimizer_fusions(fusion_plan(args), optimizer)
         if iteration:
             print_rank_0(f" loaded checkpoint from {args.load} at iteration {iteration}")
+    restarted = attempt.current()
+    if restarted is not None and restarted.number > 1:   # say what a restart resumed from
+        print_rank_0(f" > attempt {restarted.number} resumes from "
+                     + (f"the checkpoint of iteration {iteration} in {args.load}: training "
+                        f"continues at iteration {iteration + 1}" if iteration else
+                        "no checkpoint (nothing saved yet, or no --load): from iteration 0"))
     return iteration, train_state
 
 
@@ -224,13 +235,17 @@ def _report_startup(args: argparse.Namespace, model: List[torch.nn.Module], opti
             and integration.nobody_to_talk_to()):
         print_rank_0(" > quantized communication off: data-parallel size 1, nothing is sent "
                      "(megatron-core's exact path, bit-identical to the baseline)")
-    for warning in integration.startup_warnings(args, model) + (
+    for warning in integration.startup_warnings(
+            args.quant_config, model, device=args.device,
+            overlap=args.overlap_grad_reduce or args.overlap_param_gather,
+            tensor_parallel=args.tensor_model_parallel_size,
+            sequence_parallel=getattr(args, "sequence_parallel", False)) + (
             [exits.warning] if exits.warning else []):
         print_rank_0(f"WARNING: {warning}")
-    layer_memory = integration.memory_report(args, model)
+    layer_memory = integration.memory_report(model)
     if layer_memory:
         print_rank_0(f" > {layer_memory}")
-    report = integration.strategy_report(args, model, optimizer)
+    report = integration.strategy_report(args.quant_config, model, optimizer)
     if report:
         print_rank_0(report)
 
@@ -264,6 +279,8 @@ def _train_one_iteration(run: TrainingRun, profiler: StepProfiler) -> None:
     args = run.args
     integration.set_iteration(run.model, run.iteration + 1)
     profiler.before_step(run.iteration + 1)
+    start_iteration(run.consumed_train)   # the batch size of this step (--rampup-batch-size)
+    batch_size = current_global_batch_size(args)
     t0 = time.time()
     loss, ok, grad_norm, reason = train_step(args, run.forward_step_func, run.train_iter,
                                              run.model, run.optimizer, run.scheduler, run.device)
@@ -272,15 +289,25 @@ def _train_one_iteration(run: TrainingRun, profiler: StepProfiler) -> None:
     profiler.after_step(run.iteration, last=run.iteration >= args.train_iters)
     run.run_iters += 1
     run.run_time += dt
-    run.consumed_train += args.global_batch_size
+    run.consumed_train += batch_size
     skipped, is_nan = step_outcome(ok, reason, loss)
     run.skipped_total += int(skipped)
     run.nan_total += int(is_nan)
     if math.isfinite(loss):
         run.last_loss = loss
-    lr = float(run.optimizer.param_groups[0]["lr"])
+    lr = _logged_lr(run.optimizer)
     run.log.iteration(run.iteration, run.consumed_train, run.model, run.optimizer, loss, lr,
-                      grad_norm, dt, skipped, is_nan)
+                      grad_norm, dt, skipped, is_nan, batch_size=batch_size)
+    fault_injection.point("iteration-end", run.iteration)
+
+
+def _logged_lr(optimizer: Any) -> float:
+    """The lr of the default schedule's param groups (megatron-core's choice for logging; not
+    --decoupled-lr's group), or the first group's where none is marked (PaRO engine)."""
+    from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+    lr = get_canonical_lr_for_logging(optimizer.param_groups)
+    return float(optimizer.param_groups[0]["lr"] if lr is None else lr)
 
 
 # ----------------------------------------------------------------------------- eval
@@ -336,14 +363,13 @@ def _exit(run: TrainingRun, stop: Optional[str]) -> Dict[str, Any]:
     run.log.final_interval(run.iteration, run.model)
     comm_total = integration.communication_report(run.model, totals=True)
     run_iters, run_time = run.run_iters, run.run_time
+    tokens_per_s, tflops = run.log.run_rates(run_iters, run_time)
     summary = {"type": "summary", "iterations": run.iteration, "iterations_this_run": run_iters,
                "exit_reason": exit_reason, "final_lm_loss": run.last_loss,
                "final_val_loss": run.last_val, "skipped_iterations": run.skipped_total,
                "nan_iterations": run.nan_total,
                "ms_per_iteration": 1000.0 * run_time / max(1, run_iters),
-               "tokens_per_s": (run.log.tokens_per_iteration * run_iters / run_time
-                                if run_time > 0 else 0.0),
-               "tflops_per_gpu": tflops_per_gpu(args, run_time / max(1, run_iters)),
+               "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
                "quantization": args.quant_config.enabled, **comm_total}
     run.log.summary(summary)
     return summary

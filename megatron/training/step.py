@@ -167,8 +167,39 @@ def current_loss_scale(optimizer: Any) -> float:
     return cached if cached is not None else _loss_scale(optimizer)
 
 
+def current_global_batch_size(args: argparse.Namespace) -> int:
+    """The global batch size of the coming step: megatron-core's calculator's (it grows with
+    --rampup-batch-size; :func:`start_iteration` updates it).
+
+    No calculator is an error, not --global-batch-size: the training loop would then log, count
+    consumed samples and advance the schedule by a batch size the steps did not run."""
+    from megatron.core.num_microbatches_calculator import get_current_global_batch_size
+
+    try:
+        return int(get_current_global_batch_size())
+    except AttributeError:  # megatron-core's global calculator is None
+        raise RuntimeError(
+            "no num-microbatches calculator for this step's batch size (--global-batch-size "
+            f"{args.global_batch_size}, --rampup-batch-size): initialize_megatron "
+            "(init_num_microbatches) must run before the training loop") from None
+
+
+def start_iteration(consumed_samples: int) -> None:
+    """Before each training step: the calculator's batch size for the samples consumed so far
+    (checked to be whole micro-batches per data-parallel rank)."""
+    from megatron.core.num_microbatches_calculator import update_num_microbatches
+
+    update_num_microbatches(consumed_samples, consistency_check=True)
+
+
+def eval_num_microbatches(args: argparse.Namespace) -> int:
+    """An evaluation batch is always the full --global-batch-size (as in Megatron-LM), also
+    during a batch-size ramp-up."""
+    return args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+
+
 def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler, device):
-    """One optimizer step over num_microbatches micro-batches."""
+    """One optimizer step over num_microbatches micro-batches (the current global batch)."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -208,7 +239,7 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     loss = read[0]
     scale_after = _LOSS_SCALE_AFTER_LAST_STEP.get(optimizer, 1.0) if scaled else 1.0
     if ok:
-        scheduler.step(increment=args.global_batch_size)
+        scheduler.step(increment=current_global_batch_size(args))
         if scale_after != scale_before:  # fp16 dynamic scale grew: keep LoCo errors in scaled units
             integration.on_loss_scale_changed(model, scale_after / scale_before)
     else:
@@ -218,7 +249,6 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
 
 
 def evaluate(args, forward_step_func, data_iterator, model, device) -> Optional[float]:
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if data_iterator is None or args.eval_iters <= 0:
@@ -230,7 +260,7 @@ def evaluate(args, forward_step_func, data_iterator, model, device) -> Optional[
         for _ in range(args.eval_iters):
             losses = get_forward_backward_func()(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+                num_microbatches=eval_num_microbatches(args), seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
                 forward_only=True)
             total.append(_reduce_losses(losses, device))

@@ -19,6 +19,8 @@ from the flags the checkpoint was trained with (its saved ``args``):
   ``LlamaForCausalLM`` with ``rope_theta = --rotary-base``, ``rms_norm_eps = --layernorm-epsilon``;
   grouped-query attention (Megatron-LM's ``--group-query-attention --num-query-groups``, when the
   saved args carry them) -> ``num_key_value_heads``.
+* The Llama layout with ``--add-qkv-bias --disable-bias-linear`` (biases on q/k/v only) ->
+  ``Qwen2ForCausalLM``; ``--use-rope-scaling`` -> Llama 3.x ``rope_type: llama3``.
 
 Anything else (e.g. RMSNorm with learned positions, ``--rotary-percent`` < 1, virtual pipeline
 chunks, QK layernorm) is refused with the flag that prevents it.
@@ -51,7 +53,9 @@ refused naming it and the previous complete checkpoint (``--iteration N``);
 
 Vocabulary: the embedding and output layer have ``args.padded_vocab_size`` rows
 (``--make-vocab-size-divisible-by`` x TP).  By default all of them are exported and the HF config's
-``vocab_size`` is the padded size (the extra ids are never produced by the tokenizer);
+``vocab_size`` is the padded size (the extra ids are never produced by the tokenizer), except
+for runs with ``--mask-padded-vocab-logits`` (imported HF models, see convert_from_hf.py), whose
+padding rows are dropped again (the export has the model's own vocabulary);
 ``--vocab-size N`` trims to the first N rows (the tokenizer's size).
 
 Dtype: ``--dtype auto`` (default) keeps the trained parameters' dtype (bf16 for ``--bf16``: the
@@ -166,7 +170,7 @@ def convert(load: str, output: str, iteration: Optional[int] = None, dtype: str 
             log: Callable[[str], None] = print, verify: bool = True) -> Dict[str, Any]:
     """Export; returns a summary dict (also written to ``output/megatron_export.json``)."""
     from huggingface_hub import save_torch_state_dict
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
     if os.path.isdir(output) and any(_WEIGHT_FILES.match(n) for n in os.listdir(output)) \
             and not force:
@@ -201,7 +205,7 @@ def convert(load: str, output: str, iteration: Optional[int] = None, dtype: str 
                               f"{config_kwargs['vocab_size']} rows (--vocab-size too small, or "
                               "the wrong tokenizer)")
     config_kwargs.update(_special_ids(args, tok))
-    config_cls = GPT2Config if arch == "gpt2" else LlamaConfig
+    config_cls = {"gpt2": GPT2Config, "llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
     dtype_name = str(target).replace("torch.", "")
     # transformers >= 4.56 calls it dtype, older versions torch_dtype.
     dtype_key = "dtype" if "dtype" in inspect.signature(config_cls.__init__).parameters \
@@ -219,8 +223,9 @@ def convert(load: str, output: str, iteration: Optional[int] = None, dtype: str 
                "checkpoint_format": info["format"], "architecture": config.architectures[0],
                "dtype": dtype_name, "vocab_size": config_kwargs["vocab_size"],
                "padded_vocab_size": padded,
-               "vocab": "trimmed (--vocab-size)" if config_kwargs["vocab_size"] < padded
-               else "padded rows kept",
+               "vocab": ("trimmed (--vocab-size)" if vocab_size is not None else
+                         "padding rows dropped (--mask-padded-vocab-logits)")
+               if config_kwargs["vocab_size"] < padded else "padded rows kept",
                "tensor_model_parallel_size": int(getattr(args, "tensor_model_parallel_size", 1)),
                "pipeline_model_parallel_size": int(getattr(args, "pipeline_model_parallel_size", 1)),
                "tokenizer": tok is not None}

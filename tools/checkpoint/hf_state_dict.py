@@ -1,21 +1,27 @@
-"""The HF state dicts of a pretrain_gpt.py model (tools/checkpoint/convert_to_hf.py): which HF
-architecture the run's flags are (GPT-2 or Llama), and its weights renamed, split (fused QKV) and
-checked so that nothing of the Megatron state dict is left over.
+"""Megatron <-> Hugging Face state dicts, both directions from one name table per family.
+
+Families: ``gpt2`` (GPT2LMHeadModel), ``llama`` (LlamaForCausalLM; Mistral has the same tensors)
+and ``qwen2`` (Qwen2ForCausalLM: Llama plus biases on q/k/v only).  :data:`FAMILIES` lists, per
+family, which megatron-core tensor is which HF tensor(s) and how they are laid out
+(:class:`TensorMap`); :func:`to_hf` (tools/checkpoint/convert_to_hf.py) and :func:`from_hf`
+(tools/checkpoint/convert_from_hf.py) walk the same table, so a name or a layout is written down
+once.  Both check that no tensor is left over.
 """
 
 from __future__ import annotations
 
 import argparse
 import warnings
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from megatron.training.model.rope_scaling import MCORE_LLAMA3_FIXED
 from tools.checkpoint.megatron_checkpoint_reader import ConversionError
 
 
-
-# ----------------------------------------------------------------------------- architecture
+# ----------------------------------------------------------------------------- layouts
 def split_qkv(w: torch.Tensor, num_heads: int, num_groups: int, head_dim: int
               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """megatron-core's fused ``linear_qkv`` weight or bias -> (q, k, v) in head order.
@@ -35,6 +41,142 @@ def split_qkv(w: torch.Tensor, num_heads: int, num_groups: int, head_dim: int
     return q, k, v
 
 
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
+             num_groups: int, head_dim: int) -> torch.Tensor:
+    """The inverse of :func:`split_qkv`: (q, k, v) in head order -> the fused ``linear_qkv``."""
+    per_group = num_heads // num_groups
+    rest = tuple(q.shape[1:])
+    for name, t, heads in (("q", q, num_heads), ("k", k, num_groups), ("v", v, num_groups)):
+        if t.shape[0] != heads * head_dim:
+            raise ConversionError(f"the {name} projection has {t.shape[0]} rows, expected "
+                                  f"{heads} heads x {head_dim}")
+    return torch.cat([q.reshape(num_groups, per_group, head_dim, *rest),
+                      k.reshape(num_groups, 1, head_dim, *rest),
+                      v.reshape(num_groups, 1, head_dim, *rest)], dim=1
+                     ).reshape(num_groups * (per_group + 2) * head_dim, *rest)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Attention shape: query heads, key/value groups, head size."""
+    heads: int
+    groups: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """One megatron-core tensor and the HF tensor(s) it is.
+
+    ``kind``: ``copy``; ``transpose`` (GPT-2's Conv1D stores [in, out]); ``qkv`` (fused
+    ``linear_qkv`` <-> separate q, k, v); ``qkv_conv1d`` (GPT-2's fused ``c_attn``: [q | k | v]
+    columns of a Conv1D weight, or the bias); ``glu`` (SwiGLU ``linear_fc1`` = [gate; up]).
+    ``when``: which models have the tensor -- ``always``, ``linear_bias`` (all linear biases:
+    ``--add-bias-linear``), ``qkv_bias`` (``--add-bias-linear`` or ``--add-qkv-bias``).
+    ``zeros``: an HF bias slot that is zeros when the Megatron model has no bias (GPT-2 always
+    has biases)."""
+    megatron: str
+    hf: Tuple[str, ...]
+    kind: str = "copy"
+    when: str = "always"
+    zeros: bool = False
+
+
+def _m(megatron: str, *hf: str, kind: str = "copy", when: str = "always",
+       zeros: bool = False) -> TensorMap:
+    return TensorMap(megatron, tuple(hf), kind, when, zeros)
+
+
+_LLAMA_LAYER = (
+    _m("input_layernorm.weight", "input_layernorm.weight"),
+    _m("self_attention.linear_qkv.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+       "self_attn.v_proj.weight", kind="qkv"),
+    _m("self_attention.linear_qkv.bias", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
+       "self_attn.v_proj.bias", kind="qkv", when="qkv_bias"),
+    _m("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+    _m("self_attention.linear_proj.bias", "self_attn.o_proj.bias", when="linear_bias"),
+    _m("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+    _m("mlp.linear_fc1.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", kind="glu"),
+    _m("mlp.linear_fc1.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias", kind="glu",
+       when="linear_bias"),
+    _m("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
+    _m("mlp.linear_fc2.bias", "mlp.down_proj.bias", when="linear_bias"),
+)
+_LLAMA_GLOBAL = (
+    _m("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+    _m("decoder.final_layernorm.weight", "model.norm.weight"),
+)
+
+FAMILIES: Dict[str, Dict[str, Any]] = {
+    "gpt2": dict(
+        hf_class="GPT2LMHeadModel", layer_prefix="transformer.h.{}.",
+        layer=(
+            _m("input_layernorm.weight", "ln_1.weight"),
+            _m("input_layernorm.bias", "ln_1.bias"),
+            _m("self_attention.linear_qkv.weight", "attn.c_attn.weight", kind="qkv_conv1d"),
+            _m("self_attention.linear_qkv.bias", "attn.c_attn.bias", kind="qkv_conv1d",
+               zeros=True),
+            _m("self_attention.linear_proj.weight", "attn.c_proj.weight", kind="transpose"),
+            _m("self_attention.linear_proj.bias", "attn.c_proj.bias", zeros=True),
+            _m("pre_mlp_layernorm.weight", "ln_2.weight"),
+            _m("pre_mlp_layernorm.bias", "ln_2.bias"),
+            _m("mlp.linear_fc1.weight", "mlp.c_fc.weight", kind="transpose"),
+            _m("mlp.linear_fc1.bias", "mlp.c_fc.bias", zeros=True),
+            _m("mlp.linear_fc2.weight", "mlp.c_proj.weight", kind="transpose"),
+            _m("mlp.linear_fc2.bias", "mlp.c_proj.bias", zeros=True),
+        ),
+        glob=(
+            _m("embedding.word_embeddings.weight", "transformer.wte.weight"),
+            _m("embedding.position_embeddings.weight", "transformer.wpe.weight"),
+            _m("decoder.final_layernorm.weight", "transformer.ln_f.weight"),
+            _m("decoder.final_layernorm.bias", "transformer.ln_f.bias"),
+        )),
+    "llama": dict(hf_class="LlamaForCausalLM", layer_prefix="model.layers.{}.",
+                  layer=_LLAMA_LAYER, glob=_LLAMA_GLOBAL),
+    "qwen2": dict(hf_class="Qwen2ForCausalLM", layer_prefix="model.layers.{}.",
+                  layer=_LLAMA_LAYER, glob=_LLAMA_GLOBAL),
+}
+OUTPUT = _m("output_layer.weight", "lm_head.weight")
+
+
+def _to_hf_tensors(tm: TensorMap, t: torch.Tensor, shape: Shape) -> List[torch.Tensor]:
+    if tm.kind == "copy":
+        return [t]
+    if tm.kind == "transpose":
+        return [t.t()]
+    if tm.kind == "qkv":
+        return list(split_qkv(t, shape.heads, shape.groups, shape.head_dim))
+    if tm.kind == "qkv_conv1d":
+        fused = torch.cat(split_qkv(t, shape.heads, shape.groups, shape.head_dim), 0)
+        return [fused.t() if fused.dim() == 2 else fused]
+    if tm.kind == "glu":
+        return list(t.chunk(2, dim=0))
+    raise AssertionError(tm.kind)
+
+
+def _from_hf_tensors(tm: TensorMap, ts: List[torch.Tensor], shape: Shape) -> torch.Tensor:
+    if tm.kind == "copy":
+        return ts[0]
+    if tm.kind == "transpose":
+        return ts[0].t()
+    if tm.kind == "qkv":
+        return fuse_qkv(*ts, shape.heads, shape.groups, shape.head_dim)
+    if tm.kind == "qkv_conv1d":
+        fused = ts[0].t() if ts[0].dim() == 2 else ts[0]
+        q_rows = shape.heads * shape.head_dim
+        kv_rows = shape.groups * shape.head_dim
+        q, k, v = fused.split([q_rows, kv_rows, kv_rows], dim=0)
+        return fuse_qkv(q, k, v, shape.heads, shape.groups, shape.head_dim)
+    if tm.kind == "glu":
+        return torch.cat(ts, dim=0)
+    raise AssertionError(tm.kind)
+
+
+def _present(tm: TensorMap, linear_bias: bool, qkv_bias: bool) -> bool:
+    return {"always": True, "linear_bias": linear_bias, "qkv_bias": qkv_bias or linear_bias}[tm.when]
+
+
+# ----------------------------------------------------------------------------- architecture
 def _attention_shape(args: argparse.Namespace) -> Tuple[int, int, int]:
     heads = args.num_attention_heads
     # Megatron-LM's rule: --num-query-groups counts only with --group-query-attention (its
@@ -48,18 +190,24 @@ def _attention_shape(args: argparse.Namespace) -> Tuple[int, int, int]:
 
 
 def architecture(args: argparse.Namespace) -> str:
-    """'gpt2' or 'llama' from the training flags, else a ConversionError naming the flags."""
+    """'gpt2', 'llama' or 'qwen2' from the training flags, else a ConversionError naming the
+    flags.  Qwen2: the Llama architecture with ``--add-qkv-bias`` and no other linear bias."""
     norm = getattr(args, "normalization", "LayerNorm")
     pos = getattr(args, "position_embedding_type", "learned_absolute")
     swiglu = bool(getattr(args, "swiglu", False))
     if getattr(args, "qk_layernorm", False):
         raise ConversionError("--qk-layernorm has no GPT-2 / Llama equivalent")
+    if getattr(args, "apply_layernorm_1p", False):
+        raise ConversionError("--apply-layernorm-1p has no GPT-2 / Llama / Qwen2 equivalent")
     if pos == "learned_absolute":
         if norm != "LayerNorm" or swiglu:
             raise ConversionError(
                 f"--position-embedding-type learned_absolute exports as GPT-2, which needs "
                 f"--normalization LayerNorm and no --swiglu (got --normalization {norm}"
                 f"{' --swiglu' if swiglu else ''})")
+        if getattr(args, "add_qkv_bias", False) and not getattr(args, "add_bias_linear", True):
+            raise ConversionError("--add-qkv-bias with --disable-bias-linear: GPT-2 has biases "
+                                  "on every linear layer or none")
         return "gpt2"
     if pos == "rope":
         if norm != "RMSNorm" or not swiglu:
@@ -74,16 +222,20 @@ def architecture(args: argparse.Namespace) -> str:
         if getattr(args, "rotary_interleaved", False):
             raise ConversionError("--rotary-interleaved: HF Llama uses the non-interleaved "
                                   "(rotate-half) RoPE")
+        if getattr(args, "add_qkv_bias", False) and not getattr(args, "add_bias_linear", True):
+            return "qwen2"
         return "llama"
     raise ConversionError(f"--position-embedding-type {pos} is not supported")
 
 
 def gelu_flavour(args: argparse.Namespace) -> str:
-    """HF activation matching what training ran: megatron-core's fused bias-GELU (tanh
-    approximation) when the fusion resolver turned it on for the saved arguments (CUDA, a bias,
-    no ``--no-bias-gelu-fusion``), else torch's exact GELU."""
+    """HF activation matching what training ran: ``--openai-gelu`` or megatron-core's fused
+    bias-GELU (tanh approximation) when the fusion resolver turned it on for the saved arguments
+    (CUDA, a bias, no ``--no-bias-gelu-fusion``) -> ``gelu_new``, else torch's exact GELU."""
     from megatron.training.model.fusions import resolve_fusions
 
+    if getattr(args, "openai_gelu", False):
+        return "gelu_new"
     saved = argparse.Namespace(**vars(args))
     saved.device = getattr(args, "device", "cuda")   # checkpoints before --device: GPU runs
     saved.apply_rope_fusion_explicit = False         # TE's; not the activation's business
@@ -92,6 +244,7 @@ def gelu_flavour(args: argparse.Namespace) -> str:
     return "gelu_new" if plan.bias_activation_fusion else "gelu"
 
 
+# ----------------------------------------------------------------------------- Megatron -> HF
 class _Taker:
     """Hands out tensors of the Megatron state dict once; ``left()`` lists the unused ones."""
 
@@ -106,150 +259,153 @@ class _Taker:
         self.used.add(key)
         return self.sd[key]
 
-    def bias_or_zeros(self, key: str, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """The bias ``key``, or zeros of length ``n`` where the model was trained without one
-        (``--disable-bias-linear``) but the HF layout has a bias slot."""
-        b = self(key, required=False)
-        return b if b is not None else torch.zeros(n, dtype=dtype)
-
     def left(self) -> List[str]:
         return sorted(set(self.sd) - self.used)
 
 
-def _vocab_rows(t: torch.Tensor, vocab: int) -> torch.Tensor:
-    return t[:vocab]
+def default_export_vocab(args: argparse.Namespace, padded: int) -> int:
+    """Rows exported without ``--vocab-size``: the model's own vocabulary where the padding rows
+    were masked out of the loss (``--mask-padded-vocab-logits``: they are meaningless), else
+    all ``padded`` rows."""
+    if getattr(args, "mask_padded_vocab_logits", False) and getattr(args, "model_vocab_size", None):
+        return int(args.model_vocab_size)
+    return padded
 
 
-def _common(args: argparse.Namespace, sd: Dict[str, torch.Tensor], vocab_size: Optional[int]
-            ) -> Tuple[_Taker, int, bool, torch.Tensor, Optional[torch.Tensor]]:
+def to_hf(args: argparse.Namespace, sd: Dict[str, torch.Tensor],
+          vocab_size: Optional[int] = None) -> Tuple[str, Dict[str, torch.Tensor]]:
+    """(family, HF state dict) of a full (TP = PP = 1 layout) Megatron state dict."""
+    family = architecture(args)
+    fam = FAMILIES[family]
+    heads, groups, head_dim = _attention_shape(args)
+    shape = Shape(heads, groups, head_dim)
+    if family == "gpt2":
+        if groups != heads:
+            raise ConversionError(f"GPT-2 has no grouped-query attention (--num-query-groups "
+                                  f"{groups})")
+        if head_dim * heads != args.hidden_size:
+            raise ConversionError(f"GPT-2 needs --kv-channels = hidden/heads "
+                                  f"({args.hidden_size // heads}), got {head_dim}")
     take = _Taker(sd)
-    emb = take("embedding.word_embeddings.weight")
-    padded = emb.shape[0]
-    vocab = padded if vocab_size is None else int(vocab_size)
+    padded = int(take("embedding.word_embeddings.weight").shape[0])
+    vocab = default_export_vocab(args, padded) if vocab_size is None else int(vocab_size)
     if not 0 < vocab <= padded:
         raise ConversionError(f"--vocab-size {vocab}: must be in 1..{padded} (the checkpoint's "
                               f"padded vocabulary)")
+    linear_bias = bool(getattr(args, "add_bias_linear", True))
+    qkv_bias = bool(getattr(args, "add_qkv_bias", False))
+    dtype = sd["embedding.word_embeddings.weight"].dtype
+    hf: Dict[str, torch.Tensor] = {}
+
+    def convert(tm: TensorMap, src: str, dst_prefix: str) -> None:
+        present = family == "gpt2" or _present(tm, linear_bias, qkv_bias)
+        if not present:
+            return
+        t = take(src, required=not tm.zeros)
+        if t is None:   # a bias slot of GPT-2 / biased Llama without a trained bias
+            rows = {"qkv_conv1d": (heads + 2 * groups) * head_dim}.get(tm.kind)
+            t = torch.zeros(rows or _bias_rows(args, tm), dtype=dtype)
+        for name, tensor in zip(tm.hf, _to_hf_tensors(tm, t, shape)):
+            hf[dst_prefix + name] = tensor
+
+    for i in range(args.num_layers):
+        for tm in fam["layer"]:
+            if tm.when != "always" and family != "gpt2":
+                tm = TensorMap(tm.megatron, tm.hf, tm.kind, tm.when, zeros=True)
+            convert(tm, f"decoder.layers.{i}.{tm.megatron}", fam["layer_prefix"].format(i))
+    for tm in fam["glob"]:
+        convert(tm, tm.megatron, "")
+    for name in ("model.embed_tokens.weight", "transformer.wte.weight"):
+        if name in hf:
+            hf[name] = hf[name][:vocab]
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
-    out = None
     if tied:
         copy = take("output_layer.weight", required=False)
-        if copy is not None and not torch.equal(copy, emb):  # PP > 1: the last stage's copy
+        if copy is not None and not torch.equal(copy, sd["embedding.word_embeddings.weight"]):
             warnings.warn("tied embeddings: the last pipeline stage's output_layer.weight "
                           "differs from the word embeddings; the word embeddings are exported")
     else:
-        out = _vocab_rows(take("output_layer.weight"), vocab)
-    return take, vocab, tied, _vocab_rows(emb, vocab), out
+        hf[OUTPUT.hf[0]] = take(OUTPUT.megatron)[:vocab]
+    _no_leftovers(take)
+    return family, hf
+
+
+def _bias_rows(args: argparse.Namespace, tm: TensorMap) -> int:
+    """Length of a Megatron bias that is absent (``--disable-bias-linear``)."""
+    heads, groups, head_dim = _attention_shape(args)
+    return {"self_attention.linear_qkv.bias": (heads + 2 * groups) * head_dim,
+            "self_attention.linear_proj.bias": args.hidden_size,
+            "mlp.linear_fc1.bias": args.ffn_hidden_size * (2 if args.swiglu else 1),
+            "mlp.linear_fc2.bias": args.hidden_size}[tm.megatron]
+
+
+def hf_config(family: str, args: argparse.Namespace, vocab: int) -> Dict[str, Any]:
+    """The HF config kwargs of the exported model."""
+    heads, groups, head_dim = _attention_shape(args)
+    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    common = dict(architectures=[FAMILIES[family]["hf_class"]], vocab_size=vocab,
+                  initializer_range=float(getattr(args, "init_method_std", 0.02)),
+                  tie_word_embeddings=tied)
+    if family == "gpt2":
+        dropout = float(getattr(args, "hidden_dropout", 0.1))
+        return dict(common, n_positions=args.max_position_embeddings, n_embd=args.hidden_size,
+                    n_layer=args.num_layers, n_head=heads, n_inner=args.ffn_hidden_size,
+                    activation_function=gelu_flavour(args), resid_pdrop=dropout,
+                    embd_pdrop=dropout,
+                    attn_pdrop=float(getattr(args, "attention_dropout", 0.1)),
+                    layer_norm_epsilon=float(args.layernorm_epsilon), scale_attn_weights=True,
+                    scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
+    bias_linear = bool(getattr(args, "add_bias_linear", True))
+    rope: Dict[str, Any] = {"rope_type": "default",
+                            "rope_theta": float(getattr(args, "rotary_base", 10000))}
+    if getattr(args, "use_rope_scaling", False):
+        # megatron-core's RotaryEmbedding fixes everything but the factor
+        rope = dict(rope, rope_type="llama3", factor=float(args.rope_scaling_factor),
+                    **MCORE_LLAMA3_FIXED)
+    config = dict(common, hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
+                  num_hidden_layers=args.num_layers, num_attention_heads=heads,
+                  num_key_value_heads=groups, head_dim=head_dim, hidden_act="silu",
+                  max_position_embeddings=args.max_position_embeddings,
+                  rms_norm_eps=float(args.layernorm_epsilon),
+                  attention_dropout=float(getattr(args, "attention_dropout", 0.0)))
+    config.update(_rope_config_kwargs(rope))
+    if family == "llama":
+        config.update(attention_bias=bias_linear, mlp_bias=bias_linear)
+    return config
+
+
+def _rope_config_kwargs(rope: Dict[str, Any]) -> Dict[str, Any]:
+    """transformers >= 5 takes ``rope_parameters``; older versions rope_theta + rope_scaling."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return {"rope_parameters": rope}
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {"rope_theta": rope["rope_theta"],
+            "rope_scaling": None if scaling["rope_type"] == "default" else scaling}
 
 
 def to_gpt2(args: argparse.Namespace, sd: Dict[str, torch.Tensor],
             vocab_size: Optional[int] = None) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
     """(GPT2Config kwargs, GPT2LMHeadModel state dict)."""
-    heads, groups, head_dim = _attention_shape(args)
-    h = args.hidden_size
-    if groups != heads:
-        raise ConversionError(f"GPT-2 has no grouped-query attention (--num-query-groups {groups})")
-    if head_dim * heads != h:
-        raise ConversionError(f"GPT-2 needs --kv-channels = hidden/heads ({h // heads}), got "
-                              f"{head_dim}")
-    take, vocab, tied, emb, out = _common(args, sd, vocab_size)
-    ffn = args.ffn_hidden_size
-    hf: Dict[str, torch.Tensor] = {"transformer.wte.weight": emb,
-                                   "transformer.wpe.weight": take("embedding.position_embeddings.weight")}
-
-    def bias(key: str, n: int) -> torch.Tensor:
-        return take.bias_or_zeros(key, n, emb.dtype)
-
-    for i in range(args.num_layers):
-        p, o = f"decoder.layers.{i}.", f"transformer.h.{i}."
-        hf[o + "ln_1.weight"] = take(p + "input_layernorm.weight")
-        hf[o + "ln_1.bias"] = take(p + "input_layernorm.bias")
-        q, k, v = split_qkv(take(p + "self_attention.linear_qkv.weight"), heads, groups, head_dim)
-        hf[o + "attn.c_attn.weight"] = torch.cat([q, k, v], 0).t()  # Conv1D: [in, out]
-        qkv_b = take(p + "self_attention.linear_qkv.bias", required=False)
-        hf[o + "attn.c_attn.bias"] = (torch.cat(split_qkv(qkv_b, heads, groups, head_dim), 0)
-                                      if qkv_b is not None else torch.zeros(3 * h, dtype=emb.dtype))
-        hf[o + "attn.c_proj.weight"] = take(p + "self_attention.linear_proj.weight").t()
-        hf[o + "attn.c_proj.bias"] = bias(p + "self_attention.linear_proj.bias", h)
-        hf[o + "ln_2.weight"] = take(p + "pre_mlp_layernorm.weight")
-        hf[o + "ln_2.bias"] = take(p + "pre_mlp_layernorm.bias")
-        hf[o + "mlp.c_fc.weight"] = take(p + "mlp.linear_fc1.weight").t()
-        hf[o + "mlp.c_fc.bias"] = bias(p + "mlp.linear_fc1.bias", ffn)
-        hf[o + "mlp.c_proj.weight"] = take(p + "mlp.linear_fc2.weight").t()
-        hf[o + "mlp.c_proj.bias"] = bias(p + "mlp.linear_fc2.bias", h)
-    hf["transformer.ln_f.weight"] = take("decoder.final_layernorm.weight")
-    hf["transformer.ln_f.bias"] = take("decoder.final_layernorm.bias")
-    if out is not None:
-        hf["lm_head.weight"] = out
-    _no_leftovers(take)
-    dropout = float(getattr(args, "hidden_dropout", 0.1))
-    config = dict(architectures=["GPT2LMHeadModel"], vocab_size=vocab,
-                  n_positions=args.max_position_embeddings, n_embd=h, n_layer=args.num_layers,
-                  n_head=heads, n_inner=ffn, activation_function=gelu_flavour(args),
-                  resid_pdrop=dropout, embd_pdrop=dropout,
-                  attn_pdrop=float(getattr(args, "attention_dropout", 0.1)),
-                  layer_norm_epsilon=float(args.layernorm_epsilon),
-                  initializer_range=float(getattr(args, "init_method_std", 0.02)),
-                  scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
-                  reorder_and_upcast_attn=False, tie_word_embeddings=tied)
-    return config, hf
+    family, hf = to_hf(args, sd, vocab_size)
+    if family != "gpt2":
+        raise ConversionError(f"the flags describe {family}, not GPT-2")
+    return hf_config(family, args, _exported_vocab(hf)), hf
 
 
 def to_llama(args: argparse.Namespace, sd: Dict[str, torch.Tensor],
              vocab_size: Optional[int] = None) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
-    """(LlamaConfig kwargs, LlamaForCausalLM state dict)."""
-    heads, groups, head_dim = _attention_shape(args)
-    take, vocab, tied, emb, out = _common(args, sd, vocab_size)
-    ffn = args.ffn_hidden_size
-    bias_linear = bool(getattr(args, "add_bias_linear", True))
-    hf: Dict[str, torch.Tensor] = {"model.embed_tokens.weight": emb}
+    """(LlamaConfig / Qwen2Config kwargs, state dict) of a rope model."""
+    family, hf = to_hf(args, sd, vocab_size)
+    if family == "gpt2":
+        raise ConversionError("the flags describe GPT-2, not Llama")
+    return hf_config(family, args, _exported_vocab(hf)), hf
 
-    def bias_or_zeros(key: str, n: int) -> torch.Tensor:
-        return take.bias_or_zeros(key, n, emb.dtype)
 
-    for i in range(args.num_layers):
-        p, o = f"decoder.layers.{i}.", f"model.layers.{i}."
-        hf[o + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
-        q, k, v = split_qkv(take(p + "self_attention.linear_qkv.weight"), heads, groups, head_dim)
-        hf[o + "self_attn.q_proj.weight"] = q
-        hf[o + "self_attn.k_proj.weight"] = k
-        hf[o + "self_attn.v_proj.weight"] = v
-        hf[o + "self_attn.o_proj.weight"] = take(p + "self_attention.linear_proj.weight")
-        hf[o + "post_attention_layernorm.weight"] = take(p + "pre_mlp_layernorm.weight")
-        gate, up = take(p + "mlp.linear_fc1.weight").chunk(2, dim=0)  # megatron-core: [gate; up]
-        hf[o + "mlp.gate_proj.weight"] = gate
-        hf[o + "mlp.up_proj.weight"] = up
-        hf[o + "mlp.down_proj.weight"] = take(p + "mlp.linear_fc2.weight")
-        if bias_linear:
-            qkv_b = take(p + "self_attention.linear_qkv.bias", required=False)
-            if qkv_b is None:
-                qkv_b = torch.zeros((heads + 2 * groups) * head_dim, dtype=emb.dtype)
-            qb, kb, vb = split_qkv(qkv_b, heads, groups, head_dim)
-            hf[o + "self_attn.q_proj.bias"] = qb
-            hf[o + "self_attn.k_proj.bias"] = kb
-            hf[o + "self_attn.v_proj.bias"] = vb
-            hf[o + "self_attn.o_proj.bias"] = bias_or_zeros(p + "self_attention.linear_proj.bias",
-                                                            args.hidden_size)
-            gb, ub = bias_or_zeros(p + "mlp.linear_fc1.bias", 2 * ffn).chunk(2, dim=0)
-            hf[o + "mlp.gate_proj.bias"] = gb
-            hf[o + "mlp.up_proj.bias"] = ub
-            hf[o + "mlp.down_proj.bias"] = bias_or_zeros(p + "mlp.linear_fc2.bias",
-                                                         args.hidden_size)
-    hf["model.norm.weight"] = take("decoder.final_layernorm.weight")
-    if out is not None:
-        hf["lm_head.weight"] = out
-    _no_leftovers(take)
-    config = dict(architectures=["LlamaForCausalLM"], vocab_size=vocab,
-                  hidden_size=args.hidden_size, intermediate_size=ffn,
-                  num_hidden_layers=args.num_layers, num_attention_heads=heads,
-                  num_key_value_heads=groups, head_dim=head_dim, hidden_act="silu",
-                  max_position_embeddings=args.max_position_embeddings,
-                  rms_norm_eps=float(args.layernorm_epsilon),
-                  rope_theta=float(getattr(args, "rotary_base", 10000)),
-                  attention_bias=bias_linear, mlp_bias=bias_linear,
-                  attention_dropout=float(getattr(args, "attention_dropout", 0.0)),
-                  initializer_range=float(getattr(args, "init_method_std", 0.02)),
-                  tie_word_embeddings=tied)
-    return config, hf
+def _exported_vocab(hf: Dict[str, torch.Tensor]) -> int:
+    emb = hf.get("model.embed_tokens.weight", hf.get("transformer.wte.weight"))
+    return int(emb.shape[0])
 
 
 def _no_leftovers(take: _Taker) -> None:
@@ -257,4 +413,41 @@ def _no_leftovers(take: _Taker) -> None:
     if left:
         raise ConversionError(f"the checkpoint has tensors this export would drop: {left[:6]}"
                               f"{' ...' if len(left) > 6 else ''} (an architecture feature "
-                              "GPT-2 / Llama cannot express)")
+                              "GPT-2 / Llama / Qwen2 cannot express)")
+
+
+# ----------------------------------------------------------------------------- HF -> Megatron
+def from_hf(family: str, hf_sd: Dict[str, torch.Tensor], num_layers: int, shape: Shape,
+            linear_bias: bool, qkv_bias: bool, tied: bool) -> Dict[str, torch.Tensor]:
+    """The full (TP = PP = 1 layout, unpadded vocabulary) Megatron state dict of an HF state
+    dict; a ConversionError names a missing HF tensor or one that would be dropped."""
+    fam = FAMILIES[family]
+    left = set(hf_sd)
+    out: Dict[str, torch.Tensor] = {}
+
+    def convert(tm: TensorMap, dst: str, src_prefix: str) -> None:
+        if not (family == "gpt2" or _present(tm, linear_bias, qkv_bias)):
+            return
+        names = [src_prefix + n for n in tm.hf]
+        missing = [n for n in names if n not in hf_sd]
+        if missing:
+            raise ConversionError(f"the HF model has no tensor {missing[0]!r}")
+        left.difference_update(names)
+        out[dst] = _from_hf_tensors(tm, [hf_sd[n] for n in names], shape)
+
+    for i in range(num_layers):
+        for tm in fam["layer"]:
+            convert(tm, f"decoder.layers.{i}.{tm.megatron}", fam["layer_prefix"].format(i))
+    for tm in fam["glob"]:
+        convert(tm, tm.megatron, "")
+    if not tied:
+        convert(OUTPUT, OUTPUT.megatron, "")
+    elif OUTPUT.hf[0] in hf_sd:  # tied: lm_head is the embedding (HF may list it anyway)
+        left.discard(OUTPUT.hf[0])
+    # buffers HF keeps in some versions' state dicts (not weights)
+    left = {k for k in left if not k.endswith(("rotary_emb.inv_freq", "attn.bias",
+                                               "attn.masked_bias"))}
+    if left:
+        raise ConversionError(f"the HF model has tensors the {family} import would drop: "
+                              f"{sorted(left)[:6]}{' ...' if len(left) > 6 else ''}")
+    return out

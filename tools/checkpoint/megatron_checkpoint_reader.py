@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from megatron.training.checkpoint import integrity as checkpoint_integrity
+from megatron.training.model.layer_specs import TE_FUSED_NORM_NAMES, canonical_layer_key
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -131,16 +132,10 @@ def _as_namespace(args: Any) -> argparse.Namespace:
     return ns
 
 
-_FUSED_NORM_NAMES = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-}
-
-
-def _canonical_layer_key(rest: str) -> str:
-    return _FUSED_NORM_NAMES.get(rest, rest)
+# TE's fused layer-norm names <-> the local spec's: one table, shared with the trainer's load
+# of Megatron-LM checkpoints (megatron.training.checkpoint.megatron_lm_format).
+_FUSED_NORM_NAMES = TE_FUSED_NORM_NAMES
+_canonical_layer_key = canonical_layer_key
 
 
 def _clean_chunk(sd: Dict[str, Any]) -> Dict[str, torch.Tensor]:
@@ -195,6 +190,25 @@ def merge_tensor_parallel(key: str, shards: List[torch.Tensor], swiglu: bool) ->
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(shards, dim=0)
+
+
+def split_tensor_parallel(key: str, full: torch.Tensor, tp: int, rank: int,
+                          swiglu: bool) -> torch.Tensor:
+    """TP rank ``rank``'s shard of ``full`` (TP = 1 layout): the inverse of
+    :func:`merge_tensor_parallel`, by the same rules."""
+    if tp == 1:
+        return full
+    rule = _merge_rule(key, swiglu)
+    if rule == "same":
+        return full
+    dim = 1 if rule == "cat1" else 0
+    if full.shape[dim] % tp:
+        raise ConversionError(f"{key}: {full.shape[dim]} rows/columns do not split over "
+                              f"--tensor-model-parallel-size {tp}")
+    if rule == "glu":  # each shard is [its gate rows; its up rows]
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
+    return full.chunk(tp, dim=dim)[rank]
 
 
 def read_torch_format(path: str) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor]]:

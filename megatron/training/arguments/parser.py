@@ -23,6 +23,7 @@ from typing import Callable, FrozenSet, List, NoReturn, Optional
 from megatron.distributed.quant import integration
 
 from megatron.training.data.tokenizer import TOKENIZER_TYPES
+from megatron.training.model import rope_scaling
 from megatron.training.profiling import add_profile_args
 
 NOOP = "(no-op in this trainer; accepted for Megatron-LM script compatibility)"
@@ -98,7 +99,35 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Pad the vocabulary to a multiple of this times the TP size.")
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="layernorm_epsilon", type=float,
+                   default=1e-5, help="Epsilon of every LayerNorm / RMSNorm (--layernorm-epsilon "
+                   "is the older spelling).")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="Zero-centered norm weights: the norm scales by (1 + weight), the weight "
+                        "starts at 0 (megatron-core's layernorm_zero_centered_gamma).")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="Per-head projection size (default --hidden-size / --num-attention-heads).")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="Biases in the QKV projection even with --disable-bias-linear (Qwen2).")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.x RoPE frequency scaling (megatron-core's: "
+                        f"{rope_scaling.describe()}; the factor is --rope-scaling-factor).")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="The factor of --use-rope-scaling.")
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="The tanh approximation of GELU (GPT-2's gelu_new) instead of the exact "
+                        "one (megatron-core's fused bias-GELU is not used with it).")
+    g.add_argument("--mask-padded-vocab-logits", action="store_true",
+                   help="Set the logits of the padding rows of the vocabulary (ids >= the "
+                        "unpadded vocabulary, see --make-vocab-size-divisible-by) to -inf before "
+                        "the loss, so the softmax is over the real vocabulary only (an imported "
+                        "Hugging Face model then computes its own loss). Off by default.")
+    g.add_argument("--model-args-file", type=str, default=None,
+                   help="Read more flags from this file (shell-quoted, any number per line, '#' "
+                        "comments), e.g. the model_args.txt tools/checkpoint/convert_from_hf.py "
+                        "writes. A value given on the command line wins over the file's; a "
+                        "switch the file turns on (e.g. --swiglu) stays on, as the command line "
+                        "cannot turn it off.")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Selective activation recomputation (same as --recompute-granularity selective).")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
@@ -116,19 +145,55 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine",
-                                                "inverse-square-root"), default="linear")
+                                                "inverse-square-root", "WSD"), default="linear",
+                   help="WSD: warmup, constant (stable) lr, then a decay over the last "
+                        "--lr-wsd-decay-iters (or --lr-wsd-decay-samples) of the decay horizon, "
+                        "shaped by --lr-wsd-decay-style.")
     g.add_argument("--lr-decay-iters", type=int, default=None,
                    help="Iterations to decay over (default: --train-iters).")
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="Warmup as a fraction of --lr-decay-iters (exclusive with --lr-warmup-iters).")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    _add_sample_based_schedule_args(g)
+    g.add_argument("--override-opt_param-scheduler", dest="override_opt_param_scheduler",
+                   action="store_true",
+                   help="On --load: use this run's learning-rate schedule flags (--lr, --min-lr, "
+                        "warmup, decay horizon and style), not the checkpoint's; the schedule "
+                        "continues from the checkpoint's consumed samples.")
+    g.add_argument("--use-checkpoint-opt_param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="On --load: keep the checkpoint's learning-rate schedule, whatever this "
+                        "run's flags say. Without either flag a schedule that differs from the "
+                        "checkpoint's stops the run naming the difference (as in Megatron-LM).")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="Separate peak learning rate of the input embedding and output layer "
+                        "(megatron-core's decoupled_lr; not with PaRO-engine strategies).")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="Minimum learning rate of --decoupled-lr's parameters.")
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0, help="Global grad-norm clip (0 = off).")
+
+
+def _add_sample_based_schedule_args(g: argparse._ArgumentGroup) -> None:
+    """Megatron-LM's sample-based schedule (with --train-samples) and the WSD decay phase."""
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="Samples to decay over, with --train-samples (default: --train-samples).")
+    g.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="Warmup samples, with --train-samples.")
+    g.add_argument("--lr-wsd-decay-style", choices=("exponential", "linear", "cosine",
+                                                    "minus_sqrt"), default="exponential",
+                   help="Shape of the decay phase of --lr-decay-style WSD.")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="Length of the decay phase of --lr-decay-style WSD, in iterations "
+                        "(with --train-iters).")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="Length of the decay phase of --lr-decay-style WSD, in samples (with "
+                        "--train-samples).")
 
 
 def _add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
@@ -216,6 +281,18 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="Samples per optimizer step (default micro-batch-size * DP).")
     g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="Train on this many samples instead of --train-iters (the learning rate "
+                        "schedule then counts samples: --lr-decay-samples, --lr-warmup-samples).")
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
+                   metavar=("START", "INCR", "SAMPLES"),
+                   help="Grow the global batch size from START by INCR over the first SAMPLES "
+                        "samples, up to --global-batch-size (megatron-core's calculator; needs "
+                        "--train-samples, as in Megatron-LM).")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="Average the loss over every token of the global batch, not per "
+                        "micro-batch: the gradients are summed and divided by the global token "
+                        "count (megatron-core's calculate_per_token_loss).")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--exit-interval", type=int, default=None,
                    help="Save (if --save) and exit with status 0 when iteration %% N == 0.")
@@ -255,7 +332,8 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
                    help="SentencePiece model file or local HuggingFace tokenizer directory.")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="NullTokenizer / mock-data vocabulary size (incl. the EOD token); "
-                        "default 1024.")
+                        "default 1024. With HuggingFaceTokenizer: the model's vocabulary when "
+                        "larger than the tokenizer's (a HF config.json's vocab_size).")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="Not supported (stops the launch): attention is causal over the whole "
@@ -269,7 +347,11 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load", type=str, default=None, help="Checkpoint directory to resume from.")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-load-optim", action="store_true",
-                   help="Do not restore optimizer/scheduler state on --load.")
+                   help="Do not restore the optimizer state on --load. The learning-rate "
+                        "schedule still continues at the checkpoint's iteration: from its "
+                        "scheduler state (checked as without this flag), or, when it has none, "
+                        "this run's schedule advanced to its consumed samples (--finetune "
+                        "starts it at 0).")
     g.add_argument("--no-load-rng", action="store_true", help="Do not restore RNG state on --load.")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
@@ -320,8 +402,70 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-project", type=str, default="")
     g.add_argument("--wandb-exp-name", type=str, default="")
     g.add_argument("--wandb-save-dir", type=str, default="")
+    g.add_argument("--wandb-entity", type=str, default="",
+                   help="W&B team or user the --wandb-project run is logged under (default: "
+                        "wandb's default entity).")
     g.add_argument("--jsonl-log", type=str, default=None,
                    help="Append one JSON object per log interval / evaluation (rank 0).")
+
+
+def _add_megatron_lm_compat_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of Megatron-LM's GPT / Llama launch scripts that have no group of their own here:
+    GPU-kernel and memory tuning that does nothing in this trainer (NOOP help), old spellings
+    that map onto this trainer's choices, and features this trainer does not have, which parse
+    and are then refused with the reason (:func:`.validation.unsupported_megatron_lm_features`)."""
+    g = parser.add_argument_group("Megatron-LM script compatibility")
+    for flag in ("--use-mcore-models", "--cross-entropy-loss-fusion", "--manual-gc",
+                 "--no-create-attention-mask-in-dataloader",
+                 "--use-contiguous-parameters-in-local-ddp"):
+        g.add_argument(flag, action="store_true", help=NOOP)
+    g.add_argument("--manual-gc-interval", type=int, default=0, help=NOOP)
+    g.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
+                   help=NOOP)
+    g.add_argument("--tiktoken-pattern", type=str, default=None,
+                   help=f"{NOOP} Read by Megatron-LM's TikTokenizer only, which this trainer "
+                        "does not have.")
+    g.add_argument("--no-position-embedding", dest="add_position_embedding",
+                   action="store_false",
+                   help=f"{NOOP} With --position-embedding-type rope there is no position table "
+                        "to leave out; with learned_absolute it is refused.")
+    g.add_argument("--rerun-mode", choices=("disabled", "validate_results", "report_stats"),
+                   default="disabled",
+                   help=f"{NOOP} 'disabled' is what this trainer does; the result-validating "
+                        "modes are refused.")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="Megatron-LM's older spelling of --attention-backend flash.")
+    g.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
+                   help="transformer_engine: Transformer Engine's layers where installed (on "
+                        "CUDA), else megatron-core's local ones -- this trainer's default; local: "
+                        "megatron-core's local layers (the same as --attention-backend local).")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true",
+                   help="Compute the attention softmax in fp32: always so here "
+                        "(megatron-core's attention_softmax_in_fp32 default), so a no-op.")
+    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
+                   help="Read the .bin data files without memory-mapping them.")
+    g.add_argument("--dataloader-type", choices=("single", "cyclic", "external"),
+                   default="single",
+                   help="single: the resumable sequential sampler (this trainer's); cyclic and "
+                        "external are refused.")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="Only 1: this trainer has no context parallelism (larger values are "
+                        "refused).")
+    g.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default=None,
+                   help="Refused: FP8 training needs Transformer Engine's FP8 layers, which this "
+                        "trainer does not drive (train in --bf16).")
+    for flag, kind in (("--fp8-margin", int), ("--fp8-interval", int),
+                       ("--fp8-amax-history-len", int)):
+        g.add_argument(flag, type=kind, default=None, help="Refused: see --fp8-format.")
+    g.add_argument("--fp8-amax-compute-algo", choices=("most_recent", "max"), default=None,
+                   help="Refused: see --fp8-format.")
+    g.add_argument("--fp8-param-gather", action="store_true", help="Refused: see --fp8-format.")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="Refused: this trainer shards with --use-distributed-optimizer (ZeRO-1) "
+                        "or a --paro-strategy, not torch FSDP2.")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="Refused: give the model flags on the command line (or "
+                        "--model-args-file); a checkpoint of another shape is refused at load.")
 
 
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
@@ -337,6 +481,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     _add_data_args(parser)
     _add_checkpoint_args(parser)
     _add_logging_args(parser)
+    _add_megatron_lm_compat_args(parser)
     add_profile_args(parser)
     integration.add_arguments(parser)
     if extra_args_provider is not None:
@@ -370,6 +515,48 @@ def flags_given(args: argparse.Namespace) -> FrozenSet[str]:
         return frozenset(recorded)
     defaults = {a.dest: a.default for a in build_parser()._actions}
     return frozenset(k for k, v in vars(args).items() if k in defaults and v != defaults[k])
+
+
+def model_vocab_size(tokenizer_vocab_size: int, args: argparse.Namespace) -> int:
+    """The model's vocabulary before padding: the tokenizer's, or ``--vocab-size`` with
+    HuggingFaceTokenizer where a model has more embedding rows than its tokenizer has tokens."""
+    override = getattr(args, "vocab_size", None)
+    if getattr(args, "tokenizer_type", None) != "HuggingFaceTokenizer" or override is None:
+        return tokenizer_vocab_size
+    if override < tokenizer_vocab_size:
+        raise ValueError(f"--vocab-size {override} is smaller than the HuggingFaceTokenizer's "
+                         f"{tokenizer_vocab_size} tokens")
+    return int(override)
+
+
+def read_model_args_file(path: str) -> List[str]:
+    """The flags of a ``--model-args-file`` (shell quoting, ``#`` comments)."""
+    import shlex
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return shlex.split(f.read(), comments=True)
+    except OSError as exc:
+        raise ValueError(f"--model-args-file {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # unbalanced quotes
+        raise ValueError(f"--model-args-file {path}: {exc}") from None
+
+
+def expand_model_args_file(argv: List[str]) -> List[str]:
+    """``argv`` with the flags of its ``--model-args-file`` put in front, so that the command
+    line's own flags, parsed later, win.  The file may not name another file."""
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == "--model-args-file" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--model-args-file="):
+            path = arg.split("=", 1)[1]
+    if path is None:
+        return list(argv)
+    extra = read_model_args_file(path)
+    if any(a == "--model-args-file" or a.startswith("--model-args-file=") for a in extra):
+        raise ValueError(f"--model-args-file {path} names another --model-args-file")
+    return extra + list(argv)
 
 
 def padded_vocab_size(orig_vocab_size: int, args: argparse.Namespace) -> int:

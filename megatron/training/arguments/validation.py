@@ -36,13 +36,36 @@ def _require(cond: bool, msg: str) -> None:
 def required_flags_given(args: argparse.Namespace) -> None:
     """The model shape, the batch, the length of the run and the learning rate have no default."""
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                 "micro_batch_size", "train_iters", "lr"):
+                 "micro_batch_size", "lr"):
         _require(getattr(args, name) is not None, f"--{name.replace('_', '-')} is required")
+    _require((args.train_iters is None) != (args.train_samples is None),
+             "give one of --train-iters and --train-samples" if args.train_iters is None else
+             "--train-iters and --train-samples are exclusive: give one")
 
 
 def heads_divide_hidden_size(args: argparse.Namespace) -> None:
+    """--hidden-size splits into the heads, unless --kv-channels sets the head size."""
+    kv_channels = getattr(args, "kv_channels", None)
+    if kv_channels is not None:
+        _require(kv_channels > 0, "--kv-channels must be positive")
+        return
     _require(args.hidden_size % args.num_attention_heads == 0,
-             "--hidden-size must be divisible by --num-attention-heads")
+             "--hidden-size must be divisible by --num-attention-heads (or give --kv-channels)")
+
+
+def rope_scaling_needs_rope(args: argparse.Namespace) -> None:
+    """--use-rope-scaling scales RoPE frequencies: it needs --position-embedding-type rope."""
+    if getattr(args, "use_rope_scaling", False):
+        _require(args.position_embedding_type == "rope",
+                 "--use-rope-scaling needs --position-embedding-type rope")
+        _require(args.rope_scaling_factor > 0, "--rope-scaling-factor must be positive")
+
+
+def openai_gelu_not_with_swiglu(args: argparse.Namespace) -> None:
+    """--swiglu's activation is SiLU (gated): an --openai-gelu beside it would be ignored."""
+    _require(not (getattr(args, "openai_gelu", False) and args.swiglu),
+             "--openai-gelu and --swiglu are mutually exclusive: --swiglu's activation is SiLU, "
+             "--openai-gelu would be ignored; drop one")
 
 
 # ----------------------------------------------------------------------------- device
@@ -102,6 +125,79 @@ def derive_global_batch_size(args: argparse.Namespace) -> None:
              f"--global-batch-size ({args.global_batch_size}) must be divisible by "
              f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
              f"({args.data_parallel_size})")
+
+
+def schedule_flags_match_training_unit(args: argparse.Namespace) -> None:
+    """Iteration-based runs (--train-iters) take the *-iters schedule flags, sample-based runs
+    (--train-samples) the *-samples ones; --rampup-batch-size needs samples (as in Megatron-LM:
+    with a growing batch an iteration is no fixed number of samples)."""
+    if args.train_iters is not None:
+        for flag, given in (("--lr-decay-samples", args.lr_decay_samples is not None),
+                            ("--lr-warmup-samples", bool(args.lr_warmup_samples)),
+                            ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples is not None)):
+            _require(not given, f"{flag} counts samples: use it with --train-samples (with "
+                                f"--train-iters give {flag.replace('samples', 'iters')})")
+        _require(args.rampup_batch_size is None,
+                 "--rampup-batch-size needs sample-based training: give --train-samples instead "
+                 "of --train-iters (as in Megatron-LM)")
+    else:
+        for flag, given in (("--lr-decay-iters", args.lr_decay_iters is not None),
+                            ("--lr-warmup-iters", bool(args.lr_warmup_iters)),
+                            ("--lr-wsd-decay-iters", args.lr_wsd_decay_iters is not None)):
+            _require(not given, f"{flag} counts iterations: with --train-samples give "
+                                f"{flag.replace('iters', 'samples')}")
+
+
+def rampup_batch_size_fits(args: argparse.Namespace) -> None:
+    """--rampup-batch-size START INCR SAMPLES: START grows by INCR up to --global-batch-size;
+    every batch size on the way is a whole number of micro-batches per data-parallel rank."""
+    if args.rampup_batch_size is None:
+        return
+    start, incr, samples = args.rampup_batch_size
+    gbs, unit = args.global_batch_size, args.micro_batch_size * args.data_parallel_size
+    _require(start > 0 and incr > 0 and samples >= 0,
+             "--rampup-batch-size START INCR SAMPLES: START and INCR must be positive, SAMPLES "
+             ">= 0")
+    _require(start <= gbs and (gbs - start) % incr == 0,
+             f"--rampup-batch-size: --global-batch-size {gbs} must be START {start} plus a whole "
+             f"number of INCR {incr}")
+    _require(start % unit == 0 and incr % unit == 0,
+             f"--rampup-batch-size: START {start} and INCR {incr} must be multiples of "
+             f"--micro-batch-size x data-parallel size ({unit})")
+
+
+def derive_train_iters_from_samples(args: argparse.Namespace) -> None:
+    """--train-samples: the iterations that consume them (megatron-core's ramp-up calculator
+    gives each iteration's global batch size), as Megatron-LM counts them: the ramp-up steps
+    while the samples consumed are at most its SAMPLES, then whole global batches of what is
+    left; a partial last batch is not run.
+
+    Every counted step fits in --train-samples (one ending exactly on it counts): the training
+    split is sized to exactly --train-samples, so a ramp-up step past it would read samples the
+    split does not have."""
+    if args.train_samples is None:
+        return
+    _require(args.train_samples > 0, "--train-samples must be positive")
+    iterations, consumed = 0, 0
+    if args.rampup_batch_size is not None:
+        from megatron.core.num_microbatches_calculator import \
+            RampupBatchsizeNumMicroBatchesCalculator
+
+        start, incr, samples = args.rampup_batch_size
+        calc = RampupBatchsizeNumMicroBatchesCalculator(   # a local one; rank -1: no log lines
+            args.global_batch_size, args.micro_batch_size, args.data_parallel_size, False, -1,
+            start, incr, samples)
+        while consumed <= samples:
+            calc.update(consumed, consistency_check=False)
+            batch = calc.get_current_global_batch_size()
+            if consumed + batch > args.train_samples:
+                break
+            consumed += batch
+            iterations += 1
+    iterations += (args.train_samples - consumed) // args.global_batch_size
+    _require(iterations > 0, f"--train-samples {args.train_samples} is less than one global "
+                             f"batch ({args.global_batch_size})")
+    args.train_iters = iterations
 
 
 # ----------------------------------------------------------------------------- precision
@@ -197,6 +293,9 @@ def derive_quantization_config(args: argparse.Namespace) -> None:
         args.quant_config = integration.build_quantization_config(args, flags_given(args))
     except ValueError as e:
         raise ArgumentError(str(e)) from None
+    # the trainer's record of --paro-strategy, as the config resolved it (name, group size)
+    args.paro_strategy = args.quant_config.paro.strategy
+    args.paro_group_size = args.quant_config.paro.group_size
 
 
 def check_paro_strategy(args: argparse.Namespace) -> None:
@@ -272,6 +371,74 @@ def requested_fusions_available(args: argparse.Namespace) -> None:
         raise ArgumentError(str(e)) from None
 
 
+def per_token_loss_fits(args: argparse.Namespace) -> None:
+    """--calculate-per-token-loss sums the gradients and divides by the global token count in
+    megatron-core's finalize_model_grads: not with an averaging collective, nor on the PaRO
+    engine (its gradient sync has no token count)."""
+    if args.calculate_per_token_loss:
+        _require(not args.ddp_average_in_collective,
+                 "--calculate-per-token-loss contradicts --ddp-average-in-collective: the "
+                 "gradients are summed, then divided by the token count")
+        _require(not integration.uses_sharded_engine(args.paro_strategy),
+                 f"--calculate-per-token-loss: --paro-strategy {args.paro_strategy} may train on "
+                 "the PaRO engine, whose gradient sync has no per-token scaling")
+
+
+def old_attention_spellings(args: argparse.Namespace) -> None:
+    """Megatron-LM's older attention flags become --attention-backend: --use-flash-attn is
+    flash, --transformer-impl local is local (transformer_engine is the default choice)."""
+    given = flags_given(args)
+    for flag, on, backend in (("--use-flash-attn", args.use_flash_attn, "flash"),
+                              ("--transformer-impl local", args.transformer_impl == "local",
+                               "local")):
+        if not on:
+            continue
+        _require("attention_backend" not in given or args.attention_backend == backend,
+                 f"{flag} means --attention-backend {backend}, not {args.attention_backend}")
+        args.attention_backend = backend
+
+
+def _transformer_engine_installed() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+UNSUPPORTED_MEGATRON_LM_FEATURES: Tuple[Tuple[str, Callable[[argparse.Namespace], bool],
+                                              Callable[[], str]], ...] = (
+    ("--fp8-format / --fp8-*", lambda a: a.fp8_format is not None or a.fp8_param_gather or any(
+        getattr(a, d) is not None for d in ("fp8_margin", "fp8_interval", "fp8_amax_history_len",
+                                             "fp8_amax_compute_algo")),
+     lambda: ("FP8 training needs Transformer Engine's FP8 layers, and Transformer Engine is not "
+              "installed" if not _transformer_engine_installed() else
+              "FP8 training (Transformer Engine's fp8_autocast) is not driven by this trainer")
+     + "; train in --bf16 (the 4-bit communication is independent of it)"),
+    ("--use-torch-fsdp2", lambda a: a.use_torch_fsdp2,
+     lambda: "torch FSDP2 is not supported: shard with --use-distributed-optimizer (ZeRO-1) or "
+             "a --paro-strategy"),
+    ("--use-checkpoint-args", lambda a: a.use_checkpoint_args,
+     lambda: "not supported: give the model flags on the command line or with "
+             "--model-args-file (a checkpoint of another shape is refused at --load)"),
+    ("--context-parallel-size", lambda a: a.context_parallel_size != 1,
+     lambda: "context parallelism is not supported: only 1"),
+    ("--dataloader-type", lambda a: a.dataloader_type != "single",
+     lambda: "only 'single': this trainer's resumable sequential sampler (cyclic's shuffled "
+             "epochs and external loaders are not supported)"),
+    ("--rerun-mode", lambda a: a.rerun_mode != "disabled",
+     lambda: "only 'disabled': this trainer has no rerun state machine (a NaN/Inf step is "
+             "skipped and counted instead)"),
+    ("--no-position-embedding", lambda a: (not a.add_position_embedding
+                                           and a.position_embedding_type != "rope"),
+     lambda: "a model without position information is not supported: use it with "
+             "--position-embedding-type rope (where it changes nothing)"),
+)
+"""(flag, given?, why) of each Megatron-LM feature this trainer parses but does not have."""
+
+
+def unsupported_megatron_lm_features(args: argparse.Namespace) -> None:
+    """A Megatron-LM flag of a feature this trainer does not have stops the launch with why."""
+    for flag, given, why in UNSUPPORTED_MEGATRON_LM_FEATURES:
+        _require(not given(args), f"{flag}: {why()}")
+
+
 def profile_flags_valid(args: argparse.Namespace) -> None:
     profile_error = validate_profile_args(args)
     _require(profile_error is None, profile_error or "")
@@ -308,16 +475,68 @@ def derive_recompute_settings(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------- learning rate
 def default_lr_decay_iters(args: argparse.Namespace) -> None:
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
+    """The decay horizon defaults to the whole run (--train-iters, or --train-samples)."""
+    if args.train_samples is None:
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+    elif args.lr_decay_samples is None:
+        args.lr_decay_samples = args.train_samples
 
 
 def one_warmup_flag(args: argparse.Namespace) -> None:
-    """One of --lr-warmup-fraction (in [0, 1]) and --lr-warmup-iters."""
+    """One of --lr-warmup-fraction (in [0, 1]) and --lr-warmup-iters / --lr-warmup-samples."""
     _require(not (args.lr_warmup_fraction is not None and args.lr_warmup_iters),
              "use only one of --lr-warmup-fraction and --lr-warmup-iters")
+    _require(not (args.lr_warmup_fraction is not None and args.lr_warmup_samples),
+             "use only one of --lr-warmup-fraction and --lr-warmup-samples")
     if args.lr_warmup_fraction is not None:
         _require(0.0 <= args.lr_warmup_fraction <= 1.0, "--lr-warmup-fraction must be in [0, 1]")
+
+
+def derive_lr_schedule_steps(args: argparse.Namespace) -> None:
+    """The one translation of the schedule flags into megatron-core's OptimizerParamScheduler
+    steps, which count samples: ``args.lr_decay_steps``, ``args.lr_warmup_steps``,
+    ``args.lr_wsd_decay_steps`` (None unless WSD) and ``args.wd_incr_steps``.  Iteration flags
+    are multiplied by --global-batch-size (as in Megatron-LM)."""
+    gbs = args.global_batch_size
+    if args.train_samples is None:
+        unit, decay, wsd = "iters", args.lr_decay_iters * gbs, args.lr_wsd_decay_iters
+        warmup, wsd = args.lr_warmup_iters * gbs, (wsd * gbs if wsd is not None else None)
+        args.wd_incr_steps = args.train_iters * gbs
+    else:
+        unit, decay, wsd = "samples", args.lr_decay_samples, args.lr_wsd_decay_samples
+        warmup = args.lr_warmup_samples
+        args.wd_incr_steps = args.train_samples
+    if args.lr_warmup_fraction is not None:
+        warmup = int(args.lr_warmup_fraction * decay)
+    _require(decay > 0, f"--lr-decay-{unit} must be positive")
+    _require(warmup < decay, f"the warmup ({warmup} samples) must be shorter than the decay "
+                             f"horizon ({decay} samples, --lr-decay-{unit})")
+    if args.lr_decay_style == "WSD":
+        _require(wsd is not None, f"--lr-decay-style WSD needs --lr-wsd-decay-{unit}: the "
+                                  "length of its decay phase")
+        _require(0 < wsd <= decay, f"--lr-wsd-decay-{unit} must be positive and at most the "
+                                   f"decay horizon (--lr-decay-{unit})")
+    else:
+        wsd = None
+    args.lr_decay_steps, args.lr_warmup_steps, args.lr_wsd_decay_steps = decay, warmup, wsd
+
+
+def decoupled_lr_fits(args: argparse.Namespace) -> None:
+    """--decoupled-lr is megatron-core's optimizer's (not the PaRO engine's); its minimum needs
+    it."""
+    _require(args.decoupled_min_lr is None or args.decoupled_lr is not None,
+             "--decoupled-min-lr needs --decoupled-lr")
+    _require(args.decoupled_lr is None or not integration.uses_sharded_engine(args.paro_strategy),
+             f"--decoupled-lr: megatron-core's optimizer option; --paro-strategy "
+             f"{args.paro_strategy} may train on the PaRO engine, whose optimizer has one "
+             "learning rate")
+
+
+def one_scheduler_resume_policy(args: argparse.Namespace) -> None:
+    _require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
+             "exclusive: take this run's schedule or the checkpoint's")
 
 
 def min_lr_at_most_lr(args: argparse.Namespace) -> None:
@@ -421,7 +640,8 @@ RULES: Tuple[Callable[[argparse.Namespace], None], ...] = (
     derive_data_parallel_size, sequence_parallel_needs_tensor_parallel,
     layers_divide_over_pipeline,
     # batch sizes
-    derive_global_batch_size,
+    derive_global_batch_size, schedule_flags_match_training_unit, rampup_batch_size_fits,
+    derive_train_iters_from_samples,
     # precision
     one_half_precision, derive_params_dtype, grad_reduce_in_bf16_means_bf16_accumulation,
     fp32_accumulating_reduce_scatter_fits, megatron_core_ddp_options_not_on_paro_engine,
@@ -433,12 +653,15 @@ RULES: Tuple[Callable[[argparse.Namespace], None], ...] = (
     derive_quantization_config, check_paro_strategy, quantized_megatron_core_path_fits,
     two_level_topology_fits_world,
     # attention, kernels
-    query_groups_divide_heads, resolve_attention_backend, requested_fusions_available,
+    query_groups_divide_heads, old_attention_spellings, resolve_attention_backend,
+    requested_fusions_available, per_token_loss_fits, unsupported_megatron_lm_features,
     profile_flags_valid,
     # model shape
     position_table_covers_sequence, default_ffn_hidden_size, derive_recompute_settings,
+    rope_scaling_needs_rope, openai_gelu_not_with_swiglu,
     # learning rate
-    default_lr_decay_iters, one_warmup_flag, min_lr_at_most_lr,
+    default_lr_decay_iters, one_warmup_flag, min_lr_at_most_lr, derive_lr_schedule_steps,
+    decoupled_lr_fits, one_scheduler_resume_policy,
     # data, tokenizer
     one_data_source, no_reset_attention_mask, resolve_tokenizer, data_files_exist,
     split_weights_valid,

@@ -20,7 +20,8 @@ from typing import List, Optional
 import torch
 
 from megatron.training.checkpoint import integrity as checkpoint_integrity
-from megatron.training.checkpoint.layout import TRACKER, checkpoint_dir, read_tracker
+from megatron.training.checkpoint.layout import (RELEASE, TRACKER, checkpoint_dir, read_tracker,
+                                                 release_dir, tracker_names_release)
 from megatron.training.errors import StartupError
 
 
@@ -36,6 +37,9 @@ class LoadTarget:
     """``{root}/iter_{iteration:07d}``."""
     by_folder: bool = False
     """``--load`` named the iteration folder itself (not its parent)."""
+    release: bool = False
+    """Megatron-LM's ``release`` checkpoint (``{root}/release``, tracker ``release``): weights
+    only, loaded as with ``--finetune`` (iteration 0, no optimizer or RNG state)."""
 
     def load_flag(self, iteration: int) -> str:
         """The flags that load another iteration, in the form the user gave ``--load``."""
@@ -47,10 +51,13 @@ _ITER_NAME = re.compile(r"iter_(\d+)$")
 
 
 def _holds_checkpoint_files(path: str) -> bool:
-    """An iteration directory's own files: either format's, or a manifest."""
+    """An iteration directory's own files: either format's, a manifest, or Megatron-LM's torch
+    layout (``mp_rank_XX[_YYY]/model_optim_rng.pt``)."""
     names = os.listdir(path)
     return any(n in ("metadata.json", checkpoint_integrity.MANIFEST) or
-               (n.startswith("mp_rank_") and n.endswith(".pt")) for n in names)
+               (n.startswith("mp_rank_") and n.endswith(".pt")) or
+               (n.startswith("mp_rank_") and
+                os.path.isfile(os.path.join(path, n, "model_optim_rng.pt"))) for n in names)
 
 
 def _fresh_start(args: argparse.Namespace, reason: str) -> None:
@@ -107,7 +114,9 @@ def find_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
 
     * ``--load DIR/iter_NNNNNNN``: that iteration (``--ckpt-step``, if given, must agree).
     * ``--load DIR``: the iteration ``DIR/latest_checkpointed_iteration.txt`` names, or
-      ``--ckpt-step N``'s (Megatron-LM's flag; the tracker is then not needed).
+      ``--ckpt-step N``'s (Megatron-LM's flag; the tracker is then not needed).  A tracker that
+      says ``release`` names ``DIR/release`` (Megatron-LM's release checkpoint, as its converter
+      writes it; ``--load DIR/release`` names it too): iteration 0, weights only.
     * Errors naming what was found: a file; a directory with ``iter_*`` folders but no tracker
       (which one was meant?); a directory holding anything else.
     * Training from scratch, with a WARNING line: ``DIR`` does not exist, or ``DIR`` is also
@@ -155,6 +164,12 @@ def find_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
                                f"checkpoint files (found: {_found(os.listdir(load)) or 'nothing'})")
         root = os.path.dirname(os.path.normpath(os.path.abspath(load)))
         return LoadTarget(root, iteration, os.path.normpath(load), by_folder=True)
+    if os.path.basename(os.path.normpath(load)) == RELEASE and _holds_checkpoint_files(load):
+        if step is not None:
+            raise StartupError(f"--load {load} is a release checkpoint (weights, no iteration) "
+                               f"but --ckpt-step {step} asks for an iteration: drop one of them")
+        root = os.path.dirname(os.path.normpath(os.path.abspath(load)))
+        return LoadTarget(root, 0, os.path.normpath(load), by_folder=True, release=True)
     if _holds_checkpoint_files(load):
         raise StartupError(f"--load {load} holds the files of one checkpoint but is not named "
                            "iter_NNNNNNN, so its iteration is unknown: rename it, or pass the "
@@ -169,6 +184,15 @@ def find_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
                                   else f" and --load {load} holds no iter_* folder"))
         _warn_if_saves_replace_newer(args, load, step)
         return LoadTarget(load, step, checkpoint_dir(load, step))
+    if tracker_names_release(load):
+        release = release_dir(load)
+        if not os.path.isdir(release) or not _holds_checkpoint_files(release):
+            found = _found(os.listdir(release)) if os.path.isdir(release) else ""
+            raise StartupError(f"--load {load}: {TRACKER} says {RELEASE} (a release checkpoint, "
+                               f"as Megatron-LM's converter writes) but {release} "
+                               + (f"holds no checkpoint files (found: {found or 'nothing'})"
+                                  if os.path.isdir(release) else "does not exist"))
+        return LoadTarget(load, 0, release, release=True)
     iteration = read_tracker(load)
     if iteration is not None:
         ckpt = checkpoint_dir(load, iteration)
@@ -231,7 +255,7 @@ def agreed_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
         problem = str(exc)
     stop_if_any_rank_failed(problem)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        it = -1 if target is None else target.iteration
+        it = -1 if target is None else -2 if target.release else target.iteration
         from megatron.training.data.datasets import collective_device
 
         bounds = torch.tensor([it, -it], dtype=torch.int64, device=collective_device())
@@ -239,7 +263,8 @@ def agreed_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
         newest, oldest = int(bounds[0]), -int(bounds[1])
         if newest != oldest:
             def name(i: int) -> str:
-                return "none (a fresh start)" if i < 0 else f"iteration {i}"
+                return ("none (a fresh start)" if i == -1 else f"the {RELEASE} checkpoint"
+                        if i == -2 else f"iteration {i}")
             raise StartupError(
                 f"--load {args.load}: the ranks found different checkpoints to load ({name(oldest)}"
                 f" on some, {name(newest)} on others): another job may be saving there, or some "

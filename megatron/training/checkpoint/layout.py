@@ -9,29 +9,51 @@ checkpoint in an error) must agree on these names and on what a damaged tracker 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from megatron.training.checkpoint import integrity as checkpoint_integrity
 from megatron.training.errors import StartupError
 
 TRACKER = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+"""What Megatron-LM's tracker says (and the folder it names) for a checkpoint that is a set of
+weights rather than a point of a run, e.g. one made by Megatron-LM's converter: it loads as
+``--finetune`` does (iteration 0, no optimizer or RNG state)."""
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def release_dir(root: str) -> str:
+    return os.path.join(root, RELEASE)
+
+
+def _tracker_text(root: str) -> Optional[bytes]:
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return f.read(64)
+
+
+def tracker_names_release(root: str) -> bool:
+    """Whether the tracker of ``root`` says ``release`` (Megatron-LM's release checkpoint)."""
+    raw = _tracker_text(root)
+    return raw is not None and raw.strip() == RELEASE.encode()
+
+
 def read_tracker(root: str) -> Optional[int]:
-    """Iteration named by the tracker file, or None when there is no checkpoint.
+    """Iteration named by the tracker file, or None when there is no checkpoint or the tracker
+    says ``release`` (:func:`tracker_names_release`; no iteration: a save replaces it).
 
     A tracker that is not a non-negative number (random bytes, empty, text) is a
     :class:`StartupError` naming the file and the way out, raised where the ranks agree on what
     to load (every rank stops together), not a decoding traceback on the ranks that read it."""
     path = os.path.join(root, TRACKER)
-    if not os.path.isfile(path):
+    raw = _tracker_text(root)
+    if raw is None or raw.strip() == RELEASE.encode():
         return None
-    with open(path, "rb") as f:
-        raw = f.read(64)
     try:
         text = raw.decode("ascii").strip()
         if text.isdigit():
@@ -69,3 +91,36 @@ def fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _saved_arg(saved_args: Any, name: str) -> Any:
+    """One of a checkpoint's saved args (a dict in torch_dist, a Namespace in torch)."""
+    if isinstance(saved_args, dict):
+        return saved_args.get(name)
+    return getattr(saved_args, name, None)
+
+
+def padded_vocab_problem(directory: str, saved_args: Any, args: Any) -> Optional[str]:
+    """Why this run's padded vocabulary does not fit the checkpoint's (None when it does, or the
+    checkpoint does not record it), in one line naming both flags that decide it and the values
+    the checkpoint was written with -- before the load, where the difference would surface as
+    a shape error of the embedding, naming neither."""
+    saved = _saved_arg(saved_args, "padded_vocab_size")
+    mine = getattr(args, "padded_vocab_size", None)
+    if not isinstance(saved, int) or not isinstance(mine, int) or saved == mine:
+        return None
+    div, tp = (_saved_arg(saved_args, "make_vocab_size_divisible_by"),
+               _saved_arg(saved_args, "tensor_model_parallel_size"))
+    run_div, run_tp = args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+    hint = ""
+    if isinstance(div, int) and isinstance(tp, int) and (div * tp) % run_tp == 0 \
+            and div * tp // run_tp != run_div:
+        hint = (f"; run with --make-vocab-size-divisible-by {div * tp // run_tp} at "
+                f"--tensor-model-parallel-size {run_tp} to pad as the checkpoint does")
+    vocab = _saved_arg(saved_args, "model_vocab_size")
+    return (f"checkpoint {directory} has a padded vocabulary of {saved} rows"
+            + (f" ({vocab} tokens)" if isinstance(vocab, int) else "")
+            + f", written with --make-vocab-size-divisible-by {div} and "
+            f"--tensor-model-parallel-size {tp}; this run pads to {mine} rows "
+            f"(--make-vocab-size-divisible-by {run_div} x --tensor-model-parallel-size {run_tp})"
+            + hint)

@@ -45,12 +45,15 @@ from megatron.distributed.quant import integration
 from megatron.training.checkpoint import integrity as checkpoint_integrity
 from megatron.training.checkpoint import torch_format as checkpoint_torch_format
 from megatron.training.checkpoint import torch_dist_format as dist_checkpoint
+from megatron.training.checkpoint import megatron_lm_format
 from megatron.training import fault_injection
 from megatron.training.checkpoint.discovery import LoadTarget, agreed_checkpoint_to_load, stop_if_any_rank_failed
 from megatron.training.checkpoint.integrity import CheckpointIntegrityError, FileDigest
-from megatron.training.checkpoint.layout import checkpoint_dir, fsync_dir, write_tracker
+from megatron.training.checkpoint.layout import (checkpoint_dir, fsync_dir, padded_vocab_problem,
+                                                 write_tracker)
 from megatron.training.checkpoint.quantization_state import restore_quantization_state
 from megatron.training.errors import StartupError
+from megatron.training.lr_schedule import resume_schedule, scheduler_state_dict
 from megatron.training.model.layer_specs import attention_resume_note
 from megatron.training.checkpoint.rng_state import get_rng_state, set_rng_state
 
@@ -105,7 +108,7 @@ def _save_into(args: argparse.Namespace, iteration: int, model: List[torch.nn.Mo
         "checkpoint_version": 1,
     }
     if not args.no_save_optim:
-        common["opt_param_scheduler"] = scheduler.state_dict()
+        common["opt_param_scheduler"] = scheduler_state_dict(scheduler, args)
     per_rank: Dict[str, Any] = {"quantization": integration.quantization_state_dict(model)}
     if not args.no_save_rng:
         per_rank["rng_state"] = get_rng_state()
@@ -156,17 +159,24 @@ def load_checkpoint(args: argparse.Namespace, model: List[torch.nn.Module], opti
     if target is None:
         return 0, {}
     iteration, ckpt = target.iteration, target.directory
+    foreign = megatron_lm_format.is_megatron_lm_checkpoint(ckpt)
     if getattr(args, "verify_checkpoint", True):
-        verify_checkpoint(target, print_rank_0)
-    finetune = getattr(args, "finetune", False)
+        verify_checkpoint(target, print_rank_0,
+                          foreign or megatron_lm_format.is_megatron_lm_torch_dist(ckpt))
+    # a release checkpoint (Megatron-LM's): weights only, iteration 0, as with --finetune
+    finetune = getattr(args, "finetune", False) or target.release
     load_optim = not finetune and not args.no_load_optim
-    if dist_checkpoint.is_torch_dist_checkpoint(ckpt):
+    if foreign:  # Megatron-LM's torch layout: the model weights only
+        state = megatron_lm_format.load(target, args, model, finetune, print_rank_0)
+        optimizer_loaded, same_layout = False, True
+    elif dist_checkpoint.is_torch_dist_checkpoint(ckpt):
         if integration.uses_sharded_engine(getattr(args, "paro_strategy", None)):
             raise StartupError(f"{ckpt} is a torch_dist checkpoint; PaRO engine strategies "
                                f"(--paro-strategy {args.paro_strategy}) load --ckpt-format torch")
         state, problem = {}, None
         try:
-            state = dist_checkpoint.load(ckpt, args, model, optimizer, load_optim, print_rank_0)
+            state = dist_checkpoint.load(ckpt, args, model, optimizer, load_optim, print_rank_0,
+                                         finetune=finetune)
         except CheckpointIntegrityError as exc:  # an unreadable per-rank file, on some ranks
             problem = str(exc)
         stop_if_any_rank_failed(problem)
@@ -179,10 +189,15 @@ def load_checkpoint(args: argparse.Namespace, model: List[torch.nn.Module], opti
         state, optimizer_loaded = _load_torch_format(target, args, model, optimizer,
                                                      load_optim)
         same_layout = True
-    if optimizer_loaded:
-        if "opt_param_scheduler" in state:
-            scheduler.load_state_dict(state["opt_param_scheduler"])
-    elif (args.use_distributed_optimizer or args.bf16 or args.fp16
+    if not finetune:
+        # The schedule follows the iteration the run continues at, with or without the
+        # optimizer state (--no-load-optim; Megatron-LM's checkpoints): the checkpoint's
+        # scheduler state, checked against this run's (StartupError), or this run's schedule
+        # advanced to the consumed samples.
+        consumed = state.get("train_state", {}).get("consumed_train_samples",
+                                                    iteration * args.global_batch_size)
+        print_rank_0(f" > {resume_schedule(args, scheduler, state, int(consumed))}")
+    if not optimizer_loaded and (args.use_distributed_optimizer or args.bf16 or args.fp16
           or integration.uses_sharded_engine(getattr(args, "paro_strategy", None))):
         # Main (fp32) params must follow the freshly loaded model weights.
         for opt in checkpoint_torch_format.sub_optimizers(optimizer):
@@ -194,18 +209,22 @@ def load_checkpoint(args: argparse.Namespace, model: List[torch.nn.Module], opti
     if attention_note:
         print_rank_0(attention_note)
     restore_quantization_state(args, model, state, iteration, same_layout, print_rank_0)
+    if target.release and not foreign:
+        print_rank_0(f" > loaded the release checkpoint {ckpt}: model weights only, training "
+                     "starts at iteration 0 (as with --finetune)")
     torch.distributed.barrier()
     if finetune:
         return 0, {}
     return iteration, state.get("train_state", {})
 
 
-def verify_checkpoint(target: LoadTarget, log: Any) -> None:
+def verify_checkpoint(target: LoadTarget, log: Any, foreign: bool = False) -> None:
     """Collective: check the files of ``target`` against its manifest, split over the ranks.
 
     A missing, truncated, unreadable or changed file stops every rank with one error naming the
     file, the checkpoint and the previous complete checkpoint (``--ckpt-step N``).  A checkpoint
-    without manifest (written before manifests existed) loads with a note."""
+    without manifest (written before manifests existed, or ``foreign``: Megatron-LM's layout)
+    loads with a note."""
     ckpt = target.directory
     start = time.time()
     manifest, problem = None, None
@@ -221,7 +240,8 @@ def verify_checkpoint(target: LoadTarget, log: Any) -> None:
     elapsed = time.time() - start  # this rank's share, before waiting for the others
     stop_if_any_rank_failed(problem)
     if manifest is None:
-        log(f" > checkpoint {ckpt} has no {checkpoint_integrity.MANIFEST} (written before "
+        log(megatron_lm_format.UNVERIFIED_NOTE.format(path=ckpt) if foreign else
+            f" > checkpoint {ckpt} has no {checkpoint_integrity.MANIFEST} (written before "
             "checkpoint manifests): its files are not verified")
         return
     total = sum(f.size for f in manifest.files)
@@ -242,6 +262,9 @@ def _load_torch_format(target: LoadTarget, args: argparse.Namespace,
     except StartupError as exc:
         problem = str(exc)
     stop_if_any_rank_failed(problem)
+    vocab = padded_vocab_problem(target.directory, state.get("args"), args)
+    if vocab:   # the same saved args on every rank: every rank stops
+        raise StartupError(vocab)
     for chunk, sd in zip(model, model_state["model"]):
         integration.load_model_state_dict(chunk, sd)   # PaRO engine: into its shard directly
     del model_state

@@ -39,6 +39,7 @@ import torch
 
 from megatron.training.checkpoint import integrity as checkpoint_integrity
 from megatron.training.checkpoint.integrity import FileDigest
+from megatron.training.errors import StartupError
 
 RANK_STATE_DIR = "rank_state"
 # Every parameter's optimizer state saved in the parameter's own shape (Megatron-LM's
@@ -160,12 +161,13 @@ def _per_rank_state(directory: str, layout: Dict[str, int],
 
 
 def load(directory: str, args: argparse.Namespace, model: List[torch.nn.Module], optimizer: Any,
-         load_optim: bool, log: Callable[[str], None]) -> Dict[str, Any]:
+         load_optim: bool, log: Callable[[str], None], finetune: bool = False) -> Dict[str, Any]:
     """Collective: load ``directory`` into ``model`` / ``optimizer`` (resharding as needed).
 
     Returns the common state (iteration, train_state, scheduler, args) with the per-rank state
     under ``"rng_state"`` / ``"quantization"`` (absent where it does not apply) and
-    ``"same_layout"``."""
+    ``"same_layout"``.  A checkpoint Megatron-LM wrote (its saved args are a Namespace, ours a
+    plain dict) gives its model weights only (:func:`_check_foreign`)."""
     from megatron.training.data.datasets import collective_device, raise_if_any_rank_failed
 
     dcp = _dist_checkpointing()
@@ -173,15 +175,31 @@ def load(directory: str, args: argparse.Namespace, model: List[torch.nn.Module],
     try:
         common = read_common_state(dcp, directory)
         saved_top = _saved_top_keys(dcp, directory)
-    except checkpoint_integrity.CheckpointIntegrityError as exc:
+    except StartupError as exc:  # damaged, or not ours (Megatron-LM's): every rank stops
         problem = str(exc)
     raise_if_any_rank_failed(problem, collective_device())
     saved_args = common.get("args")
-    load_optim = load_optim and "optimizer" in saved_top
+    foreign = isinstance(saved_args, argparse.Namespace)
+    if foreign:
+        raise_if_any_rank_failed(_check_foreign(directory, common, args, finetune),
+                                 collective_device())
+    else:   # Megatron-LM's is in _check_foreign's architecture comparison
+        from megatron.training.checkpoint.layout import padded_vocab_problem
+
+        raise_if_any_rank_failed(padded_vocab_problem(directory, saved_args, args),
+                                 collective_device())
+    load_optim = load_optim and "optimizer" in saved_top and not foreign
     if load_optim:
         _allocate_optimizer_states(optimizer)
     state = _sharded_state_dict(model, optimizer, is_loading=True, save_optim=load_optim)
-    loaded = dcp.load(state, directory)
+    try:
+        loaded = dcp.load(state, directory)
+    except Exception as exc:  # noqa: BLE001 -- megatron-core's, naming the tensors
+        if not foreign:
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise StartupError(f"checkpoint {directory} (Megatron-LM's torch_dist) does not fit this "
+                           f"run's model: {first}") from None
     if len(model) == 1:
         model[0].module.load_state_dict(loaded["model"], strict=True)
     else:
@@ -191,6 +209,18 @@ def load(directory: str, args: argparse.Namespace, model: List[torch.nn.Module],
     out["optimizer_loaded"] = load_optim
     if load_optim:
         _load_optimizer(optimizer, loaded["optimizer"])
+    if foreign:  # no per-rank state of ours; the data position is in Megatron-LM's args
+        from megatron.training.checkpoint import megatron_lm_format
+        from megatron.training.checkpoint.megatron_lm_format import train_state_of
+
+        out.update(same_layout=True, train_state=train_state_of(saved_args))
+        log(f" > loaded the model weights of {directory} (Megatron-LM's torch_dist, written with "
+            f"TP={getattr(saved_args, 'tensor_model_parallel_size', '?')}, "
+            f"PP={getattr(saved_args, 'pipeline_model_parallel_size', '?')}, resharded to this "
+            f"run's layout; " + ("iteration 0" if finetune else
+                                 f"iteration {common.get('iteration')}, optimizer and RNG freshly "
+                                 f"initialized, {megatron_lm_format.SCHEDULE_NOTE}") + ")")
+        return out
 
     layout = run_layout()
     per_rank, same, problem = {}, False, None
@@ -216,6 +246,22 @@ def load(directory: str, args: argparse.Namespace, model: List[torch.nn.Module],
     return out
 
 
+def _check_foreign(directory: str, common: Dict[str, Any], args: argparse.Namespace,
+                   finetune: bool) -> Optional[str]:
+    """Why a torch_dist checkpoint of Megatron-LM cannot load into this run (None when it can):
+    its optimizer and RNG states are Megatron-LM's (the flags must say they are not wanted), and
+    its architecture must be this run's (resharding handles TP/PP, not another model)."""
+    from megatron.training.checkpoint import megatron_lm_format
+
+    problem = megatron_lm_format.flags_problem(directory, common.get("iteration"), args, finetune,
+                                               layout="Megatron-LM's torch_dist format")
+    diffs = megatron_lm_format.architecture_diff(common.get("args"), args)
+    if problem is None and diffs:
+        problem = (f"checkpoint {directory} (Megatron-LM's torch_dist) holds another model: "
+                   f"{'; '.join(diffs)}")
+    return problem
+
+
 def _allocate_optimizer_states(optimizer: Any) -> None:
     """Give a fresh distributed optimizer its Adam states before a sharded load.
 
@@ -226,7 +272,7 @@ def _allocate_optimizer_states(optimizer: Any) -> None:
     writes is then overwritten by the load (master weights and moments, step from the param
     groups)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.distributed.quant.mcore_compat.optimizer import \
+    from megatron.distributed.mcore_compat.optimizer import \
         init_optimizer_states_with_dummy_values
 
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -309,5 +355,7 @@ def _plain_args(args: argparse.Namespace) -> Dict[str, Any]:
             if k not in PER_RANK_ARGS}
 
 
-def _get(saved_args: Optional[Dict[str, Any]], name: str) -> Any:
+def _get(saved_args: Any, name: str) -> Any:
+    if isinstance(saved_args, argparse.Namespace):
+        return getattr(saved_args, name, "?")
     return (saved_args or {}).get(name, "?")

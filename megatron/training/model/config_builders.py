@@ -38,6 +38,7 @@ def build_transformer_config(args: argparse.Namespace):
         use_cpu_initialization=args.use_cpu_initialization or cpu,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
         # Fused kernels: what is installed decides (fusions.py; none on CPU).
         **fusion_plan(args).transformer_config_kwargs(),
     )
@@ -45,7 +46,33 @@ def build_transformer_config(args: argparse.Namespace):
         import torch.nn.functional as F
 
         kwargs["activation_func"] = F.silu
+    kwargs.update(_imported_model_kwargs(args))
     return TransformerConfig(**kwargs)
+
+
+def openai_gelu(x):
+    """GELU's tanh approximation (``--openai-gelu``; HF's ``gelu_new``)."""
+    import torch.nn.functional as F
+
+    return F.gelu(x, approximate="tanh")
+
+
+def _imported_model_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    """TransformerConfig fields of the flags imported architectures need (--kv-channels,
+    --add-qkv-bias, --apply-layernorm-1p, --openai-gelu); ``getattr``: namespaces saved before
+    these flags existed build as before."""
+    kwargs: Dict[str, Any] = {}
+    if getattr(args, "kv_channels", None) is not None:
+        kwargs["kv_channels"] = args.kv_channels
+    if getattr(args, "add_qkv_bias", False):
+        kwargs["add_qkv_bias"] = True
+    if getattr(args, "apply_layernorm_1p", False):
+        kwargs["layernorm_zero_centered_gamma"] = True
+    # with --swiglu refused by arguments/validation.py; the guard keeps older saved args' build
+    if getattr(args, "openai_gelu", False) and not args.swiglu:
+        kwargs["activation_func"] = openai_gelu
+        kwargs["bias_activation_fusion"] = False  # the fusion only knows the exact GELU's flag
+    return kwargs
 
 
 def build_ddp_config(args: argparse.Namespace):
@@ -78,7 +105,9 @@ def build_optimizer_config(args: argparse.Namespace):
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
-        overlap_param_gather_with_optimizer_step=args.overlap_param_gather_with_optimizer_step)
+        overlap_param_gather_with_optimizer_step=args.overlap_param_gather_with_optimizer_step,
+        decoupled_lr=getattr(args, "decoupled_lr", None),
+        decoupled_min_lr=getattr(args, "decoupled_min_lr", None))
 
 
 def config_summary(args: argparse.Namespace) -> Dict[str, Any]:

@@ -22,10 +22,13 @@ plus, once per token, the logits, h x V over the padded vocabulary V.
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 
-def training_flops_per_iteration(args: argparse.Namespace) -> float:
-    """Model FLOPs of one iteration of ``--global-batch-size`` sequences (forward + backward)."""
+def training_flops_per_iteration(args: argparse.Namespace,
+                                 batch_size: Optional[float] = None) -> float:
+    """Model FLOPs of one iteration of ``batch_size`` sequences (forward + backward); default
+    ``--global-batch-size`` (pass the step's own during --rampup-batch-size)."""
     h, s, layers = args.hidden_size, args.seq_length, args.num_layers
     head_size = h // args.num_attention_heads
     q = head_size * args.num_attention_heads
@@ -36,12 +39,15 @@ def training_flops_per_iteration(args: argparse.Namespace) -> float:
     per_layer = h * (q + 2 * kv) + q * h + 2 * s * q + mlp_matrices * h * ffn
     logits = h * args.padded_vocab_size
     multiply_adds_per_token = layers * per_layer + logits
-    tokens = args.global_batch_size * s
+    tokens = (args.global_batch_size if batch_size is None else batch_size) * s
     return 3 * 2 * multiply_adds_per_token * tokens
 
 
-def tflops_per_gpu(args: argparse.Namespace, seconds_per_iteration: float) -> float:
-    """TFLOP/s per GPU (per rank) at ``seconds_per_iteration``."""
+def tflops_per_gpu(args: argparse.Namespace, seconds_per_iteration: float,
+                   batch_size: Optional[float] = None) -> float:
+    """TFLOP/s per GPU (per rank) at ``seconds_per_iteration`` of ``batch_size`` sequences
+    (default ``--global-batch-size``)."""
     if seconds_per_iteration <= 0:
         return 0.0
-    return training_flops_per_iteration(args) / (seconds_per_iteration * args.world_size * 1e12)
+    return training_flops_per_iteration(args, batch_size) / (
+        seconds_per_iteration * args.world_size * 1e12)

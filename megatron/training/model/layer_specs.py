@@ -47,18 +47,46 @@ from typing import Any, Optional
 import torch
 
 
+class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """``--apply-layernorm-1p``: scales by (1 + weight), the weight starting at 0."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1,
+                                              self.bias, self.eps)
+
+
+class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """``--apply-layernorm-1p`` with ``--normalization RMSNorm``."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
 class SequenceParallelTorchNorm:
     """``torch.nn.LayerNorm`` / ``RMSNorm`` whose parameters carry ``sequence_parallel``
-    (megatron-core's norm-module signature, so it drops into a ModuleSpec)."""
+    (megatron-core's norm-module signature, so it drops into a ModuleSpec); zero-centered
+    (``--apply-layernorm-1p``), which megatron-core's torch fallback refuses, where configured."""
 
     def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5,
                 persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
                 normalization: str = "LayerNorm") -> torch.nn.Module:
-        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(
-            config.normalization)
+        table = ({"LayerNorm": ZeroCenteredLayerNorm, "RMSNorm": ZeroCenteredRMSNorm}
+                 if config.layernorm_zero_centered_gamma else
+                 {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm})
+        norm_cls = table.get(config.normalization)
         if norm_cls is None:
             raise ValueError(f"--normalization {config.normalization} with --sequence-parallel "
-                             "needs Transformer Engine or Apex")
+                             "or --apply-layernorm-1p needs Transformer Engine or Apex")
         norm = norm_cls(normalized_shape=hidden_size, eps=eps)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
@@ -204,6 +232,23 @@ def attention_resume_note(saved_args: Any, args: argparse.Namespace) -> Optional
             f"uses {new.impl} (--attention-backend {new.backend}): {why}")
 
 
+TE_FUSED_NORM_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+"""Transformer Engine's spec fuses each layer norm into the linear after it; its weights are
+the local spec's ``input_layernorm`` / ``pre_mlp_layernorm`` under another name (keys relative
+to ``decoder.layers.N.``)."""
+
+
+def canonical_layer_key(rest: str) -> str:
+    """A layer's state-dict key (after ``decoder.layers.N.``) in the local spec's naming: one
+    name for the same weight whichever spec wrote it."""
+    return TE_FUSED_NORM_NAMES.get(rest, rest)
+
+
 def gpt_layer_spec(args: argparse.Namespace, config: Any) -> Any:
     """ModuleSpec (or TransformerBlockSubmodules) for GPTModel's ``transformer_layer_spec``."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
@@ -223,7 +268,8 @@ def gpt_layer_spec(args: argparse.Namespace, config: Any) -> Any:
             attn.submodules, core_attention=sdpa_class(choice.backend)))
         spec = dataclasses.replace(spec, submodules=dataclasses.replace(
             spec.submodules, self_attention=attn))
-    if not (config.sequence_parallel and spec.submodules.input_layernorm is WrappedTorchNorm):
+    if not ((config.sequence_parallel or config.layernorm_zero_centered_gamma)
+            and spec.submodules.input_layernorm is WrappedTorchNorm):
         return spec
     layer = dataclasses.replace(spec, submodules=dataclasses.replace(
         spec.submodules, input_layernorm=SequenceParallelTorchNorm,

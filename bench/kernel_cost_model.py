@@ -30,7 +30,7 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -382,16 +382,13 @@ def calibration_rows(kernels_file: Path, dev: Device = H200) -> List[Dict[str, o
     sys.path.insert(0, str(REPO / "bench"))
     sys.path.insert(0, str(REPO))
     import triton_aot as A
-    from triton.runtime.jit import JITFunction
 
     name = "megatron.distributed.quant.kernels._calibration_kernels"
     spec = importlib.util.spec_from_file_location(name, kernels_file)
     T = importlib.util.module_from_spec(spec)
     sys.modules[name] = T
     spec.loader.exec_module(T)
-    jit = {k: v for k, v in vars(T).items() if isinstance(v, JITFunction)}
-    entries = {k: v for k, v in jit.items()
-               if not any(re.search(rf"\b{k}\s*\(", w.src) for m, w in jit.items() if m != k)}
+    entries = A.entry_kernels(T)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for label, elements, call in _calibration_calls(T, torch):
@@ -411,16 +408,20 @@ def calibration_rows(kernels_file: Path, dev: Device = H200) -> List[Dict[str, o
     return rows
 
 
+def shape_of_record(sp: Any, rec: Dict[str, Any], traffic: Tuple[float, float, str]) -> Any:
+    """:func:`shape_of` of a compiled triton_aot.py specialisation ``sp``, from its compile
+    record ``rec`` and its traffic (bytes read, bytes written, unit)."""
+    return shape_of(sp.kernel, sp.constexpr_by_name, traffic[0] + traffic[1], int(rec["regs"]),
+                    int(rec["smem_dynamic"]) + int(rec.get("smem_static", 0)),
+                    int(rec["num_warps"]))
+
+
 def model_row(sp, rec: Dict[str, object], cubin: bytes, elements: float,
               dev: Device = H200) -> Dict[str, object]:
     """Model one compiled triton_aot.py specialisation at ``elements`` (its traffic unit)."""
     import triton_aot as A
 
-    tr = A.traffic(sp)
-    c = sp.constexpr_by_name
-    shape = shape_of(sp.kernel, c, tr[0] + tr[1], int(rec["regs"]),
-                     int(rec["smem_dynamic"]) + int(rec.get("smem_static", 0)),
-                     int(rec["num_warps"]))
+    shape = shape_of_record(sp, rec, A.traffic(sp))
     counts = count(parse_sass(disassemble(cubin), sp.kernel), shape.trips)
     est = estimate(counts, shape, elements, dev)
     return {"counts": counts, "shape": shape, "elements": elements,"kernel": sp.kernel, "modelled_pct": est.percent_of_copy, "bound": est.bound,

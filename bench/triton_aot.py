@@ -334,14 +334,15 @@ def kernels_module():
     return T
 
 
-def entry_kernels() -> Dict[str, Any]:
-    """Name -> JITFunction for every jit function of ``triton_device.py`` that no other jit
-    function calls."""
+def entry_kernels(module: Any = None) -> Dict[str, Any]:
+    """Name -> JITFunction for every jit function of ``module`` (default ``triton_device.py``)
+    that no other jit function calls."""
     from triton.runtime.jit import JITFunction
 
-    from megatron.distributed.quant.kernels import triton_device as J
+    if module is None:
+        from megatron.distributed.quant.kernels import triton_device as module
 
-    fns = {n: v for n, v in vars(J).items() if isinstance(v, JITFunction)}
+    fns = {n: v for n, v in vars(module).items() if isinstance(v, JITFunction)}
     return {n: v for n, v in fns.items()
             if not any(re.search(rf"\b{re.escape(n)}\s*\(", w.src) for m, w in fns.items() if m != n)}
 
@@ -679,9 +680,7 @@ def model(spec: Spec, rec: Dict[str, Any], tr: Tuple[float, float, str]) -> Dict
     import kernel_cost_model as C
 
     counts = C.SassCounts(**{k: v for k, v in rec["sass"].items() if k != "trips"})
-    shape = C.shape_of(spec.kernel, spec.constexpr_by_name, tr[0] + tr[1], int(rec["regs"]),
-                       int(rec["smem_dynamic"]) + int(rec.get("smem_static", 0)),
-                       int(rec["num_warps"]))
+    shape = C.shape_of_record(spec, rec, tr)
     est = C.estimate(counts, shape, 256 << 20)
     return {"modelled_pct": round(est.percent_of_copy, 1), "bound": est.bound,
             "instr_per_elem": round(est.instructions_per_element, 1),

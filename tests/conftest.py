@@ -35,13 +35,14 @@ TINY_GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
             "--make-vocab-size-divisible-by", "8", "--device", "cpu"]
 
 
-def run_in_own_session(cmd: List[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+def run_in_own_session(cmd: List[str], env: dict, timeout: float,
+                       stderr: int = subprocess.PIPE) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` in a new session,
     whose whole process tree is killed on a timeout: killing only torchrun (what
     ``subprocess.run`` does) left its workers running, blocked in a collective, for the rest of
-    the CI job."""
+    the CI job. ``stderr=subprocess.STDOUT`` merges both streams in the order written."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=stderr, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

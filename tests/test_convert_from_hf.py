@@ -547,7 +547,9 @@ def _torchrun(nproc: int, out: Path, argv: List[str], timeout: int = 300,
     env[OUT_ENV] = str(out)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", __file__, *argv]
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    from conftest import run_in_own_session
+
+    res = run_in_own_session(cmd, env, timeout)
     if not ok:
         assert res.returncode != 0, res.stdout[-3000:]
         return res.stdout + res.stderr

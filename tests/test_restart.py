@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import REPO, TINY_GPT
+from conftest import REPO, TINY_GPT, run_in_own_session
 
 FLAGS = ["--global-batch-size", "8", "--train-iters", "6", "--lr", "3e-3", "--bf16",
          "--use-distributed-optimizer", "--log-interval", "1", "--eval-iters", "0",
@@ -57,17 +57,12 @@ def _torchrun(tmp: Path, name: str, fmt: str, fault: str = "") -> Tuple[Any, Pat
 def _run_merged(cmd: List[str], env: Dict[str, str], timeout: float) -> Any:
     """conftest's ``run_in_own_session`` with stderr into stdout, in the order written: what attempt 1
     printed comes before attempt 2's startup line."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"the job did not end in {timeout} s:\n{out[-5000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+        res = run_in_own_session(cmd, env, timeout, stderr=subprocess.STDOUT)
+        return subprocess.CompletedProcess(cmd, res.returncode, res.stdout, "")
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the job did not end in {timeout} s:\n{(exc.output or '')[-5000:]}"
+                             ) from None
 
 
 def _losses(path: Path) -> List[Tuple[int, float]]:

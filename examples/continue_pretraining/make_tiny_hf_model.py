@@ -32,9 +32,10 @@ def build(output: str, seed: int = 0) -> None:
                          max_position_embeddings=256, rms_norm_eps=1e-5,
                          tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
                          eos_token_id=tok.eos_token_id)
-    LlamaForCausalLM(config).save_pretrained(output)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(output)
     tok.save_pretrained(output)
-    print(f"tiny Llama ({sum(p.numel() for p in LlamaForCausalLM(config).parameters())} "
+    print(f"tiny Llama ({sum(p.numel() for p in model.parameters())} "
           f"parameters, vocabulary {len(tok)}) written to {output}")
 
 

@@ -70,7 +70,8 @@ class Attempt:
         return f"{where}; process groups rendezvous under store keys '{self.prefix}'"
 
 
-def _int(text: Optional[str]) -> Optional[int]:
+def int_or_none(text: Optional[str]) -> Optional[int]:
+    """``text`` as an int; None when absent or not a number (a launcher's variable)."""
     try:
         return int(text) if text is not None else None
     except ValueError:
@@ -96,7 +97,7 @@ def agree(store: Any, rank: int, world_size: int, timeout_s: float,
     deadline = time.monotonic() + timeout_s
     if rank == 0:
         number = int(store.add(COUNTER_KEY, 1))
-        floor = (_int(environ.get("TORCHELASTIC_RESTART_COUNT")) or 0) + 1
+        floor = (int_or_none(environ.get("TORCHELASTIC_RESTART_COUNT")) or 0) + 1
         if number < floor:   # a store of this round only: count at least this agent's restarts
             number = int(store.add(COUNTER_KEY, floor - number))
         store.set(CURRENT_KEY, str(number))
@@ -131,8 +132,8 @@ def agree(store: Any, rank: int, world_size: int, timeout_s: float,
             threading.Event().wait(POLL_S)
     return Attempt(number=number, prefix=f"megatron/attempt{number}/pg/",
                    run_id=environ.get("TORCHELASTIC_RUN_ID"),
-                   restart_count=_int(environ.get("TORCHELASTIC_RESTART_COUNT")),
-                   max_restarts=_int(environ.get("TORCHELASTIC_MAX_RESTARTS")))
+                   restart_count=int_or_none(environ.get("TORCHELASTIC_RESTART_COUNT")),
+                   max_restarts=int_or_none(environ.get("TORCHELASTIC_MAX_RESTARTS")))
 
 
 _CURRENT: Optional[Attempt] = None

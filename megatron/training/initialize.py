@@ -41,7 +41,7 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     if not torch.distributed.is_initialized():
         if "MASTER_ADDR" not in os.environ:  # plain `python pretrain_gpt.py`: one process
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("WORLD_SIZE", "1")
         kwargs = {}
@@ -138,7 +138,8 @@ def _nccl_version() -> Optional[Tuple[int, ...]]:
         return None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (a rendezvous of this machine's processes)."""
     import socket
 
     with socket.socket() as s:

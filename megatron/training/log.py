@@ -77,12 +77,12 @@ class LogInterval:
 def _fmt_log_line(iteration: int, args, consumed: int, ms_per_iter: float, lr: float,
                   loss: float, loss_scale: float, grad_norm: Optional[float], skipped: int,
                   nans: int, tokens_per_s: float, comm: Dict[str, float],
-                  batch_size: Optional[int] = None, tflops: float = 0.0) -> str:
+                  batch_size: int, tflops: float = 0.0) -> str:
     parts = [f" iteration {iteration:8d}/{args.train_iters:8d}",
              f"consumed samples: {consumed:12d}",
              f"elapsed time per iteration (ms): {ms_per_iter:.1f}",
              f"learning rate: {lr:.6E}",
-             f"global batch size: {batch_size or args.global_batch_size:5d}",
+             f"global batch size: {batch_size:5d}",
              f"lm loss: {loss:.6E}",
              f"loss scale: {loss_scale:.1f}"]
     if grad_norm is not None:
@@ -116,7 +116,6 @@ class TrainingLog:
         self.args = args
         self.metrics = metrics
         self.timers = timers if timers is not None else StepTimers()
-        self.tokens_per_iteration = args.global_batch_size * args.seq_length
         self.interval = LogInterval()
         self.run_samples = 0
         """Sequences of this run's steps, for the summary's rates."""
@@ -156,7 +155,7 @@ class TrainingLog:
             timed = self.timers.report(interval.iterations)   # every rank: an all-reduce
             line = _fmt_log_line(iteration, args, consumed_samples, ms, lr, avg_loss,
                                  current_loss_scale(optimizer), grad_norm, interval.skipped,
-                                 interval.nan, tps, comm, batch_size, tflops)
+                                 interval.nan, tps, comm, samples, tflops)
             print_rank_0(line)
             if timed:   # Megatron-LM prints its timers on a line of their own, after the iteration's
                 print_rank_0(" timers (ms per iteration, slowest rank) | " + " | ".join(
@@ -166,7 +165,7 @@ class TrainingLog:
                 print_rank_0(memory_report(args.device, iteration, torch.distributed.get_rank()))
             metrics.record({"type": "train", "iteration": iteration,
                             "consumed_samples": consumed_samples, "lm_loss": avg_loss, "lr": lr,
-                            "global_batch_size": batch_size or args.global_batch_size,
+                            "global_batch_size": samples,
                             "grad_norm": grad_norm, "loss_scale": current_loss_scale(optimizer),
                             "skipped_iterations": interval.skipped,
                             "nan_iterations": interval.nan, "ms_per_iteration": ms,

@@ -68,13 +68,12 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from megatron.training.model.rope_scaling import MCORE_LLAMA3_FIXED  # noqa: E402
-from tools.checkpoint.hf_state_dict import Shape, from_hf  # noqa: E402
+from tools.checkpoint.hf_state_dict import DTYPES, Shape, from_hf  # noqa: E402
 from tools.checkpoint.megatron_checkpoint_reader import (  # noqa: E402
     TRACKER, ConversionError, split_tensor_parallel)
 
 __all__ = ["ImportPlan", "plan_import", "read_hf_state_dict", "convert", "build_parser", "main"]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 _NOT_TOKENIZER = re.compile(r".*\.(safetensors|bin|pt|pth|gguf|ckpt|msgpack|h5)$|^config\.json$|"
                             r"^generation_config\.json$|.*\.index\.json$")
@@ -91,7 +90,6 @@ class ImportPlan:
     linear_bias: bool
     qkv_bias: bool
     tied: bool
-    swiglu: bool
 
 
 # ----------------------------------------------------------------------------- config -> flags
@@ -157,7 +155,7 @@ def plan_import(config: Any, seq_length: int) -> ImportPlan:
         if act in _TANH_GELUS:
             flags.append("--openai-gelu")
         plan = dict(family="gpt2", num_layers=int(config.n_layer), shape=shape, linear_bias=True,
-                    qkv_bias=False, swiglu=False)
+                    qkv_bias=False)
     elif model_type in ("llama", "mistral", "qwen2"):
         heads, hidden = int(config.num_attention_heads), int(config.hidden_size)
         groups = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -202,7 +200,7 @@ def plan_import(config: Any, seq_length: int) -> ImportPlan:
             flags.append("--add-qkv-bias")
         plan = dict(family="qwen2" if model_type == "qwen2" else "llama",
                     num_layers=int(config.num_hidden_layers), shape=shape,
-                    linear_bias=linear_bias, qkv_bias=qkv_bias, swiglu=True)
+                    linear_bias=linear_bias, qkv_bias=qkv_bias)
     else:
         raise ConversionError(f"model_type {model_type!r}: imports gpt2, llama, mistral and qwen2")
     if not tied:
@@ -386,14 +384,6 @@ def check_trainer_flags(argv: List[str], world: int) -> None:
                 os.environ[k] = v
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ----------------------------------------------------------------------------- import
 def convert(hf_dir: str, save: str, tensor_parallel: int = 1, pipeline_parallel: int = 1,
             ckpt_format: str = "torch_dist", seq_length: Optional[int] = None,
@@ -477,11 +467,13 @@ def convert(hf_dir: str, save: str, tensor_parallel: int = 1, pipeline_parallel:
 
         import torch.multiprocessing as mp
 
+        from megatron.training.initialize import free_port
+
         # A fork server imports torch and megatron-core once for all ranks (spawn: per rank).
         multiprocessing.get_context("forkserver").set_forkserver_preload(
             ["torch", "megatron.core"])
         try:
-            mp.start_processes(_rank_main, args=(world, _free_port(), run_argv, weights,
+            mp.start_processes(_rank_main, args=(world, free_port(), run_argv, weights,
                                                  plan.vocab_size, plan.tied),
                                nprocs=world, join=True, start_method="forkserver")
         except mp.ProcessRaisedException as exc:

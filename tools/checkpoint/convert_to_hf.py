@@ -87,16 +87,15 @@ if str(ROOT) not in sys.path:  # the saved args unpickle megatron.distributed.qu
 import torch  # noqa: E402
 
 from tools.checkpoint.hf_state_dict import (  # noqa: E402
-    architecture, gelu_flavour, split_qkv, to_gpt2, to_llama)
+    DTYPES, architecture, gelu_flavour, hf_config, split_qkv, to_hf)
 from tools.checkpoint.megatron_checkpoint_reader import (  # noqa: E402
     TRACKER, ConversionError, load_megatron_checkpoint, merge_tensor_parallel,
     resolve_iteration_dir)
 
 __all__ = ["ConversionError", "TRACKER", "DTYPES", "resolve_iteration_dir", "merge_tensor_parallel",
-           "load_megatron_checkpoint", "split_qkv", "architecture", "gelu_flavour", "to_gpt2",
-           "to_llama", "install_tokenizer", "convert", "build_parser", "main"]
+           "load_megatron_checkpoint", "split_qkv", "architecture", "gelu_flavour", "to_hf",
+           "hf_config", "install_tokenizer", "convert", "build_parser", "main"]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|gguf|ckpt)$|^config\.json$|"
                            r"^generation_config\.json$|.*\.index\.json$")
 
@@ -177,14 +176,15 @@ def convert(load: str, output: str, iteration: Optional[int] = None, dtype: str 
         raise ConversionError(f"--output {output} already holds a model; pass --force to "
                               "overwrite")
     args, sd, info = load_megatron_checkpoint(load, iteration, verify=verify)
-    arch = architecture(args)
     log(f" read {info['format']} checkpoint {info['path']} (iteration {info['iteration']}, "
         f"TP={getattr(args, 'tensor_model_parallel_size', 1)}, "
         f"PP={getattr(args, 'pipeline_model_parallel_size', 1)}): {len(sd)} tensors, "
         + ("files verified against manifest.json" if info["verified"] else
            "files not verified (--no-verify-checkpoint)" if not verify else
            "files not verified (the checkpoint has no manifest.json)"))
-    config_kwargs, hf_sd = (to_gpt2 if arch == "gpt2" else to_llama)(args, sd, vocab_size)
+    arch, hf_sd = to_hf(args, sd, vocab_size)
+    emb = hf_sd.get("model.embed_tokens.weight", hf_sd.get("transformer.wte.weight"))
+    config_kwargs = hf_config(arch, args, int(emb.shape[0]))
     if dtype == "auto":
         target = args.params_dtype
     elif dtype in DTYPES:

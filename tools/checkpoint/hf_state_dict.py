@@ -20,6 +20,9 @@ import torch
 from megatron.training.model.rope_scaling import MCORE_LLAMA3_FIXED
 from tools.checkpoint.megatron_checkpoint_reader import ConversionError
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The --dtype choices of the HF converters, both ways."""
+
 
 # ----------------------------------------------------------------------------- layouts
 def split_qkv(w: torch.Tensor, num_heads: int, num_groups: int, head_dim: int
@@ -303,8 +306,7 @@ def to_hf(args: argparse.Namespace, sd: Dict[str, torch.Tensor],
             return
         t = take(src, required=not tm.zeros)
         if t is None:   # a bias slot of GPT-2 / biased Llama without a trained bias
-            rows = {"qkv_conv1d": (heads + 2 * groups) * head_dim}.get(tm.kind)
-            t = torch.zeros(rows or _bias_rows(args, tm), dtype=dtype)
+            t = torch.zeros(_bias_rows(args, tm), dtype=dtype)
         for name, tensor in zip(tm.hf, _to_hf_tensors(tm, t, shape)):
             hf[dst_prefix + name] = tensor
 
@@ -383,29 +385,6 @@ def _rope_config_kwargs(rope: Dict[str, Any]) -> Dict[str, Any]:
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     return {"rope_theta": rope["rope_theta"],
             "rope_scaling": None if scaling["rope_type"] == "default" else scaling}
-
-
-def to_gpt2(args: argparse.Namespace, sd: Dict[str, torch.Tensor],
-            vocab_size: Optional[int] = None) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
-    """(GPT2Config kwargs, GPT2LMHeadModel state dict)."""
-    family, hf = to_hf(args, sd, vocab_size)
-    if family != "gpt2":
-        raise ConversionError(f"the flags describe {family}, not GPT-2")
-    return hf_config(family, args, _exported_vocab(hf)), hf
-
-
-def to_llama(args: argparse.Namespace, sd: Dict[str, torch.Tensor],
-             vocab_size: Optional[int] = None) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
-    """(LlamaConfig / Qwen2Config kwargs, state dict) of a rope model."""
-    family, hf = to_hf(args, sd, vocab_size)
-    if family == "gpt2":
-        raise ConversionError("the flags describe GPT-2, not Llama")
-    return hf_config(family, args, _exported_vocab(hf)), hf
-
-
-def _exported_vocab(hf: Dict[str, torch.Tensor]) -> int:
-    emb = hf.get("model.embed_tokens.weight", hf.get("transformer.wte.weight"))
-    return int(emb.shape[0])
 
 
 def _no_leftovers(take: _Taker) -> None:

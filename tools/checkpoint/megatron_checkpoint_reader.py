@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from megatron.training.checkpoint import integrity as checkpoint_integrity
-from megatron.training.model.layer_specs import TE_FUSED_NORM_NAMES, canonical_layer_key
+from megatron.training.model.layer_specs import canonical_layer_key
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -132,12 +132,6 @@ def _as_namespace(args: Any) -> argparse.Namespace:
     return ns
 
 
-# TE's fused layer-norm names <-> the local spec's: one table, shared with the trainer's load
-# of Megatron-LM checkpoints (megatron.training.checkpoint.megatron_lm_format).
-_FUSED_NORM_NAMES = TE_FUSED_NORM_NAMES
-_canonical_layer_key = canonical_layer_key
-
-
 def _clean_chunk(sd: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     """Tensors of one model chunk: ``_extra_state`` dropped, a Float16Module ``module.`` prefix
     removed, fused layernorm names mapped to ``input_layernorm`` / ``pre_mlp_layernorm``."""
@@ -149,7 +143,7 @@ def _clean_chunk(sd: Dict[str, Any]) -> Dict[str, torch.Tensor]:
             key = key[len("module."):]
         m = re.match(r"decoder\.layers\.(\d+)\.(.+)$", key)
         if m:
-            key = f"decoder.layers.{m.group(1)}.{_canonical_layer_key(m.group(2))}"
+            key = f"decoder.layers.{m.group(1)}.{canonical_layer_key(m.group(2))}"
         out[key] = value
     return out
 
@@ -304,7 +298,7 @@ def read_torch_dist_format(path: str) -> Tuple[argparse.Namespace, Dict[str, tor
                 raise ConversionError(f"{key}: leading dim {value.shape[0]} != --num-layers "
                                       f"{args.num_layers}")
             for i in range(args.num_layers):
-                full[f"decoder.layers.{i}.{_canonical_layer_key(m.group(1))}"] = value[i]
+                full[f"decoder.layers.{i}.{canonical_layer_key(m.group(1))}"] = value[i]
         else:
             full[key] = value
     return args, full

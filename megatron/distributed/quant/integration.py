@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, AbstractSet, Any, Dict, Iterator, List, Option
 import torch
 
 from .arguments import gradients_quantized  # noqa: F401 (re-export)
-from .config import (HopSpec, ParoConfig, QuantizationConfig,  # noqa: F401 (re-export)
-                     TopologyUnknownError)
+from .config import QuantizationConfig, TopologyUnknownError  # noqa: F401 (re-export)
 from .grad_accum import apply_grad_accum_dtype, resolve_grad_dtypes  # noqa: F401 (re-export)
 
 if TYPE_CHECKING:
@@ -33,7 +32,7 @@ __all__ = [
     "on_step_skipped", "on_loss_scale_changed", "full_model_params", "quantization_state_dict",
     "load_quantization_state_dict", "reset_quantization_state", "strategy_report",
     "communication_report", "resolve_grad_dtypes", "TopologyUnknownError", "nobody_to_talk_to",
-    "activation_bytes_estimate", "QuantizationConfig", "ParoConfig", "HopSpec",
+    "activation_bytes_estimate", "QuantizationConfig",
 ]
 
 

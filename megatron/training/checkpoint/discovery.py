@@ -20,8 +20,9 @@ from typing import List, Optional
 import torch
 
 from megatron.training.checkpoint import integrity as checkpoint_integrity
-from megatron.training.checkpoint.layout import (RELEASE, TRACKER, checkpoint_dir, read_tracker,
-                                                 release_dir, tracker_names_release)
+from megatron.training.checkpoint.layout import (MEGATRON_LM_MODEL_FILE, RELEASE, TRACKER,
+                                                 checkpoint_dir, read_tracker, release_dir,
+                                                 tracker_names_release)
 from megatron.training.errors import StartupError
 
 
@@ -57,7 +58,7 @@ def _holds_checkpoint_files(path: str) -> bool:
     return any(n in ("metadata.json", checkpoint_integrity.MANIFEST) or
                (n.startswith("mp_rank_") and n.endswith(".pt")) or
                (n.startswith("mp_rank_") and
-                os.path.isfile(os.path.join(path, n, "model_optim_rng.pt"))) for n in names)
+                os.path.isfile(os.path.join(path, n, MEGATRON_LM_MODEL_FILE))) for n in names)
 
 
 def _fresh_start(args: argparse.Namespace, reason: str) -> None:

@@ -15,6 +15,8 @@ from megatron.training.checkpoint import integrity as checkpoint_integrity
 from megatron.training.errors import StartupError
 
 TRACKER = "latest_checkpointed_iteration.txt"
+MEGATRON_LM_MODEL_FILE = "model_optim_rng.pt"
+"""The per-rank file of Megatron-LM's torch layout (``mp_rank_XX[_YYY]/model_optim_rng.pt``)."""
 RELEASE = "release"
 """What Megatron-LM's tracker says (and the folder it names) for a checkpoint that is a set of
 weights rather than a point of a run, e.g. one made by Megatron-LM's converter: it loads as
@@ -93,11 +95,14 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _saved_arg(saved_args: Any, name: str) -> Any:
-    """One of a checkpoint's saved args (a dict in torch_dist, a Namespace in torch)."""
+def saved_arg(saved_args: Any, name: str, default: Any = None) -> Any:
+    """One of a checkpoint's saved args (a dict in torch_dist, a Namespace in torch and in
+    Megatron-LM's checkpoints); ``default`` when absent or there are none."""
+    if saved_args is None:
+        return default
     if isinstance(saved_args, dict):
-        return saved_args.get(name)
-    return getattr(saved_args, name, None)
+        return saved_args.get(name, default)
+    return getattr(saved_args, name, default)
 
 
 def padded_vocab_problem(directory: str, saved_args: Any, args: Any) -> Optional[str]:
@@ -105,19 +110,19 @@ def padded_vocab_problem(directory: str, saved_args: Any, args: Any) -> Optional
     checkpoint does not record it), in one line naming both flags that decide it and the values
     the checkpoint was written with -- before the load, where the difference would surface as
     a shape error of the embedding, naming neither."""
-    saved = _saved_arg(saved_args, "padded_vocab_size")
+    saved = saved_arg(saved_args, "padded_vocab_size")
     mine = getattr(args, "padded_vocab_size", None)
     if not isinstance(saved, int) or not isinstance(mine, int) or saved == mine:
         return None
-    div, tp = (_saved_arg(saved_args, "make_vocab_size_divisible_by"),
-               _saved_arg(saved_args, "tensor_model_parallel_size"))
+    div, tp = (saved_arg(saved_args, "make_vocab_size_divisible_by"),
+               saved_arg(saved_args, "tensor_model_parallel_size"))
     run_div, run_tp = args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     hint = ""
     if isinstance(div, int) and isinstance(tp, int) and (div * tp) % run_tp == 0 \
             and div * tp // run_tp != run_div:
         hint = (f"; run with --make-vocab-size-divisible-by {div * tp // run_tp} at "
                 f"--tensor-model-parallel-size {run_tp} to pad as the checkpoint does")
-    vocab = _saved_arg(saved_args, "model_vocab_size")
+    vocab = saved_arg(saved_args, "model_vocab_size")
     return (f"checkpoint {directory} has a padded vocabulary of {saved} rows"
             + (f" ({vocab} tokens)" if isinstance(vocab, int) else "")
             + f", written with --make-vocab-size-divisible-by {div} and "

@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Any, Dict, Optional
 
+from megatron.training.attempt import int_or_none
+
 LOCK_NAME = ".save.lock"
 HEARTBEAT_S = 60.0
 """How often the holder refreshes the lock file's modification time."""
@@ -70,9 +72,9 @@ def holder_info() -> Dict[str, Any]:
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "boot_id": _boot_id(),
             "proc_start": _proc_start(os.getpid()), "command": " ".join(sys.argv)[:300],
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            "slurm_restart_count": _int_or_none(os.environ.get("SLURM_RESTART_COUNT", "0")),
+            "slurm_restart_count": int_or_none(os.environ.get("SLURM_RESTART_COUNT", "0")),
             "torchelastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
-            "torchelastic_restart_count": _int_or_none(
+            "torchelastic_restart_count": int_or_none(
                 os.environ.get("TORCHELASTIC_RESTART_COUNT")),
             "attempt": _attempt_number()}
 
@@ -84,13 +86,6 @@ def _attempt_number() -> Optional[int]:
 
     current = attempt.current()
     return None if current is None else current.number
-
-
-def _int_or_none(text: Optional[str]) -> Optional[int]:
-    try:
-        return int(text) if text is not None else None
-    except ValueError:
-        return None
 
 
 def _newer(mine: Any, theirs: Any) -> bool:

@@ -39,10 +39,11 @@ import torch
 
 from megatron.training.checkpoint import integrity as checkpoint_integrity
 from megatron.training.checkpoint.discovery import LoadTarget, stop_if_any_rank_failed
+from megatron.training.checkpoint.layout import MEGATRON_LM_MODEL_FILE as MODEL_FILE
+from megatron.training.checkpoint.layout import saved_arg
 from megatron.training.errors import StartupError
 from megatron.training.model.layer_specs import canonical_layer_key
 
-MODEL_FILE = "model_optim_rng.pt"
 LAYOUT_NAME = "Megatron-LM's torch layout"
 UNVERIFIED_NOTE = (" > checkpoint {path} was written by Megatron-LM, not by this trainer: it "
                    "has no " + checkpoint_integrity.MANIFEST + ", so its files are loaded "
@@ -171,21 +172,15 @@ _LENIENT_PICKLE.Unpickler = _LenientUnpickler  # type: ignore[attr-defined]
 _LENIENT_PICKLE.load = _lenient_load  # type: ignore[attr-defined]
 
 
-def _saved(ns: Any, name: str) -> Any:
-    if isinstance(ns, dict):
-        return ns.get(name)
-    return getattr(ns, name, None)
-
-
 def _architecture(ns: Any) -> Dict[str, Any]:
     """The :data:`ARCHITECTURE_FLAGS` values of ``ns``, defaults resolved as both trainers
     resolve them (query groups = heads without GQA; kv channels = hidden / heads)."""
     values = {}
     for name, _ in ARCHITECTURE_FLAGS:
-        found = [_saved(ns, n) for n in NAMES_HERE.get(name, (name,))]
+        found = [saved_arg(ns, n) for n in NAMES_HERE.get(name, (name,))]
         values[name] = next((v for v in found if v is not None), None)
     heads, hidden = values["num_attention_heads"], values["hidden_size"]
-    if not _saved(ns, "group_query_attention"):
+    if not saved_arg(ns, "group_query_attention"):
         values["num_query_groups"] = heads
     if values["kv_channels"] is None and isinstance(heads, int) and isinstance(hidden, int) \
             and heads:
@@ -212,8 +207,8 @@ def architecture_diff(saved_args: Any, args: argparse.Namespace) -> List[str]:
         differ.discard("openai_gelu")
     if differ & {"hidden_size", "num_attention_heads"}:
         differ.discard("kv_channels")
-    if "num_attention_heads" in differ and not (_saved(saved_args, "group_query_attention")
-                                                or _saved(args, "group_query_attention")):
+    if "num_attention_heads" in differ and not (saved_arg(saved_args, "group_query_attention")
+                                                or saved_arg(args, "group_query_attention")):
         differ.discard("num_query_groups")
     return [f"{flag} {old[name]} (this run: {new[name]})" for name, flag in ARCHITECTURE_FLAGS
             if name in differ]
@@ -347,7 +342,7 @@ def read_rank_state(target: LoadTarget, args: argparse.Namespace, model: List[to
     if not isinstance(state, dict):
         raise StartupError(f"{where}: {path} holds a {type(state).__name__}, not a state dict")
     saved_args = state.get("args")
-    ep = _saved(saved_args, "expert_model_parallel_size")
+    ep = saved_arg(saved_args, "expert_model_parallel_size")
     if isinstance(ep, int) and ep > 1:
         raise StartupError(f"{where} was written with --expert-model-parallel-size {ep}: expert "
                            "parallel (MoE) checkpoints are not read")
@@ -379,7 +374,7 @@ def train_state_of(saved_args: Any) -> Dict[str, int]:
     """The data position Megatron-LM keeps in its args, in our train_state's keys."""
     out = {}
     for name in ("consumed_train_samples", "consumed_valid_samples"):
-        value = _saved(saved_args, name)
+        value = saved_arg(saved_args, name)
         if isinstance(value, int):
             out[name] = value
     return out
@@ -403,8 +398,11 @@ def load(target: LoadTarget, args: argparse.Namespace, model: List[torch.nn.Modu
     stop_if_any_rank_failed(problem)
     for chunk, sd in zip(model, chunks):
         integration.load_model_state_dict(chunk, sd)
+    from megatron.core import parallel_state as ps
+
     saved_args = rest.get("args")
-    tp, pp = saved_parallel_sizes(target.directory)
+    # read_rank_state refused any other layout: the checkpoint's TP/PP are this run's
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     how = ("a release checkpoint: iteration 0, as with --finetune" if target.release else
            "--finetune: iteration 0" if finetune else
            f"iteration {target.iteration}, optimizer and RNG freshly initialized, "

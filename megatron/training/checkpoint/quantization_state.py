@@ -15,6 +15,13 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from megatron.distributed.quant import integration
+from megatron.training.checkpoint.layout import saved_arg
+
+
+RE_DERIVED = ("stochastic-rounding generators restart from --seed, qWD references are the loaded "
+              "weights, LoCo error buffers restart from zero (they belong to the old ranks' "
+              "gradient streams)")
+"""What a re-derived quantization state is, in the resume's log line."""
 
 
 def restore_quantization_state(args: argparse.Namespace, model: List[torch.nn.Module],
@@ -31,9 +38,7 @@ def restore_quantization_state(args: argparse.Namespace, model: List[torch.nn.Mo
         if not same_layout and written is not None:
             # torch_dist keeps each rank's state only for the layout that wrote it
             log(f" > quantization state re-derived: the checkpoint's was written for another "
-                f"layout ({written}): stochastic-rounding generators restart from --seed, qWD "
-                "references are the loaded weights, LoCo error buffers restart from zero (they "
-                "belong to the old ranks' gradient streams)")
+                f"layout ({written}): {RE_DERIVED}")
         else:
             log(" > the checkpoint has no quantization state (written without quantization): "
                 "stochastic-rounding generators start from --seed, LoCo error buffers from zero")
@@ -46,9 +51,7 @@ def restore_quantization_state(args: argparse.Namespace, model: List[torch.nn.Mo
         why = ("the new layout" if not same_layout else
                f"changed settings ({', '.join(changed)})" if changed else
                f"a changed layout: {misfit}")
-        log(f" > quantization state re-derived for {why}: stochastic-rounding generators "
-            "restart from --seed, qWD references are the loaded weights, LoCo error buffers "
-            "restart from zero (they belong to the old ranks' gradient streams)")
+        log(f" > quantization state re-derived for {why}: {RE_DERIVED}")
         integration.reset_quantization_state(model, iteration)
     else:
         integration.load_quantization_state_dict(model, saved)
@@ -73,8 +76,7 @@ def _written_layout(saved_args: Any) -> Optional[str]:
     """``TP=.., PP=.., DP=..`` of a checkpoint written with quantized communication (its saved
     arguments say so), else None."""
     def get(name: str) -> Any:
-        return saved_args.get(name) if isinstance(saved_args, dict) else \
-            getattr(saved_args, name, None)
+        return saved_arg(saved_args, name)
 
     if saved_args is None or not any(get(k) for k in ("quantized_gradients", "quantized_weights")):
         return None

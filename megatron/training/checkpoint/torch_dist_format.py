@@ -39,6 +39,7 @@ import torch
 
 from megatron.training.checkpoint import integrity as checkpoint_integrity
 from megatron.training.checkpoint.integrity import FileDigest
+from megatron.training.checkpoint.layout import saved_arg
 from megatron.training.errors import StartupError
 
 RANK_STATE_DIR = "rank_state"
@@ -356,6 +357,4 @@ def _plain_args(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _get(saved_args: Any, name: str) -> Any:
-    if isinstance(saved_args, argparse.Namespace):
-        return getattr(saved_args, name, "?")
-    return (saved_args or {}).get(name, "?")
+    return saved_arg(saved_args, name, "?")

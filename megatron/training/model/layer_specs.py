@@ -46,6 +46,8 @@ from typing import Any, Optional
 
 import torch
 
+from megatron.training.checkpoint.layout import saved_arg
+
 
 class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
     """``--apply-layernorm-1p``: scales by (1 + weight), the weight starting at 0."""
@@ -193,33 +195,25 @@ def uses_transformer_engine(args: argparse.Namespace) -> bool:
     return attention_choice(args).uses_te
 
 
-def _saved(saved_args: Any, name: str) -> Any:
-    if saved_args is None:
-        return None
-    if isinstance(saved_args, dict):
-        return saved_args.get(name)
-    return getattr(saved_args, name, None)
-
-
 def attention_layout_diff(saved_args: Any, args: argparse.Namespace) -> Optional[str]:
     """For the ``--ckpt-format torch`` layout check: ``"--attention-backend OLD (IMPL) -> NEW
     (IMPL)"`` when the checkpoint was written with TE's spec and this run uses the local spec or
     back (their state dicts name the layer norms differently); None otherwise, and for
     checkpoints that do not record the implementation."""
-    old = _saved(saved_args, "attention_impl")
+    old = saved_arg(saved_args, "attention_impl")
     if old not in ATTENTION_IMPLS:
         return None
     new = attention_choice(args)
     if (old == "transformer_engine") == new.uses_te:
         return None
-    return (f"--attention-backend {_saved(saved_args, 'attention_backend') or 'auto'} ({old}) -> "
+    return (f"--attention-backend {saved_arg(saved_args, 'attention_backend') or 'auto'} ({old}) -> "
             f"{new.backend} ({new.impl})")
 
 
 def attention_resume_note(saved_args: Any, args: argparse.Namespace) -> Optional[str]:
     """One log line when the checkpoint was written with another attention implementation that
     loads unchanged (None when it is the same, or the checkpoint does not say)."""
-    old = _saved(saved_args, "attention_impl")
+    old = saved_arg(saved_args, "attention_impl")
     new = attention_choice(args)
     if old not in ATTENTION_IMPLS or old == new.impl:
         return None
@@ -228,7 +222,7 @@ def attention_resume_note(saved_args: Any, args: argparse.Namespace) -> Optional
     if (old == "transformer_engine") != new.uses_te:
         why = "the torch_dist checkpoint maps TE's and the local spec's layer-norm names; " + why
     return (f" > attention changed on resume: the checkpoint was written with {old} "
-            f"(--attention-backend {_saved(saved_args, 'attention_backend') or 'auto'}), this run "
+            f"(--attention-backend {saved_arg(saved_args, 'attention_backend') or 'auto'}), this run "
             f"uses {new.impl} (--attention-backend {new.backend}): {why}")
 
 

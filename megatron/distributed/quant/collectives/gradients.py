@@ -37,8 +37,7 @@ from ..topology import TwoLevelGroups
 from .common import (PendingCollective, _agree_finite, _as_bytes, _from_wire, _one_message,
                      _runner, _wire_message, required_padding_multiple)
 
-__all__ = ["two_level_reduce_scatter", "swizzle_order", "pipeline_bounds", "GRAD_COLLECTIVE",
-           "HopSpec"]
+__all__ = ["two_level_reduce_scatter", "swizzle_order", "pipeline_bounds", "GRAD_COLLECTIVE"]
 
 GRAD_COLLECTIVE = "grad_reduce_scatter"
 

@@ -242,24 +242,9 @@ class ParoDataParallel(torch.nn.Module):
         return self.geometry.intra_size
 
     @property
-    def g(self) -> int:
-        """PaRO groups (the 'inter' scope)."""
-        return self.geometry.inter_size
-
-    @property
     def n(self) -> int:
         """DP size, m * g."""
         return self.geometry.dp_size
-
-    @property
-    def local(self) -> int:
-        """This rank's index inside its group."""
-        return self.geometry.local
-
-    @property
-    def group_index(self) -> int:
-        """This rank's group."""
-        return self.geometry.group_index
 
     def level_ranks(self, level: Level) -> int:
         """Ranks sharing one element's state at ``level`` (1, m or n)."""

@@ -138,7 +138,7 @@ class SassCounts:
 
 def count(instrs: Sequence[Instruction], trips: int = 1) -> SassCounts:
     """Counts of one function's instructions; every loop (a backward branch) runs ``trips``
-    times (the kernels' only loops are the runtime loops over S slots)."""
+    times (the kernels' only loop is the final hop's over chunks of slots: :func:`loop_trips`)."""
     body: List[Instruction] = []
     for ins in instrs:
         if ins.op == "NOP":
@@ -301,12 +301,24 @@ def elements_per_program(kernel: str, constexprs: Dict[str, object]) -> int:
     return int(c["BLOCK"])
 
 
+SOURCES_UNROLLED = 8
+"""triton_device.SOURCES_UNROLLED: a summing kernel over more slots loops over chunks of 8."""
+
+
+def loop_trips(constexprs: Dict[str, object]) -> int:
+    """How often a specialisation's loop body runs: the kernels' only loop is the final hop's
+    over chunks of SOURCES_UNROLLED slots when S exceeds it (S // 8 iterations; the rest of S is
+    straight-line code); S up to 8 is fully unrolled (no loop: the value does not matter)."""
+    s = int(constexprs.get("S", 1))
+    return s // SOURCES_UNROLLED if s > SOURCES_UNROLLED else s
+
+
 def shape_of(kernel: str, constexprs: Dict[str, object], bytes_per_element: float, regs: int,
              smem_bytes: int, num_warps: int) -> KernelShape:
-    """The KernelShape of one compiled specialisation; runtime loops over slots run S times."""
+    """The KernelShape of one compiled specialisation (its loop runs :func:`loop_trips` times)."""
     return KernelShape(elements_per_program=elements_per_program(kernel, constexprs),
                        num_warps=num_warps, bytes_per_element=bytes_per_element, regs=regs,
-                       smem_bytes=smem_bytes, trips=int(constexprs.get("S", 1)))
+                       smem_bytes=smem_bytes, trips=loop_trips(constexprs))
 
 
 # ------------------------------------------------------------------------------------------------

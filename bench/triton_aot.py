@@ -79,6 +79,9 @@ SOURCE_COUNTS = (2, 4, 8)
 """Slots S the middle and final hops sum: GPUs per node (the middle hop, LoCo's intra sum) and
 nodes or GPUs per node (the final hop). 8 is what an 8-GPU node with TP 1 runs; 4 and 2 are TP 2
 and TP 4 (or 2 and 4 nodes). S is a constexpr, so each is its own specialisation."""
+FINAL_SOURCE_COUNTS = SOURCE_COUNTS + (16,)
+"""Slots S the final hop sums: the nodes of the layout (M) on a two-level one, so 16 at 16 x 8
+GPUs as well as the GPUs per node of a one-level layout."""
 DEFAULT_TARGETS = "sm_80,sm_90"
 MAX_REGISTERS = 128
 """Register budget per thread: 4 CTAs of 128 threads per SM, enough loads in flight for HBM
@@ -167,8 +170,9 @@ def scenarios(space: FlagSpace) -> List[Scenario]:
     Call sites (megatron/distributed/quant/): collectives.gradients.two_level_reduce_scatter (TLq /
     TLq-HS: hop 1 ``quantize_partitions`` into D*M destination slots, middle
     ``dequantize_sum_requantize`` over D sources, final ``dequantize_sum`` over M (or D) sources
-    into the fp32 grad shard; with LoCo the middle hop is ``dequantize_sum`` + ``quantize`` +
-    ``dequantize`` instead and loco.py stores 8-bit error buffers);
+    into the fp32 grad shard; with LoCo hop 1's residual ``h - sent`` is one
+    ``dequantize_partitions`` over the slot table, the middle hop is ``dequantize_sum`` +
+    ``quantize`` + ``dequantize`` instead and loco.py stores 8-bit error buffers);
     collectives.weights.quantized_all_gather (qWD:
     ``quantize_difference`` + ``dequantize_add``; qW: ``quantize`` + ``dequantize`` into the
     param buffer, and the PaRO engine's sync_params through the runtime: fp32 optimizer-state
@@ -227,7 +231,7 @@ def scenarios(space: FlagSpace) -> List[Scenario]:
             T.dequantize_sum_requantize(qt(S * unit, bi, gi), S, bo, group_size_out=go,
                                         stochastic=sr, generator=_typical_generator(T)))
     # -- TLq final hop: dequantize + sum S (nodes, or GPUs per node) sources [-> inverse Hadamard] --
-    for S in SOURCE_COUNTS:
+    for S in FINAL_SOURCE_COUNTS:
         for bits in space.bits:
             for gs in grad_gs:
                 for had, hb in had_options(gs):
@@ -236,12 +240,19 @@ def scenarios(space: FlagSpace) -> List[Scenario]:
                         lambda T, bits=bits, gs=gs, had=had, hb=hb, S=S:
                         T.dequantize_sum(qt(S * unit, bits, gs), S, hadamard=had,
                                          hadamard_block=hb, out=torch.empty(unit, dtype=fp32)))
-    # -- LoCo: hop-1 'sent' values, middle hop unfused, 8-bit error buffers ------------------------
+    # -- LoCo: hop-1 residual h - sent over the slot table (one call, in place into h), middle hop
+    #    unfused ('sent' of the inter requantization), 8-bit error buffers ------------------------
     for bits in space.bits:
         for gs in grad_gs:
             for had, hb in had_options(gs):
-                add("LoCo", False, lambda T, bits=bits, gs=gs, had=had, hb=hb:
-                    T.dequantize(qt(P * unit, bits, gs), hadamard=had, hadamard_block=hb))
+                quick = bits == r["bits_intra"] and gs == r["gs_intra"] and had
+                add("LoCo hop 1", quick, lambda T, bits=bits, gs=gs, had=had, hb=hb: (
+                    lambda h: T.dequantize_partitions(
+                        qt(P * unit, bits, gs), P, list(reversed(range(P))), hadamard=had,
+                        hadamard_block=hb, subtract_from=h, out=h))(
+                            torch.zeros(P * unit, dtype=fp32)))
+            add("LoCo", False, lambda T, bits=bits, gs=gs:
+                T.dequantize(qt(P * unit, bits, gs)))
         for gs in space.gs_intra:
             for S in SOURCE_COUNTS:
                 add("LoCo", False, lambda T, bits=bits, gs=gs, S=S:
@@ -280,6 +291,9 @@ def scenarios(space: FlagSpace) -> List[Scenario]:
                 add("qW recv", False, lambda T, pdt=pdt, bits=bits, gs=gs:
                     T.dequantize(qt(P * unit, bits, gs), out=torch.empty(P * unit, dtype=pdt)))
     # -- public-API default check_finite=True (not reached by the trainer) -------------------------
+    add("API default", False, lambda T:
+        T.dequantize_partitions(qt(P * unit, r["bits_intra"], r["gs_intra"]), P,
+                                list(range(P)), hadamard=True))
     for dt in grad_dtypes:
         add("API default", False, lambda T, dt=dt:
             T.quantize_partitions(torch.zeros(P * unit, dtype=dt), P, list(range(P)), r["bits_intra"],
@@ -336,15 +350,16 @@ def kernels_module():
 
 def entry_kernels(module: Any = None) -> Dict[str, Any]:
     """Name -> JITFunction for every jit function of ``module`` (default ``triton_device.py``)
-    that no other jit function calls."""
+    that no other jit function calls or passes on (``tl.reduce(x, 1, _max_nan)``)."""
     from triton.runtime.jit import JITFunction
 
     if module is None:
         from megatron.distributed.quant.kernels import triton_device as module
 
     fns = {n: v for n, v in vars(module).items() if isinstance(v, JITFunction)}
-    return {n: v for n, v in fns.items()
-            if not any(re.search(rf"\b{re.escape(n)}\s*\(", w.src) for m, w in fns.items() if m != n)}
+    return {n: v for n, v in fns.items()   # called, or passed (a tl.reduce combine function)
+            if not any(re.search(rf"\b{re.escape(n)}\s*\(|[(,]\s*{re.escape(n)}\s*[,)]", w.src)
+                       for m, w in fns.items() if m != n)}
 
 
 def capture(T, scens: Sequence[Scenario]) -> List[Launch]:
@@ -565,6 +580,8 @@ def traffic(spec: Spec) -> Optional[Tuple[float, float, str]]:
         return c["S"] * per(c["BITS_IN"], c["GS_IN"]), per(c["BITS"], c["GS"]), "output element"
     if spec.kernel == "_dsum_kernel":
         return c["S"] * per(c["BITS"], c["GS"]), _es(s["out_ptr"]), "output element"
+    if spec.kernel == "_dequant_parts_kernel":
+        return per(c["BITS"], c["GS"]) + (_es(s["sub_ptr"]) if c["SUB"] else 0), 4.0, "element"
     if spec.kernel == "_dequant_add_kernel":
         return per(c["BITS"], c["GS"]) + _es(s["ref_ptr"]), _es(s["out_ptr"]), "element"
     return None
@@ -584,8 +601,9 @@ def label(spec: Spec) -> str:
     for name, sig in spec.signature.items():
         if sig not in _SHORT_DTYPE or name in ("scales_ptr", "out_scales_ptr"):
             continue
-        if name == "ref_ptr" and c.get("DIFF") is False:
-            continue                            # the launcher passes x again when DIFF is off
+        if (name == "ref_ptr" and c.get("DIFF") is False) or (
+                name == "sub_ptr" and c.get("SUB") is False):
+            continue                            # the launcher passes another buffer again
         parts.append(f"{name.replace('_ptr', '')}:{_SHORT_DTYPE[sig]}")
     for name, v in c.items():
         if name not in declared:
@@ -670,9 +688,17 @@ def sass_counts(spec: Spec, cubin: bytes) -> Dict[str, Any]:
     """The cost model's per-thread counts of the cubin's SASS (bench/kernel_cost_model.py)."""
     import kernel_cost_model as C
 
-    trips = int(spec.constexpr_by_name.get("S", 1))
+    trips = C.loop_trips(spec.constexpr_by_name)
     counts = C.count(C.parse_sass(C.disassemble(cubin), spec.kernel), trips)
     return dataclasses.asdict(counts) | {"trips": trips}
+
+
+def sass_current(spec: Spec, rec: Dict[str, Any]) -> bool:
+    """Whether ``rec`` holds SASS counts made with the loop trip count the model now assigns
+    (a record cached before a change of :func:`kernel_cost_model.loop_trips` is recounted)."""
+    import kernel_cost_model as C
+
+    return rec.get("sass", {}).get("trips") == C.loop_trips(spec.constexpr_by_name)
 
 
 def model(spec: Spec, rec: Dict[str, Any], tr: Tuple[float, float, str]) -> Dict[str, Any]:
@@ -727,7 +753,7 @@ def run(targets: Sequence[int], quick: bool, cache_dir: Optional[Path],
                 row["over_budget"] = over_budget(row, max_registers)
                 if tr is not None and cubin is not None:
                     try:
-                        if "sass" not in rec:         # SASS counts cached beside the record
+                        if not sass_current(sp, rec):   # SASS counts cached beside the record
                             rec["sass"] = sass_counts(sp, cubin)
                             cache.put(sp.key, rec, cubin)
                         row.update(model(sp, rec, tr))

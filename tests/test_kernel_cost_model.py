@@ -142,3 +142,15 @@ def test_calibration_targets_are_the_documented_table() -> None:
         assert f"{pct}" in doc, pct
     assert set(C.MEASURED_256M.values()) == {40.7, 29.9, 28.3, 17.8, 36.1, 75.0, 80.6, 51.9,
                                              83.5, 87.6, 82.8}
+
+
+def test_loop_trips_follow_the_final_hops_chunks_of_eight_slots() -> None:
+    """Up to 8 slots the kernels are unrolled (no loop); beyond, the final hop loops over chunks
+    of 8 (triton_device.SOURCES_UNROLLED) and the rest is straight-line code."""
+    assert C.SOURCES_UNROLLED == 8
+    assert [C.loop_trips({"S": s}) for s in (1, 2, 4, 8, 16, 11, 24)] == [1, 2, 4, 8, 2, 1, 3]
+    assert C.loop_trips({}) == 1
+    src = (C.REPO / "megatron" / "distributed" / "quant" / "kernels" /
+           "triton_device.py").read_text(encoding="utf-8")
+    assert "SOURCES_UNROLLED = tl.constexpr(8)" in src
+    assert C.shape_of("_dsum_kernel", {"S": 16, "BLOCK": 4096}, 6.0, 64, 0, 4).trips == 2

@@ -246,3 +246,105 @@ def test_loco_memory(loco_2x1, loco_2x2):
     assert loco_2x1[0]["memory_bytes"] == n + 4 * n // GS_INTER
     n = loco_2x2[0]["n"]          # 2x2: E1 (N, groups of 64) + E2 (N/2, groups of 128)
     assert loco_2x2[0]["memory_bytes"] == n + 4 * n // GS_INTRA + n // 2 + 4 * (n // 2) // GS_INTER
+
+
+# ------------------------------------------------------------------------------------------------
+# the first hop's residual in one call over the slot table == slot by slot, bit for bit
+# ------------------------------------------------------------------------------------------------
+
+def _slot_by_slot(q, num_partitions, order, *, hadamard, hadamard_block, subtract_from, out):
+    """LoCo's first hop as it was before ``dequantize_partitions``: one dequantize call per slot
+    into its partition's place of a new buffer, then ``torch.sub(h, sent)`` into that buffer."""
+    from megatron.distributed.quant.kernels.dispatch import QuantizedTensor, dequantize
+
+    res = torch.empty(q.numel, dtype=torch.float32)
+    part = res.view(num_partitions, -1)
+    cb, ng = q.codes.numel() // num_partitions, q.scales.numel() // num_partitions
+    for slot, partition in enumerate(order):
+        piece = QuantizedTensor(q.codes[slot * cb:(slot + 1) * cb],
+                                q.scales[slot * ng:(slot + 1) * ng], q.bits, q.group_size,
+                                q.numel // num_partitions)
+        dequantize(piece, hadamard=hadamard, hadamard_block=hadamard_block, out=part[partition])
+    return torch.sub(subtract_from, res, out=res)
+
+
+def _same(a, b) -> bool:
+    """Bit-for-bit equality of nested dicts / lists / tensors (fp32 compared as int32 bits)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        if a.dtype == torch.float32:
+            a, b = a.view(torch.int32), b.view(torch.int32)
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def _first_hop_worker(rank: int, world: int, intra: int, steps: int) -> dict:
+    """Per backend (torch, cpp, Triton in the interpreter) and with / without Hadamard: ``steps``
+    LoCo reduce-scatters with the first hop's residual from one ``dequantize_partitions`` call,
+    then the same with the slot-by-slot path; the hop-1 codes and scales, the outputs and the
+    error buffers (E1, E2) after every step must agree bit for bit."""
+    import os
+
+    from megatron.distributed.quant.collectives import gradients as G
+    from megatron.distributed.quant.kernels import dispatch as K
+
+    g = build_two_level_groups(list(range(world)), intra)
+    p = g.dp_size
+    n = required_padding_multiple(p, intra, GS_INTRA, GS_INTER) * 2
+    res: dict = {}
+    fused, quantize_partitions = G.dequantize_partitions, G.quantize_partitions
+    for backend in ("torch", "cpp", "triton"):
+        os.environ["QUANT_KERNELS"] = backend
+        if (backend == "cpp" and not K.cpu_kernels_available()) or (
+                backend == "triton" and not K.triton_available()):
+            continue
+        for ht in (False, True):
+            kw = dict(intra=HopSpec(4, GS_INTRA, hadamard=ht),
+                      inter=HopSpec(4, GS_INTER, hadamard=ht))
+            runs = []
+            for first_hop in (fused, _slot_by_slot):
+                codes: list = []
+
+                def recording(*a, **k):
+                    q = quantize_partitions(*a, **k)
+                    codes.append((q.codes.clone(), q.scales.clone()))
+                    return q
+                G.dequantize_partitions, G.quantize_partitions = first_hop, recording
+                try:
+                    fb = LoCoErrorFeedback(beta=0.8, reset_interval=10_000, error_bits=32)
+                    gen = torch.Generator().manual_seed(5 + rank)
+                    stream = torch.Generator().manual_seed(100 + rank)
+                    outs, errs = [], []
+                    for _ in range(steps):
+                        x = torch.randn(n, generator=stream)
+                        o = torch.empty(n // p)
+                        two_level_reduce_scatter(x, o, g, generator=gen,
+                                                 error_feedback=fb.bucket(0), **kw)
+                        outs.append(o)
+                        errs.append(fb.bucket(0).state_dict())
+                finally:
+                    G.dequantize_partitions, G.quantize_partitions = fused, quantize_partitions
+                runs.append((outs, codes, errs))
+            res[f"{backend} ht={ht}"] = _same(runs[0], runs[1])
+            res[f"{backend} ht={ht} calls"] = len(runs[0][1])
+    return res
+
+
+@pytest.mark.parametrize("world,intra", [(4, 2), (2, 1)])
+def test_first_hop_residual_in_one_call_is_bit_identical(tmp_path, world, intra):
+    """2x2 (two-level: the swizzled slot order) and 2x1 (one hop, the identity order)."""
+    from megatron.distributed.quant.kernels import dispatch as K
+
+    steps = 3
+    backends = ["torch"] + ["cpp"] * K.cpu_kernels_available() + ["triton"] * K.triton_available()
+    for r in run_distributed(world, _first_hop_worker, tmp_path, intra, steps):
+        assert {k for k in r if not k.endswith("calls")} == {
+            f"{b} ht={ht}" for b in backends for ht in (False, True)}
+        for key, same in r.items():
+            if key.endswith("calls"):
+                assert same == steps, (key, same)
+            else:
+                assert same, f"{key}: differs from the slot-by-slot first hop"

@@ -236,6 +236,103 @@ def test_quantize_partitions_is_permuted_quantize(hadamard: bool) -> None:
         assert q.numel == x.numel() and q.group_size == 128 and q.bits == 4
 
 
+def _slot_by_slot(q: R.QuantizedTensor, order, hadamard: bool, hadamard_block: int,
+                  h=None) -> torch.Tensor:
+    """What LoCo's first hop did before dequantize_partitions: one dequantize call per slot
+    into its partition's place, then ``torch.sub(h, sent)`` into that buffer."""
+    rows = len(order)
+    out = torch.empty(q.numel, dtype=torch.float32)
+    part = out.view(rows, -1)
+    cb, ng = q.codes.numel() // rows, q.scales.numel() // rows
+    for slot, partition in enumerate(order):
+        piece = R.QuantizedTensor(q.codes[slot * cb:(slot + 1) * cb],
+                                  q.scales[slot * ng:(slot + 1) * ng], q.bits, q.group_size,
+                                  q.numel // rows)
+        K.dequantize(piece, hadamard=hadamard, hadamard_block=hadamard_block, out=part[partition])
+    return out if h is None else torch.sub(h, out, out=out)
+
+
+def _backend(monkeypatch, backend: str) -> None:
+    monkeypatch.setenv("QUANT_KERNELS", backend)
+    if backend == "cpp" and not K.cpu_kernels_available():
+        pytest.skip("C++ kernels not built here")
+    if backend == "triton":
+        pytest.importorskip("triton")
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_dequantize_partitions_is_slot_by_slot_bit_for_bit(monkeypatch, backend: str) -> None:
+    """One call over the slot table (LoCo's first hop) == dequantizing slot by slot into the
+    input layout, then ``h - sent``: every bit, in every backend (Triton in the interpreter),
+    for every bit width, with and without the inverse Hadamard, power-of-two and other group
+    sizes, into a new buffer, into ``out`` and in place into ``h``; and equal to the reference."""
+    _backend(monkeypatch, backend)
+    p = 8
+    order = [(j % 2) * 4 + j // 2 for j in range(p)]      # swizzle_order(4, 2): not the identity
+    bits_i = lambda t: t.view(torch.int32)
+    for bits in (2, 4, 8):
+        for gs, had, hb in ((128, False, 32), (128, True, 32), (96, False, 32), (64, True, 64)):
+            x = torch.randn(p * gs * 5, generator=_gen(bits + gs)) * 3
+            x[gs:2 * gs] = 0.0                              # a zero group: scale 0
+            for sr in (False, True):
+                q = K.quantize_partitions(x, p, order, bits, gs, stochastic=sr,
+                                          generator=_gen(7), hadamard=had, hadamard_block=hb)
+                want = _slot_by_slot(q, order, had, hb)
+                got = K.dequantize_partitions(q, p, order, hadamard=had, hadamard_block=hb)
+                assert torch.equal(bits_i(got), bits_i(want)), (bits, gs, had, sr)
+                ref = R.dequantize_partitions(q, p, order, hadamard=had, hadamard_block=hb)
+                assert torch.equal(bits_i(got), bits_i(ref)), (bits, gs, had, sr, "reference")
+                h = x + 0.25
+                want = _slot_by_slot(q, order, had, hb, h)
+                out = torch.full_like(h, float("nan"))
+                got = K.dequantize_partitions(q, p, order, hadamard=had, hadamard_block=hb,
+                                              subtract_from=h, out=out)
+                assert got is out and torch.equal(bits_i(out), bits_i(want))
+                got = K.dequantize_partitions(q, p, order, hadamard=had, hadamard_block=hb,
+                                              subtract_from=h, out=h)   # in place: no buffer
+                assert got is h and torch.equal(bits_i(h), bits_i(want)), (bits, gs, had, sr)
+    # the identity order (one-level layouts) and a single partition
+    q = K.quantize(x, 4, 64, stochastic=False)
+    for parts in (1, 5):
+        got = K.dequantize_partitions(q, parts, list(range(parts)))
+        assert torch.equal(bits_i(got), bits_i(K.dequantize(q)))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_dequantize_partitions_errors(monkeypatch, backend: str) -> None:
+    _backend(monkeypatch, backend)
+    q = K.quantize(_gauss(1024), 4, 128, stochastic=False)
+    with pytest.raises(ValueError, match="permutation"):
+        K.dequantize_partitions(q, 4, [0, 1, 2, 2])
+    with pytest.raises(ValueError, match="not divisible"):
+        K.dequantize_partitions(q, 3, [0, 1, 2])
+    with pytest.raises(ValueError, match="subtract_from must be fp32"):
+        K.dequantize_partitions(q, 4, [0, 1, 2, 3], subtract_from=torch.zeros(1024).bfloat16())
+    with pytest.raises(ValueError, match="out must be fp32"):
+        K.dequantize_partitions(q, 4, [0, 1, 2, 3], out=torch.zeros(512))
+    h = torch.zeros(2048)
+    with pytest.raises(ValueError, match="overlaps"):
+        K.dequantize_partitions(q, 4, [0, 1, 2, 3], subtract_from=h[:1024], out=h[512:1536])
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_final_hop_over_more_than_eight_slots_is_the_reference(monkeypatch, backend: str) -> None:
+    """The final hop at 16 nodes (16 x 8 GPUs): the Triton kernel sums more than 8 slots as a
+    loop over chunks of 8 and then the rest (11 = 8 + 3), in slot order: bit-identical to the
+    reference's sum in order, with and without the inverse Hadamard, at every bit width."""
+    _backend(monkeypatch, backend)
+    n = 768
+    for sources in (16, 11):
+        for bits in (2, 4, 8):
+            for gs, had in ((128, False), (128, True), (96, False)):
+                x = torch.randn(sources * n, generator=_gen(sources + bits)) * 2
+                q = R.quantize(x, bits, gs, stochastic=False, hadamard=had)
+                want = R.dequantize_sum(q, sources, hadamard=had)
+                got = K.dequantize_sum(q, sources, hadamard=had)
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (
+                    sources, bits, gs, had)
+
+
 def test_dequantize_sum_requantize_matches_composition() -> None:
     s, n = 4, 1024
     x = _gauss(s * n)

@@ -39,13 +39,16 @@ def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def _entry_kernels_from_source() -> Set[str]:
-    """@triton.jit functions no other jit function calls, read from the source with ``ast``:
-    independent of the tool's own discovery, so a kernel it misses fails the test."""
+    """@triton.jit functions no other jit function calls (or passes on, as a tl.reduce combine
+    function), read from the source with ``ast``: independent of the tool's own discovery, so a
+    kernel it misses fails the test."""
     tree = ast.parse(KERNELS.read_text(encoding="utf-8"))
     jit = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)
            and any("jit" in ast.unparse(d) for d in f.decorator_list)}
     called = {n.func.id for f in jit.values() for n in ast.walk(f)
               if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    called |= {a.id for f in jit.values() for n in ast.walk(f) if isinstance(n, ast.Call)
+               for a in n.args if isinstance(a, ast.Name) and a.id in jit}   # tl.reduce(.., fn)
     return set(jit) - called
 
 
@@ -99,6 +102,8 @@ def test_quick_picks_the_sdp4bit_recipe_specialisations(quick: Dict[str, object]
     assert "CHECK" not in hop1.split()                # the trainer passes check_finite=False
     mid = labels[("_dsum_requant_kernel", "sm_90")].split()
     assert {"BITS_IN=8", "BITS=4", "GS=128", "S=8"} <= set(mid), mid
+    loco = labels[("_dequant_parts_kernel", "sm_90")].split()   # LoCo's hop-1 residual
+    assert {"BITS=8", "GS=128", "HADAMARD", "HB=32", "SUB", "ROWS"} <= set(loco), loco
 
 
 def test_recipe_hop1_butterfly_moves_no_data_through_shared_memory(quick: Dict[str, object]) -> None:
@@ -167,17 +172,31 @@ def test_full_set_covers_the_flag_space() -> None:
                         f"ALIGNED ROWS") in requant
         assert f"out:fp32 S={S} GS=128 BITS=4 BLOCK=4096 HADAMARD HB=32 ROWS" in " | ".join(
             by_kernel["_dsum_kernel"])                                            # final hop
+    for bits in (2, 4, 8):               # the final hop at 16 nodes (16 x 8 GPUs)
+        for had in ("", "HADAMARD HB=32 "):
+            assert f"out:fp32 S=16 GS=128 BITS={bits} BLOCK=4096 {had}ROWS" in " | ".join(
+                by_kernel["_dsum_kernel"]), (bits, had)
     dsum = " | ".join(by_kernel["_dsum_kernel"])
-    assert "out:fp32 S=1 GS=128 BITS=4 BLOCK=4096 HADAMARD HB=32" in dsum            # LoCo 'sent'
+    assert "out:fp32 S=1 GS=128 BITS=4 BLOCK=4096 ROWS" in dsum                       # LoCo 'sent'
+    parts = " | ".join(by_kernel["_dequant_parts_kernel"])
+    assert parts.count("[LoCo hop 1]") == 3 * 2 * 2   # bits x intra groups x Hadamard or not
+    for bits in (2, 4, 8):               # LoCo's hop-1 residual h - sent, one call, in place
+        for gs in (128, 512):
+            for had in ("", "HADAMARD HB=32 "):
+                assert (f"sub:fp32 out:fp32 GS={gs} BITS={bits} BLOCK=4096 {had}SUB ROWS"
+                        in parts), (bits, gs, had)
     assert "out:bf16 S=1 GS=2048 BITS=4 BLOCK=4096" in dsum                           # qW receive
 
 
 BUDGET_SUBSET = (r"(_dsum_requant_kernel S=8 GS_IN=512 BITS_IN=[248] GS=128 R=32 BITS=4 STOCHASTIC)"
-                 r"|(_quantize_kernel x:fp32 GS=128 R=32 BITS=2 STOCHASTIC (HADAMARD HB=32 )?PERMUTE)")
+                 r"|(_quantize_kernel x:fp32 GS=128 R=32 BITS=2 STOCHASTIC (HADAMARD HB=32 )?PERMUTE)"
+                 r"|(_dsum_kernel out:fp32 S=16 GS=(128|512) BITS=8 BLOCK=4096 (HADAMARD HB=32 )?ROWS)"
+                 r"|(_dequant_parts_kernel sub:fp32 out:fp32 GS=512 BITS=4 BLOCK=4096 SUB ROWS)")
 """The specialisations that broke the budget before issue 47 (sm_90): the middle hop at S = 8
 from the default intra groups of 512 (18 KB spills and an 8 KB stack per thread with 2- or 4-bit
-codes, 255 registers with 8-bit ones) and the 2-bit stochastic hop 1 (134-140 registers). The
-full set (~550 compiles, ~25 min cold on 2 cores) runs with ``python bench/triton_aot.py``."""
+codes, 255 registers with 8-bit ones) and the 2-bit stochastic hop 1 (134-140 registers); the
+final hop at S = 16 nodes with 8-bit codes (150-168 registers fully unrolled) and the first
+version of LoCo's hop-1 residual kernel (a 4 B spill). The full set (588 compiles, ~17-25 min cold on 2 cores) runs with ``python bench/triton_aot.py``."""
 
 
 def test_budget_subset_compiles_without_spill_stack_or_excess_registers(tmp_path) -> None:
@@ -185,7 +204,7 @@ def test_budget_subset_compiles_without_spill_stack_or_excess_registers(tmp_path
                "--json", str(tmp_path / "rows.json"))
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     rows = json.loads((tmp_path / "rows.json").read_text())
-    assert len(rows) == 5
+    assert len(rows) == 10
     for r in rows:
         where = r["specialisation"]
         assert (r["spill_stores"], r["spill_loads"], r["stack"]) == (0, 0, 0), where

@@ -23,15 +23,16 @@ stochastic rounding: the contracts of :mod:`..collectives`.
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..accounting import CommAccounting
 from ..config import HopSpec
-from ..kernels.dispatch import (NoiseIndex, QuantizedTensor, dequantize, dequantize_sum,
-                                dequantize_sum_requantize, quantize, quantize_partitions)
+from ..kernels.dispatch import (NoiseIndex, QuantizedTensor, dequantize, dequantize_partitions,
+                                dequantize_sum, dequantize_sum_requantize, quantize,
+                                quantize_partitions)
 from ..streams import CommStreams, Job, used_on_this_stage
 from ..topology import TwoLevelGroups
 from .common import (PendingCollective, _agree_finite, _as_bytes, _from_wire, _one_message,
@@ -114,27 +115,6 @@ def _row_slice(q: QuantizedTensor, rows: int, a: int, b: int) -> QuantizedTensor
 
 def _write_result(src_fp32: torch.Tensor, output: torch.Tensor) -> None:
     output.copy_(src_fp32.view(output.shape))
-
-
-def _dequantize_in_input_order(q: QuantizedTensor, order: Optional[Sequence[int]],
-                               hadamard: bool, hadamard_block: int) -> torch.Tensor:
-    """``dequantize(q)`` put back from slot order into the input layout, without a slot-ordered
-    copy (what ``index_select`` of the slots made): each slot is
-    dequantized straight into its partition's place (one kernel call per slot; one in all for
-    ``order`` None, the identity). Bit-identical: dequantizing is per element (per Hadamard
-    block, and blocks never straddle a partition)."""
-    if order is None:
-        return dequantize(q, hadamard=hadamard, hadamard_block=hadamard_block)
-    rows = len(order)
-    out = torch.empty(q.numel, dtype=torch.float32, device=q.codes.device)
-    part = out.view(rows, -1)
-    code_bytes, groups = q.codes.numel() // rows, q.scales.numel() // rows
-    for slot, partition in enumerate(order):
-        piece = QuantizedTensor(q.codes[slot * code_bytes:(slot + 1) * code_bytes],
-                                q.scales[slot * groups:(slot + 1) * groups], q.bits,
-                                q.group_size, q.numel // rows)
-        dequantize(piece, hadamard=hadamard, hadamard_block=hadamard_block, out=part[partition])
-    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,18 +234,17 @@ def two_level_reduce_scatter(input: torch.Tensor, output: torch.Tensor, groups: 
     def quantize_first() -> None:
         """[E1] -> [Hadamard] -> quantize into destination-major slots (whole bucket).
 
-        With LoCo at most two bucket-sized fp32 buffers are alive at once: ``h`` and the
-        dequantized codes (in the input layout, written slot by slot: no permuted copy), which
-        become the residual ``h - sent`` in place; ``h`` is dropped before the stored error is
-        read back for the update."""
+        With LoCo at most two bucket-sized fp32 buffers are alive at once: ``h`` (a new tensor
+        of compensate()'s), which one :func:`dequantize_partitions` call over the slot table turns
+        into the residual ``h - sent`` in place, and the stored error read back for the update."""
         h = x if ef is None else ef.compensate("e1", x, group_size=gs1)
         q1 = quantize_partitions(h, p, order, bits1, gs1, stochastic=hop1.stochastic,
                                  generator=gen, hadamard=hadamard, hadamard_block=hadamard_block,
                                  check_finite=False, nonfinite_counter=nonfinite_flag)
         if ef is not None:
-            residual = _dequantize_in_input_order(q1, order if two_level else None, hadamard,
-                                                  hadamard_block)
-            residual = torch.sub(h, residual, out=residual)
+            residual = dequantize_partitions(q1, p, order, hadamard=hadamard,
+                                             hadamard_block=hadamard_block, subtract_from=h,
+                                             out=h)
             del h
             ef.update_residual("e1", residual)
             del residual

@@ -428,7 +428,7 @@ inline int64_t tile_len(int64_t hb) {
 
 extern "C" {
 
-int sdp4bit_cpu_abi_version() { return 2; }
+int sdp4bit_cpu_abi_version() { return 3; }
 
 // Quantize numel elements of x (dtype dx; with r != nullptr: reference.dtype(x) - r, r of dtype
 // dr) in groups of gs. hb > 1: Hadamard on aligned blocks of hb first. slot_of != nullptr:
@@ -527,6 +527,41 @@ void sdp4bit_dsum(const uint8_t* codes, const float* scales, int bits, int64_t g
     } else {
       uint16_t* o = static_cast<uint16_t*>(out) + t0;
       for (int64_t j = 0; j < len; ++j) o[j] = f32_to_bf16(a[j]);
+    }
+  }
+}
+
+// LoCo's first-hop residual in one call: out (fp32, the input layout of n elements in partitions
+// of part_len) = [sub -] [inverse Hadamard](code * scale) of the slot that holds each partition
+// (partition p is slot slot_of[p], as sdp4bit_quantize wrote it). Per element what sdp4bit_dsum
+// with one source and assign_first computes for that slot, then one fp32 subtraction: bit-identical
+// to dequantizing slot by slot and subtracting. part_len is a multiple of gs and hb, so tiles taken
+// inside a partition hold whole Hadamard blocks. out may be sub itself (read before written).
+void sdp4bit_dequant_parts(const uint8_t* codes, const float* scales, int bits, int64_t gs,
+                           int64_t n, const int64_t* slot_of, int64_t part_len, int64_t hb,
+                           const float* sub, float* out) {
+  if (n <= 0 || part_len <= 0) return;
+  const int64_t tl = tile_len(hb);
+  std::vector<float> buf(static_cast<size_t>(tl));
+  const float inv_hb = hb > 1 ? 1.0f / static_cast<float>(hb) : 1.0f;
+  const int64_t parts = n / part_len;
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t src0 = slot_of[p] * part_len, dst0 = p * part_len;
+    for (int64_t t0 = 0; t0 < part_len; t0 += tl) {
+      const int64_t len = (part_len - t0) < tl ? (part_len - t0) : tl;
+      float* a = buf.data();
+      decode_any<false>(bits, codes, scales, gs, src0 + t0, len, a);
+      if (hb > 1) {
+        fwht_blocks(a, len, hb);
+        for (int64_t j = 0; j < len; ++j) a[j] = a[j] * inv_hb;
+      }
+      float* o = out + dst0 + t0;
+      if (sub != nullptr) {
+        const float* h = sub + dst0 + t0;
+        for (int64_t j = 0; j < len; ++j) o[j] = h[j] - a[j];
+      } else {
+        std::memcpy(o, a, static_cast<size_t>(len) * 4);
+      }
     }
   }
 }

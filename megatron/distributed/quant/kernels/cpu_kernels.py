@@ -41,14 +41,14 @@ from .reference import NonFiniteError, QuantizedTensor
 
 __all__ = [
     "available", "build_error", "library_path", "quantize", "dequantize", "quantize_partitions",
-    "dequantize_sum_requantize", "dequantize_sum", "quantize_difference", "dequantize_add",
-    "count_nonfinite",
+    "dequantize_sum_requantize", "dequantize_sum", "dequantize_partitions", "quantize_difference",
+    "dequantize_add", "count_nonfinite",
 ]
 
 log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("cpu_kernels.cpp")
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _LOCK = threading.Lock()
@@ -123,6 +123,8 @@ def _build() -> ctypes.CDLL:
                                          P, P]
     lib.sdp4bit_dsum.restype = None
     lib.sdp4bit_dsum.argtypes = [P, P, I, I64, I64, I64, I64, I, F, I, P, I]
+    lib.sdp4bit_dequant_parts.restype = None
+    lib.sdp4bit_dequant_parts.argtypes = [P, P, I, I64, I64, P, I64, I64, P, P]
     lib.sdp4bit_dequant_add.restype = None
     lib.sdp4bit_dequant_add.argtypes = [P, P, I, I64, I64, P, I, P]
     lib.sdp4bit_count_nonfinite.restype = I64
@@ -382,6 +384,43 @@ def _noise_map(noise_index: Optional[_ref.NoiseIndex], n: int) -> tuple:
     if noise_index is None:
         return (max(n, 1), 0, 0)
     return (noise_index.part_len, noise_index.part_stride, noise_index.base)
+
+
+def dequantize_partitions(q: QuantizedTensor, num_partitions: int,
+                          partition_order: Sequence[int], *, hadamard: bool = False,
+                          hadamard_block: int = 32, subtract_from: Optional[torch.Tensor] = None,
+                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """C++ version of :func:`reference.dequantize_partitions` (one pass over every slot, the
+    subtraction fused; ``out`` may be ``subtract_from``)."""
+    order = _ref._check_dequantize_partitions(q, num_partitions, partition_order, hadamard,
+                                              hadamard_block, subtract_from, out)
+    if (not _ok(q.scales) or q.codes.device.type != "cpu"
+            or (subtract_from is not None and not _ok(subtract_from))):
+        return _ref.dequantize_partitions(q, num_partitions, order, hadamard=hadamard,
+                                          hadamard_block=hadamard_block,
+                                          subtract_from=subtract_from, out=out)
+    n = q.numel
+    codes, scales = _qparts(q)
+    sub = None
+    if subtract_from is not None:
+        sub = subtract_from.reshape(-1)
+        if not sub.is_contiguous():
+            sub = sub.contiguous()
+    direct = (out is not None and _direct_target(out, (torch.float32,))
+              and (sub is None or out.data_ptr() == sub.data_ptr() or not _ref._overlaps(out, sub)))
+    target = out.view(-1) if direct else torch.empty(n, dtype=torch.float32)
+    slot_of = [0] * num_partitions
+    for j, part in enumerate(order):
+        slot_of[part] = j
+    slots = torch.tensor(slot_of, dtype=torch.int64)
+    _LIB.sdp4bit_dequant_parts(codes.data_ptr(), scales.data_ptr(), q.bits, q.group_size, n,
+                               slots.data_ptr(), n // num_partitions,
+                               hadamard_block if hadamard else 0, _ptr(sub), target.data_ptr())
+    if out is None:
+        return target
+    if not direct:
+        out.copy_(target.view(out.shape))
+    return out
 
 
 def dequantize_add(q: QuantizedTensor, reference: torch.Tensor, *,

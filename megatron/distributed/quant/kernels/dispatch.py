@@ -43,7 +43,7 @@ __all__ = [
     "QuantizedTensor", "NonFiniteError", "NoiseIndex", "SUPPORTED_BITS",
     "quantize", "dequantize", "pack", "unpack",
     "hadamard_transform", "inverse_hadamard_transform", "hadamard_matrix",
-    "quantize_partitions", "dequantize_sum_requantize", "dequantize_sum",
+    "quantize_partitions", "dequantize_partitions", "dequantize_sum_requantize", "dequantize_sum",
     "quantize_difference", "dequantize_add", "triton_available", "cpu_kernels_available",
     "backend_for", "count_nonfinite", "all_finite",
 ]
@@ -218,6 +218,20 @@ def quantize_partitions(x: torch.Tensor, num_partitions: int, partition_order: S
         x, num_partitions, partition_order, bits, group_size, stochastic=stochastic,
         generator=generator, hadamard=hadamard, hadamard_block=hadamard_block,
         **_with_counter(x, nonfinite_counter, check_finite, x))
+
+
+def dequantize_partitions(q: QuantizedTensor, num_partitions: int,
+                          partition_order: Sequence[int], *, hadamard: bool = False,
+                          hadamard_block: int = 32, subtract_from: Optional[torch.Tensor] = None,
+                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The inverse of :func:`quantize_partitions`'s layout in one call: slot j dequantized
+    [-> inverse Hadamard] into partition ``partition_order[j]`` of an fp32 result in the input
+    layout; with ``subtract_from`` (fp32) the result is ``subtract_from - that`` (LoCo's residual
+    ``h - sent``). ``out`` (fp32) may be ``subtract_from`` itself: then no fp32 buffer is made.
+    Bit-identical to dequantizing each slot into its partition and subtracting."""
+    return _impl(q.codes).dequantize_partitions(
+        q, num_partitions, partition_order, hadamard=hadamard, hadamard_block=hadamard_block,
+        subtract_from=subtract_from, out=out)
 
 
 def dequantize_sum_requantize(q: QuantizedTensor, num_sources: int, bits_out: int, *,

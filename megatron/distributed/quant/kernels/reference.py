@@ -416,6 +416,61 @@ def quantize_partitions(x: torch.Tensor, num_partitions: int, partition_order: S
     return QuantizedTensor(codes, scales, bits, group_size, q.numel)
 
 
+def _check_dequantize_partitions(q: QuantizedTensor, num_partitions: int,
+                                 partition_order: Sequence[int], hadamard: bool,
+                                 hadamard_block: int, subtract_from: Optional[torch.Tensor],
+                                 out: Optional[torch.Tensor]) -> list[int]:
+    """Validation shared by every backend's ``dequantize_partitions``; returns the order."""
+    q.validate()
+    _check_partitions(q.numel, num_partitions, q.group_size, "dequantize_partitions")
+    order = _check_order(partition_order, num_partitions)
+    if hadamard:
+        _check_hadamard(q.group_size, hadamard_block)
+    if subtract_from is not None:
+        if subtract_from.dtype != torch.float32 or subtract_from.numel() != q.numel:
+            raise ValueError(f"dequantize_partitions: subtract_from must be fp32 with {q.numel} "
+                             f"elements, got {subtract_from.dtype} with {subtract_from.numel()}")
+    if out is not None:
+        if out.dtype != torch.float32 or out.numel() != q.numel:
+            raise ValueError(f"dequantize_partitions: out must be fp32 with {q.numel} elements, "
+                             f"got {out.dtype} with {out.numel()}")
+        if (subtract_from is not None and out.data_ptr() != subtract_from.data_ptr()
+                and _overlaps(out.reshape(-1), subtract_from.reshape(-1))):
+            raise ValueError("dequantize_partitions: out overlaps subtract_from without being it")
+    return order
+
+
+def dequantize_partitions(q: QuantizedTensor, num_partitions: int,
+                          partition_order: Sequence[int], *, hadamard: bool = False,
+                          hadamard_block: int = 32, subtract_from: Optional[torch.Tensor] = None,
+                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Inverse of :func:`quantize_partitions`'s layout: slot j of ``q`` (``num_partitions`` equal
+    slots) dequantized [-> inverse Hadamard] into partition ``partition_order[j]`` of a flat fp32
+    result in the input layout; with ``subtract_from`` (fp32, ``q.numel`` elements) the result is
+    ``subtract_from - that`` (LoCo's residual ``h - sent``). ``out`` (fp32) may be
+    ``subtract_from`` itself. Per element the same fp32 operations as :func:`dequantize` of each
+    slot followed by ``torch.sub``, so bit-identical to that slot-by-slot composition (Hadamard
+    blocks never straddle a partition: partitions are whole groups). Here the slots' codes and
+    scales (bytes, not fp32) are gathered into input order first, so no fp32 temporary beyond the
+    dequantized values is made."""
+    order = _check_dequantize_partitions(q, num_partitions, partition_order, hadamard,
+                                         hadamard_block, subtract_from, out)
+    slot = [0] * num_partitions
+    for j, part in enumerate(order):
+        slot[part] = j
+    idx = torch.tensor(slot, dtype=torch.long, device=q.codes.device)
+    codes = q.codes.reshape(num_partitions, -1).index_select(0, idx).reshape(-1)
+    scales = q.scales.reshape(num_partitions, -1).index_select(0, idx).reshape(-1)
+    y = dequantize(QuantizedTensor(codes, scales, q.bits, q.group_size, q.numel),
+                   hadamard=hadamard, hadamard_block=hadamard_block)
+    if subtract_from is not None:
+        y = torch.sub(subtract_from.reshape(-1), y, out=y)
+    if out is None:
+        return y
+    out.copy_(y.view(out.shape))
+    return out
+
+
 def _check_sources(q: QuantizedTensor, num_sources: int, what: str) -> int:
     q.validate()
     if num_sources < 1 or q.numel % num_sources != 0:

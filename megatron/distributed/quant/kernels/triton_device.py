@@ -22,8 +22,9 @@ bit-identical and stochastic rounding matches in distribution (Philox instead of
   Philox call are used.
 
 The entry kernels (``_quantize_kernel``, ``_dsum_requant_kernel``, ``_dsum_kernel``,
-``_dequant_add_kernel``) are the jit functions no other jit function calls; the quantize kernel
-counts non-finite inputs into an int32 counter with ``atomic_add`` (``CHECK``).
+``_dequant_parts_kernel``, ``_dequant_add_kernel``) are the jit functions no other jit function
+calls; the quantize kernel counts non-finite inputs into an int32 counter with ``atomic_add``
+(``CHECK``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ safety margin for general use. The rounds are the arithmetic that bounds the sto
 (about 25 integer operations per element at 10 rounds, near the GPU's integer throughput at
 70 % of memory bandwidth), and rounding noise needs far less than BigCrush: 7 rounds cut them by
 30 %. The statistics tests (tests/test_triton_kernels.py) hold for this setting."""
+
+
+SOURCES_UNROLLED = tl.constexpr(8)
+"""Slots a summing kernel loads in one unrolled run: every slot of the middle hop (S <= 8 GPUs
+per node), chunks of 8 for a final hop over more nodes. bench/kernel_cost_model.py counts a
+loop's body S // 8 times."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -120,7 +127,19 @@ def _uniform_tile(seed, rand_base, R: tl.constexpr, GP: tl.constexpr, ALIGNED: t
         r0, r1, r2, r3 = tl.randint4x(seed, i // 4, PHILOX_ROUNDS)
         lane = i % 4
         r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
-    return tl.random.uint_to_uniform_float(r)
+    # the top 23 bits as the mantissa of a float in [1, 2), minus 1: u = k * 2^-23 exactly, k
+    # uniform on [0, 2^23); a shift, an or and a subtraction, where
+    # tl.random.uint_to_uniform_float takes five (with an int -> float conversion, a
+    # quarter-rate instruction)
+    return ((r >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+
+
+@triton.jit
+def _max_nan(a, b):
+    """``max`` that returns NaN when either operand is NaN (one ``max.NaN`` instruction): the
+    group absmax of a group holding a NaN is NaN, as torch's ``amax``, without first replacing
+    NaN by inf element by element (two instructions per element)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -128,11 +147,9 @@ def _quant_tile(x, rand_base, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr
                 R: tl.constexpr, GP: tl.constexpr, ALIGNED: tl.constexpr):
     """x fp32 [R, GP] (one group per row, padding = 0) -> (int32 codes [R, GP], fp32 scales [R]).
     Row r's elements are random-stream elements rand_base[r] + 0.. (see _uniform_tile)."""
-    a = tl.abs(x)
-    a = tl.where(a == a, a, float("inf"))          # NaN groups -> amax = inf -> scale NaN
-    amax = tl.max(a, axis=1)
+    amax = tl.reduce(tl.abs(x), 1, _max_nan)      # NaN groups -> amax = NaN -> scale NaN
     inv = tl.math.div_rn(tl.full(amax.shape, QMAX, tl.float32), amax)
-    ok = (inv < float("inf")) & (inv > 0.0)     # amax 0/tiny -> inf, amax Inf -> 0
+    ok = (inv < float("inf")) & (inv > 0.0)     # amax 0/tiny -> inf, Inf -> 0, NaN -> NaN
     inv_safe = tl.where(ok, inv, 0.0)
     bad = tl.where(amax < float("inf"), 0.0, float("nan"))
     scale = tl.where(ok, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), inv_safe), bad)
@@ -145,7 +162,9 @@ def _quant_tile(x, rand_base, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr
         q = lo + tl.where(u < frac, 1.0, 0.0)
     else:
         q = lo + tl.where(frac >= 0.5, 1.0, 0.0)
-    q = tl.minimum(tl.maximum(q, -QMAX - 1.0), QMAX * 1.0)
+    # |v| <= amax * RN(QMAX / amax) < QMAX + 1, so floor(v) >= -QMAX - 1: only the upper clamp
+    # can bind (rounding up from QMAX); the reference's lower clamp never changes a code
+    q = tl.minimum(q, QMAX * 1.0)
     return q.to(tl.int32), scale
 
 
@@ -300,7 +319,9 @@ def _dsum_kernel(codes_ptr, scales_ptr, out_ptr, out_stride, scale, n, S: tl.con
                  HADAMARD: tl.constexpr, HB: tl.constexpr, HAS_SCALE: tl.constexpr,
                  ROWS: tl.constexpr):
     """Dequantize + fp32 sum over sources [-> inverse FWHT] [* scale] -> strided out (any float).
-    S (sources) is a compile-time constant: the S loads are unrolled and issued together. ROWS
+    S (sources) is a compile-time constant: up to SOURCES_UNROLLED (8) slots the S loads are
+    unrolled and issued together; more (the final hop at 16 nodes) run as a loop over chunks of
+    8 unrolled slots, in slot order (16 unrolled 8-bit slots took 150-168 registers on sm_90). ROWS
     (GS a power of two dividing BLOCK): the block is BLOCK // GS whole groups, loaded as rows
     (packed bytes once, one scale per group); else every element loads its own byte and scale."""
     pid = tl.program_id(0)
@@ -312,16 +333,37 @@ def _dsum_kernel(codes_ptr, scales_ptr, out_ptr, out_stride, scale, n, S: tl.con
         gmask = first < n                       # n is a multiple of GS: rows are whole or out
         acc2 = tl.zeros((RB, GS), dtype=tl.float32)
         src = first                             # int64 running offset: no int32 overflow
-        for _s in tl.static_range(S):
-            acc2 = acc2 + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, RB, GS, GS, BITS, GS)
-            src = src + n
+        if S > SOURCES_UNROLLED:                # chunks of 8 slots, then the rest, in order
+            for _c in range(S // SOURCES_UNROLLED):
+                for _s in tl.static_range(SOURCES_UNROLLED):
+                    acc2 = acc2 + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, RB, GS, GS,
+                                                 BITS, GS)
+                    src = src + n
+            for _s in tl.static_range(S - S // SOURCES_UNROLLED * SOURCES_UNROLLED):
+                acc2 = acc2 + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, RB, GS, GS,
+                                             BITS, GS)
+                src = src + n
+        else:
+            for _s in tl.static_range(S):
+                acc2 = acc2 + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, RB, GS, GS,
+                                             BITS, GS)
+                src = src + n
         acc = tl.reshape(acc2, (BLOCK,))
     else:
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         src = idx                               # int64 running offset: no int32 overflow
-        for _s in tl.static_range(S):
-            acc = acc + _load_deq(codes_ptr, scales_ptr, src, m, BITS, GS)
-            src = src + n
+        if S > SOURCES_UNROLLED:
+            for _c in range(S // SOURCES_UNROLLED):
+                for _s in tl.static_range(SOURCES_UNROLLED):
+                    acc = acc + _load_deq(codes_ptr, scales_ptr, src, m, BITS, GS)
+                    src = src + n
+            for _s in tl.static_range(S - S // SOURCES_UNROLLED * SOURCES_UNROLLED):
+                acc = acc + _load_deq(codes_ptr, scales_ptr, src, m, BITS, GS)
+                src = src + n
+        else:
+            for _s in tl.static_range(S):
+                acc = acc + _load_deq(codes_ptr, scales_ptr, src, m, BITS, GS)
+                src = src + n
     if HADAMARD:
         acc = tl.reshape(_fwht(tl.reshape(acc, (BLOCK // HB, HB)), BLOCK // HB, HB), (BLOCK,))
         acc = acc * (1.0 / HB)
@@ -330,6 +372,53 @@ def _dsum_kernel(codes_ptr, scales_ptr, out_ptr, out_stride, scale, n, S: tl.con
     OT: tl.constexpr = out_ptr.dtype.element_ty
     acc = _round_to(acc, OT)
     tl.store(out_ptr + idx * out_stride, acc.to(OT), mask=m)
+
+
+@triton.jit
+def _dequant_parts_kernel(codes_ptr, scales_ptr, slot_ptr, sub_ptr, out_ptr, n, part_len,
+                          GS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                          HADAMARD: tl.constexpr, HB: tl.constexpr, SUB: tl.constexpr,
+                          ROWS: tl.constexpr):
+    """out[i] = [sub[i] -] [inverse FWHT] dequantized element i of the input layout, which lies in
+    slot slot_of[p] (p = i // part_len) at i % part_len: the inverse of the quantize kernel's
+    PERMUTE, for every slot in one launch (LoCo's first-hop residual ``h - sent``). Per element
+    the operations of _dsum_kernel at S = 1 (``0 + code*scale``) then one subtraction, so
+    bit-identical to dequantizing slot by slot and subtracting. part_len is a multiple of GS and
+    HB: a group or Hadamard block never straddles two partitions. ROWS (GS a power of two dividing
+    BLOCK): one slot lookup, packed-byte run and scale per group row; else per element. out may
+    be sub itself (each element is read before it is written, by the same program)."""
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * BLOCK             # the program's first element: int64 once,
+    left = n - base                             # int32 offsets below it (BLOCK elements)
+    if ROWS:                                    # [rows, GS] from load to store: no relayout
+        RB: tl.constexpr = BLOCK // GS
+        loc = tl.arange(0, RB)[:, None] * GS + tl.arange(0, GS)[None, :]
+        first = base + tl.arange(0, RB) * GS
+        gmask = first < n
+        slot = tl.load(slot_ptr + first // part_len, mask=gmask, other=0).to(tl.int64)
+        src = slot * part_len + first % part_len
+        acc = tl.zeros((RB, GS), dtype=tl.float32)
+        acc = acc + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, RB, GS, GS, BITS, GS)
+        if HADAMARD:
+            acc = tl.reshape(_fwht(tl.reshape(acc, (BLOCK // HB, HB)), BLOCK // HB, HB),
+                             (RB, GS))
+            acc = acc * (1.0 / HB)
+    else:
+        loc = tl.arange(0, BLOCK)
+        idx = base + loc
+        m = loc < left
+        slot = tl.load(slot_ptr + idx // part_len, mask=m, other=0).to(tl.int64)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        acc = acc + _load_deq(codes_ptr, scales_ptr, slot * part_len + idx % part_len, m, BITS,
+                              GS)
+        if HADAMARD:
+            acc = tl.reshape(_fwht(tl.reshape(acc, (BLOCK // HB, HB)), BLOCK // HB, HB),
+                             (BLOCK,))
+            acc = acc * (1.0 / HB)
+    m = loc < left                              # n is a multiple of GS: rows are whole
+    if SUB:
+        acc = tl.load(sub_ptr + base + loc, mask=m, other=0.0) - acc
+    tl.store(out_ptr + base + loc, acc, mask=m)
 
 
 @triton.jit

@@ -27,7 +27,8 @@ import triton
 from ..device_tables import slot_of
 from . import reference as _ref
 from .reference import NonFiniteError, QuantizedTensor
-from .triton_device import _dequant_add_kernel, _dsum_kernel, _dsum_requant_kernel, _quantize_kernel
+from .triton_device import (_dequant_add_kernel, _dequant_parts_kernel, _dsum_kernel,
+                            _dsum_requant_kernel, _quantize_kernel)
 
 # elements per program (rows * padded group); the interpreter prefers few large programs
 _TILE = 4096
@@ -278,6 +279,40 @@ def dequantize_sum_requantize(q: QuantizedTensor, num_sources: int, bits_out: in
             ALIGNED=_noise_rows_aligned(gs, gp, part_len, part_stride, base),
             ROWS=gp == gs and q.group_size % gs == 0, enable_fp_fusion=False)
     return QuantizedTensor(codes, scales, bits_out, gs, n)
+
+
+def dequantize_partitions(q: QuantizedTensor, num_partitions: int,
+                          partition_order: Sequence[int], *, hadamard: bool = False,
+                          hadamard_block: int = 32, subtract_from: Optional[torch.Tensor] = None,
+                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Triton version of :func:`reference.dequantize_partitions`: one launch for every slot (the
+    slot table of :func:`quantize_partitions`), the subtraction fused; ``out`` may be
+    ``subtract_from``."""
+    order = _ref._check_dequantize_partitions(q, num_partitions, partition_order, hadamard,
+                                              hadamard_block, subtract_from, out)
+    n = q.numel
+    dev = q.codes.device
+    sub = None
+    if subtract_from is not None:
+        sub = subtract_from.reshape(-1)
+        if not sub.is_contiguous():
+            sub = sub.contiguous()
+    direct = (out is not None and out.is_contiguous()
+              and (sub is None or out.data_ptr() == sub.data_ptr() or not _ref._overlaps(out, sub)))
+    target = out.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=dev)
+    block = max(_TILE, hadamard_block if hadamard else 1)
+    if n > 0:
+        codes, scales = _operands(q)
+        _dequant_parts_kernel[(triton.cdiv(n, block),)](
+            codes, scales, slot_of(order, dev), sub if sub is not None else target, target, n,
+            n // num_partitions, GS=q.group_size, BITS=q.bits, BLOCK=block,
+            HADAMARD=bool(hadamard), HB=hadamard_block if hadamard else 1, SUB=sub is not None,
+            ROWS=_pow2(q.group_size) and block % q.group_size == 0, enable_fp_fusion=False)
+    if out is None:
+        return target
+    if not direct:
+        out.copy_(target.view(out.shape))
+    return out
 
 
 def dequantize_add(q: QuantizedTensor, reference: torch.Tensor, *,

@@ -68,8 +68,11 @@ class CollectiveTrace:
             group = bound.arguments.get("group")
             tensors = [] if objects else [t for v in bound.arguments.values()
                                           for t in _tensors(v)]
+            # an uneven all-to-all (split sizes given: MoE token dispatch) sends a different
+            # number of elements from every rank by design
+            uneven = bound.arguments.get("output_split_sizes") is not None
             entry: Entry = (name, str(tensors[0].dtype) if tensors else None,
-                            sum(t.numel() for t in tensors) if tensors else None)
+                            sum(t.numel() for t in tensors) if tensors and not uneven else None)
             key = self._key(group)
             with self._lock:
                 self.calls.setdefault(key, []).append(entry)

@@ -92,8 +92,8 @@ def _reshard(tmp_path: Path, run_pretrain, n_from: int, n_to: int,
         "--jsonl-log", str(resumed), "--load", str(ckpt)], nproc=n_to)
     _ok(res)
     print(res.stdout)
-    assert (f"DP={n_from}; this run has TP=1, PP=1, DP={n_to}: model and optimizer states "
-            "resharded") in res.stdout
+    assert (f"DP={n_from}, EP=1; this run has TP=1, PP=1, DP={n_to}, EP=1: model and "
+            "optimizer states resharded") in res.stdout
     assert "quantization state re-derived for the new layout" in res.stdout
     a, b = dict(full_losses), dict(_losses(resumed))
     assert sorted(b) == [5, 6, 7, 8]

@@ -5,7 +5,9 @@ Models: tiny random fp32 HF models built from a config (every weight drawn at ra
 biases included, so a swapped or transposed tensor shows), one per family and attention kind:
 GPT-2 (MHA, tied, gelu_new), Llama (GQA, untied, rope_theta 500000), Llama 3.1 (llama3 RoPE
 scaling, MQA, tied), Mistral (GQA, head_dim != hidden/heads, sliding window >= sequence), Qwen2
-(QKV bias, tied).  Vocabulary 100 -> padded to 128 (256 at TP=2): the padding logits are masked
+(QKV bias, tied), Mixtral (GQA, untied, 4 experts top-2: megatron-core's MoE layer with the
+alltoall dispatcher and the sequential expert MLPs; round trip against the tensors HF's
+``save_pretrained`` writes, ``block_sparse_moe.experts.E.w1/w2/w3``).  Vocabulary 100 -> padded to 128 (256 at TP=2): the padding logits are masked
 (``--mask-padded-vocab-logits``), or the loss would differ.
 
 Per family (in this process, a gloo world of one): the trainer's own model (flags derived by the
@@ -14,7 +16,10 @@ weights: max |logit diff| <= 1e-4, the trainer's loss (``step.loss_func`` over t
 per-token loss) within 1e-5 of HF's; and the export mapping gives back HF's tensors bit for bit.
 The same for every family at TP=2 PP=2 in one 4-rank gloo job (spawned once): each rank builds
 its stage and TP shard with the converter's functions and runs megatron-core's forward-only
-pipeline schedule (Llama 3.1's single KV head included: megatron-core replicates it over TP).
+pipeline schedule (Llama 3.1's single KV head included: megatron-core replicates it over TP;
+Mixtral with --sequence-parallel, which megatron-core's MoE layer needs at TP > 1, and the
+allgather dispatcher, the one gloo runs at TP > 1: its router replicated, each expert's MLP
+split like the dense one).
 
 End to end (``pretrain_gpt.py`` under torchrun, this file as the entry point: after the trainer's
 own ``load_checkpoint`` every rank computes logits on fixed tokens, and the first training
@@ -60,7 +65,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
     from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                              MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+                              MistralConfig, MistralForCausalLM, MixtralConfig,
+                              MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     llama_like = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -86,6 +92,10 @@ def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
     elif family == "qwen2":
         cfg, cls = Qwen2Config(**llama_like, num_key_value_heads=2, tie_word_embeddings=True,
                                rope_parameters=rope), Qwen2ForCausalLM
+    elif family == "mixtral":
+        cfg, cls = MixtralConfig(**llama_like, num_key_value_heads=2, num_local_experts=4,
+                                 num_experts_per_tok=2, tie_word_embeddings=False,
+                                 rope_parameters=dict(rope, rope_theta=1e6)), MixtralForCausalLM
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
@@ -94,6 +104,21 @@ def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
     if getattr(cfg, "tie_word_embeddings", False):
         model.tie_weights()
     return model
+
+
+def hf_checkpoint_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The tensors ``save_pretrained`` writes: the model's state dict, except Mixtral in
+    transformers >= 5, whose in-memory fused experts are saved under the checkpoint names
+    (``block_sparse_moe.experts.E.w1/w2/w3``) -- the names the converters read and write."""
+    if model.config.model_type != "mixtral":
+        return {k: v.clone() for k, v in model.state_dict().items()}
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        return load_file(os.path.join(d, "model.safetensors"))
 
 
 def save_hf(model: torch.nn.Module, path: Path, tokenizer: bool = True) -> Path:
@@ -146,17 +171,29 @@ def _trainer_args(plan: Any, tp: int = 1, pp: int = 1, micro_batch: int = 2,
                        "--mock-data", "--device", "cpu", "--vocab-size", str(VOCAB),
                        "--make-vocab-size-divisible-by", str(vocab_divisible_by),
                        "--mask-padded-vocab-logits", "--tensor-model-parallel-size", str(tp),
-                       "--pipeline-model-parallel-size", str(pp)])
+                       "--pipeline-model-parallel-size", str(pp),
+                       *(["--sequence-parallel", "--moe-token-dispatcher-type", "allgather"]
+                         if plan.num_experts and tp > 1 else [])])
 
 
 def _exported_model(family: str, config: Dict[str, Any],
                     sd: Dict[str, torch.Tensor]) -> torch.nn.Module:
     """The HF model convert_to_hf.py's config kwargs and tensors describe."""
     from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM)
+                              MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
     cfg_cls, cls = {"gpt2": (GPT2Config, GPT2LMHeadModel), "llama": (LlamaConfig, LlamaForCausalLM),
-                    "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+                    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                    "mixtral": (MixtralConfig, MixtralForCausalLM)}[family]
+    if family == "mixtral":  # checkpoint names: loaded as from a checkpoint (transformers >= 5
+        import tempfile      # fuses the experts on load)
+
+        from huggingface_hub import save_torch_state_dict
+
+        with tempfile.TemporaryDirectory() as d:
+            cfg_cls(**config).save_pretrained(d)
+            save_torch_state_dict({k: v.clone() for k, v in sd.items()}, d)
+            return cls.from_pretrained(d).float().eval()
     model = cls(cfg_cls(**config)).float().eval()
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
@@ -165,7 +202,7 @@ def _exported_model(family: str, config: Dict[str, Any],
     return model
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "llama3.1", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "llama3.1", "mistral", "qwen2", "mixtral"])
 def test_family_logits_loss_and_round_trip(family: str) -> None:
     """Import mapping + derived flags: HF's logits and loss from the trainer's model, and the
     export mapping (convert_to_hf's) gives back HF's tensors bit for bit."""
@@ -180,9 +217,13 @@ def test_family_logits_loss_and_round_trip(family: str) -> None:
 
     hf = hf_model(family)
     plan = plan_import(hf.config, SEQ)
-    hf_sd = {k: v.clone() for k, v in hf.state_dict().items()}
+    hf_sd = hf_checkpoint_tensors(hf)
     full = from_hf(plan.family, _normalize_hf_names(plan.family, hf_sd), plan.num_layers,
-                   plan.shape, plan.linear_bias, plan.qkv_bias, plan.tied)
+                   plan.shape, plan.linear_bias, plan.qkv_bias, plan.tied, plan.num_experts)
+    if family == "mixtral":  # transformers >= 5's in-memory names import the same
+        in_memory = _normalize_hf_names(plan.family, dict(hf.state_dict()))
+        assert sorted(in_memory) == sorted(hf_sd)
+        assert all(torch.equal(in_memory[k], hf_sd[k]) for k in hf_sd)
     seq = tokens()
     ids, labels = seq[:, :-1], seq[:, 1:]
     with model_parallel_world_of_one(seed=0):
@@ -251,8 +292,45 @@ def test_rope_scaling_changes_logits_so_the_check_sees_it() -> None:
     assert (hf_logits(hf, ids) - hf_logits(unscaled, ids)).abs().max() > 1e-3
 
 
+def test_mixtral_router_is_megatron_core_default_router() -> None:
+    """Mixtral's router (softmax over all experts, top k, renormalised) and megatron-core's
+    default TopKRouter (top k of the logits, softmax over those k; the importer writes no
+    --moe-router-pre-softmax) give the same experts and weights: max |diff| <= 1e-6 over 4096
+    tokens, with the router weight of the tiny Mixtral.  Control: --moe-router-pre-softmax
+    (softmax over all experts, not renormalised) does not."""
+    from dist_harness import model_parallel_world_of_one
+
+    from tools.checkpoint.convert_from_hf import plan_import
+
+    hf = hf_model("mixtral")
+    gate = hf.model.layers[0].mlp.gate
+    moe = list(plan_import(hf.config, SEQ).model_flags)
+    moe = moe[moe.index("--num-experts"):moe.index("--num-experts") + 10]
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, scores, indices = gate(x)
+        expected = torch.zeros(4096, 4).scatter(1, indices, scores)
+    results = {}
+    with model_parallel_world_of_one(seed=0):
+        for extra in ([], ["--moe-router-pre-softmax"]):
+            _, m = _tiny_model("--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                               "--ffn-hidden-size", "96", *moe, *extra)
+            router = m.decoder.layers[0].mlp.router
+            with torch.no_grad():
+                router.weight.copy_(gate.weight)
+                probs, routing_map = router(x.unsqueeze(1))
+            results[bool(extra)] = (probs.float(), routing_map)
+    probs, routing_map = results[False]
+    assert torch.equal(routing_map, expected > 0)
+    diff = (probs - expected).abs().max().item()
+    assert diff <= 1e-6, diff
+    pre_softmax, _ = results[True]
+    assert (pre_softmax - expected).abs().max().item() > 1e-2
+    RESULTS["mixtral router vs megatron-core's default"] = {"max |prob diff|": diff}
+
+
 # ----------------------------------------------------------------------------- TP2 PP2, in process
-TP2_PP2_FAMILIES = ("gpt2", "llama", "llama3.1", "mistral", "qwen2")
+TP2_PP2_FAMILIES = ("gpt2", "llama", "llama3.1", "mistral", "qwen2", "mixtral")
 TP2_VOCAB_DIVISIBLE_BY = 64
 """Vocabulary 100 -> 128 rows at TP=2, 64 per TP rank, so both ranks hold real tokens (with the
 default 128 x TP = 256, TP rank 1's rows would all be padding and its split go untested)."""
@@ -352,8 +430,9 @@ def test_every_family_tp2_pp2_logits_and_loss_in_process(tmp_path: Path) -> None
     for family in TP2_PP2_FAMILIES:
         hf = hfs[family] = hf_model(family, seed=5)
         plan = plan_import(hf.config, SEQ)
-        full = from_hf(plan.family, _normalize_hf_names(plan.family, dict(hf.state_dict())),
-                       plan.num_layers, plan.shape, plan.linear_bias, plan.qkv_bias, plan.tied)
+        full = from_hf(plan.family, _normalize_hf_names(plan.family, hf_checkpoint_tensors(hf)),
+                       plan.num_layers, plan.shape, plan.linear_bias, plan.qkv_bias, plan.tied,
+                       plan.num_experts)
         jobs.append({"family": family, "plan": plan, "batches": batches,
                      "full": {k: v.detach().clone() for k, v in full.items()}})
     start = time.monotonic()
@@ -385,7 +464,7 @@ def test_every_family_tp2_pp2_logits_and_loss_in_process(tmp_path: Path) -> None
         print(f"{family} TP2 PP2: max |logit diff| {diff:.3g}, loss {loss:.7f} vs HF "
               f"{hf_sum / hf_count:.7f} ({heads} query / {kv} KV heads, QKV rows per TP rank "
               f"{sorted(rows)})")
-    print(f"TP2 PP2, 5 families, 4 ranks: {elapsed:.1f} s")
+    print(f"TP2 PP2, {len(TP2_PP2_FAMILIES)} families, 4 ranks: {elapsed:.1f} s")
 
 
 # ----------------------------------------------------------------------------- model flags
@@ -525,6 +604,34 @@ def test_converter_refuses_before_writing_anything(tmp_path: Path, capsys) -> No
     assert not any((tmp_path / d).exists() for d in ("a", "b", "c"))
 
 
+def test_mixtral_configs_the_trainer_cannot_represent_are_refused(tmp_path: Path,
+                                                                  capsys) -> None:
+    """Mixtral: a sliding window shorter than the sequence (as for Mistral) and a top k above
+    the expert count are refused naming the field; the CLI refuses --expert-model-parallel-size
+    > 1 in one line naming the flag, before anything is written."""
+    from tools.checkpoint.convert_from_hf import ConversionError, main, plan_import
+
+    hf = hf_model("mixtral")
+    cfg = hf.config
+    cfg.sliding_window = 16
+    with pytest.raises(ConversionError, match="sliding_window 16 is shorter than --seq-length 32"):
+        plan_import(cfg, SEQ)
+    cfg.sliding_window, cfg.num_experts_per_tok = None, 5
+    with pytest.raises(ConversionError, match="num_experts_per_tok 5 must be in "
+                                              "1..num_local_experts 4"):
+        plan_import(cfg, SEQ)
+    cfg.num_experts_per_tok = 2
+    save_hf(hf, tmp_path / "hf", tokenizer=False)
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "out"),
+                 "--expert-model-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --expert-model-parallel-size 2: the "
+                                               "import writes the experts at expert-parallel "
+                                               "size 1"), err
+    assert not (tmp_path / "out").exists()
+
+
 def test_llama_attention_bias_without_mlp_bias_is_refused() -> None:
     from transformers import LlamaConfig
 
@@ -606,6 +713,12 @@ def _train_flags(save: Path, out: Path, iters: int = 1) -> List[str]:
 
 
 def _round_trip(save: Path, hf: torch.nn.Module, out: Path, tied: bool) -> bool:
+    weights = {k: v for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
+    return _round_trip_tensors(save, weights, out)
+
+
+def _round_trip_tensors(save: Path, weights: Dict[str, torch.Tensor], out: Path) -> bool:
+    """convert_to_hf.py's export of ``save`` holds exactly ``weights``, bit for bit."""
     from safetensors.torch import load_file
 
     from tools.checkpoint import convert_to_hf
@@ -614,7 +727,6 @@ def _round_trip(save: Path, hf: torch.nn.Module, out: Path, tied: bool) -> bool:
                                     log=lambda _m: None)
     assert summary["vocab_size"] == VOCAB and summary["vocab"].startswith("padding rows dropped")
     exported = load_file(out / "model.safetensors")
-    weights = {k: v for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
     assert sorted(exported) == sorted(weights)
     return all(torch.equal(exported[k], weights[k]) for k in weights)
 
@@ -676,6 +788,28 @@ def test_qwen2_import_end_to_end_tp2_pp2_torch_format(tmp_path: Path) -> None:
     RESULTS["qwen2 TP2 PP2 (end to end)"] = result
 
 
+def test_mixtral_import_resumes_at_expert_parallel_2_end_to_end(tmp_path: Path) -> None:
+    """Mixtral imported at expert-parallel size 1 (torch_dist, TP1 PP1), loaded by
+    pretrain_gpt.py on 2 ranks at --expert-model-parallel-size 2 (each rank holds 2 of the 4
+    experts: torch_dist reshards them): HF's logits, HF's loss in the first training step, and
+    the export of the imported checkpoint gives back HF's tensors bit for bit."""
+    hf = hf_model("mixtral", seed=3)
+    summary = _import(save_hf(hf, tmp_path / "hf"), tmp_path / "ckpt")
+    assert summary["num_experts"] == 4 and summary["expert_model_parallel_size"] == 1
+    args_file = (tmp_path / "ckpt" / "model_args.txt").read_text().splitlines()
+    for line in ("--num-experts 4", "--moe-router-topk 2", "--moe-ffn-hidden-size 96",
+                 "--moe-token-dispatcher-type alltoall"):
+        assert line in args_file, (line, args_file)
+    out = tmp_path / "run"
+    out.mkdir()
+    _torchrun(2, out, _train_flags(tmp_path / "ckpt", out) + ["--expert-model-parallel-size", "2"])
+    result = _check_run(hf, out, "mixtral EP2 (imported at EP1)")
+    result["round trip bit-identical"] = _round_trip_tensors(
+        tmp_path / "ckpt", hf_checkpoint_tensors(hf), tmp_path / "hf_out")
+    assert result["round trip bit-identical"]
+    RESULTS["mixtral TP1 PP1 import, loaded at EP2 (end to end)"] = result
+
+
 def test_continued_pretraining_with_sdp4bit_and_loco_starts_at_hf_loss(imported_llama,
                                                                        tmp_path: Path) -> None:
     """The imported Llama trained on 2 data-parallel ranks with 4-bit weight and gradient
@@ -724,28 +858,17 @@ def test_results_table() -> None:
 # ----------------------------------------------------------------------------- torchrun side
 def _record_logits(args: argparse.Namespace, model: List[torch.nn.Module], out: str) -> None:
     """Collective: logits of the loaded model on fixed tokens (TP gathered, PP passed on)."""
+    from hf_helpers import pipeline_logits
     from megatron.core import parallel_state as ps
 
     from tools.checkpoint.convert_from_hf import _unwrap
 
-    gpt = _unwrap(model[0])
     ids = tokens(seed=7)[:, :-1]
     positions = torch.arange(SEQ).unsqueeze(0).expand(2, -1)
-    with torch.no_grad():
-        if not ps.is_pipeline_first_stage():
-            hidden = torch.empty(SEQ, 2, args.hidden_size)
-            torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
-            gpt.set_input_tensor(hidden)
-        y = gpt(ids, positions, None)
-        if not ps.is_pipeline_last_stage():
-            torch.distributed.send(y.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-            return
-        parts = [torch.empty_like(y) for _ in range(ps.get_tensor_model_parallel_world_size())]
-        torch.distributed.all_gather(parts, y.contiguous(),
-                                     group=ps.get_tensor_model_parallel_group())
-    if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
-        torch.save({"tokens": ids, "logits": torch.cat(parts, dim=-1)},
-                   os.path.join(out, "logits.pt"))
+    logits = pipeline_logits(_unwrap(model[0]), ids, positions, args.hidden_size)
+    if (logits is not None and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank() == 0):
+        torch.save({"tokens": ids, "logits": logits}, os.path.join(out, "logits.pt"))
 
 
 def _training_main(argv: List[str]) -> int:

@@ -44,6 +44,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
          "--untie-embeddings-and-output-weights", "--disable-bias-linear",
          "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--ffn-hidden-size", "96"]
+MIXTRAL = LLAMA + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type",
+                   "alltoall", "--group-query-attention", "--num-query-groups", "2"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -205,6 +207,44 @@ def test_llama_style_gqa_tensor_parallel_2_torch_format(tmp_path: Path) -> None:
     assert all(torch.equal(bf16[k].float(), fp32[k]) for k in fp32)
 
 
+def test_mixtral_style_expert_parallel_2_torch_dist_exports_mixtral(tmp_path: Path) -> None:
+    """The Llama layout with --num-experts 4 --moe-router-topk 2 trained at
+    --expert-model-parallel-size 2 (each rank holds 2 experts), --ckpt-format torch_dist: the
+    experts are stored globally, so the export reads all 4 -> MixtralForCausalLM (router ->
+    block_sparse_moe.gate, each expert's [gate; up] linear_fc1 -> w1 / w3, linear_fc2 -> w2)
+    computing the trained model's logits; its config carries the MoE flags."""
+    ckpt = _train(tmp_path, MIXTRAL + ["--expert-model-parallel-size", "2", "--ckpt-format",
+                                       "torch_dist", "--moe-aux-loss-coeff", "0.01",
+                                       "--moe-ffn-hidden-size", "48"])
+    _convert(ckpt, tmp_path / "hf", "--dtype", "fp32")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["num_local_experts"], config["num_experts_per_tok"],
+            config["intermediate_size"], config["router_aux_loss_coef"],
+            config["num_key_value_heads"]) == (4, 2, 48, 0.01, 2)
+    from safetensors.torch import load_file
+
+    names = load_file(tmp_path / "hf" / "model.safetensors")
+    assert names["model.layers.1.block_sparse_moe.experts.3.w1.weight"].shape == (48, 64)
+    assert names["model.layers.1.block_sparse_moe.experts.3.w2.weight"].shape == (64, 48)
+    assert names["model.layers.1.block_sparse_moe.gate.weight"].shape == (4, 64)
+    _compare(tmp_path / "hf", tmp_path, "MixtralForCausalLM", vocab=128)
+
+
+def test_torch_format_with_expert_parallelism_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    """A --ckpt-format torch checkpoint written at --expert-model-parallel-size 2: each file
+    holds only its rank's experts; refused in one line naming the flag and torch_dist."""
+    from tools.checkpoint.convert_to_hf import ConversionError
+    from tools.checkpoint.megatron_checkpoint_reader import read_torch_format
+
+    args = argparse.Namespace(num_layers=2, tensor_model_parallel_size=1,
+                              pipeline_model_parallel_size=1, expert_model_parallel_size=2,
+                              num_experts=4)
+    torch.save({"args": args, "model": [{}]}, tmp_path / "mp_rank_00_000_dp_000.pt")
+    with pytest.raises(ConversionError, match=r"--expert-model-parallel-size 2 in --ckpt-format "
+                                              r"torch: .* export a --ckpt-format torch_dist"):
+        read_torch_format(str(tmp_path))
+
+
 # ----------------------------------------------------------------------------- units
 def test_split_qkv_follows_megatron_core_group_layout() -> None:
     """linear_qkv rows per query group g: [q heads of g, k_g, v_g] (megatron-core's
@@ -266,6 +306,15 @@ def test_gelu_flavour_follows_the_fusion_that_ran() -> None:
      "needs --normalization RMSNorm and --swiglu"),
     (dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
           rotary_percent=0.5), "--rotary-percent 0.5"),
+    (dict(num_experts=4), "--num-experts exports as Mixtral"),
+    (dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_experts=4,
+          add_bias_linear=False, moe_layer_freq=2), "--moe-layer-freq 2"),
+    (dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_experts=4,
+          add_bias_linear=False, moe_router_pre_softmax=True), "--moe-router-pre-softmax"),
+    (dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_experts=4,
+          add_bias_linear=False, moe_shared_expert_intermediate_size=64), "no shared expert"),
+    (dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_experts=4),
+     "Mixtral has no linear biases"),
 ])
 def test_unsupported_architectures_are_refused_naming_the_flag(flags, message) -> None:
     from tools.checkpoint.convert_to_hf import ConversionError, architecture
@@ -329,6 +378,7 @@ def _tiny_tokenizer(path: Path) -> None:
 # ----------------------------------------------------------------------------- torchrun side
 def _reference_logits(args: argparse.Namespace, model: List[torch.nn.Module], path: str) -> None:
     """Collective: the live model's logits on fixed tokens, computed by an fp32 twin."""
+    from hf_helpers import pipeline_logits
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
 
@@ -347,20 +397,10 @@ def _reference_logits(args: argparse.Namespace, model: List[torch.nn.Module], pa
     twin.eval()
     tokens = torch.randint(0, args.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(SEQ).unsqueeze(0).expand(2, -1)
-    with torch.no_grad():
-        if not ps.is_pipeline_first_stage():
-            hidden = torch.empty(SEQ, 2, args.hidden_size)
-            torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
-            twin.set_input_tensor(hidden)
-        out = twin(tokens, positions, None)
-        if not ps.is_pipeline_last_stage():
-            torch.distributed.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-            return
-        parts = [torch.empty_like(out) for _ in range(ps.get_tensor_model_parallel_world_size())]
-        torch.distributed.all_gather(parts, out.contiguous(),
-                                     group=ps.get_tensor_model_parallel_group())
-    if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
-        torch.save({"tokens": tokens, "logits": torch.cat(parts, dim=-1)}, path)
+    logits = pipeline_logits(twin, tokens, positions, args.hidden_size)
+    if (logits is not None and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank() == 0):
+        torch.save({"tokens": tokens, "logits": logits}, path)
 
 
 def _training_main(argv: List[str]) -> int:

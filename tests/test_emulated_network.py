@@ -915,3 +915,16 @@ def test_ring_volume_rs_in_megatron_ddp_bf16_overlap(tmp_path):
                     assert (ph, async_op, dtype, within) == (phase, True, "torch.bfloat16", True), \
                         (rank, algo, step)
                     assert amax > 0
+
+
+def test_moe_preset_trains_experts_over_their_own_group(emu, tmp_path):
+    """moe-small: 8 experts top-2 at EP 2 (one expert-DP rank per emulated node), every variant
+    with the same MoE flags; its size counts all experts."""
+    m = emu.MODEL_PRESETS["moe-small"]
+    dense = dict(m, num_experts=0)
+    assert emu.approx_gpt_params(**m) > 4 * emu.approx_gpt_params(**dense) - 4 * 8192 * 256
+    for variant in ("baseline", "sdp4bit-overlap"):
+        argv = emu.train_args(m, variant, 4, str(tmp_path / "x.jsonl"))
+        i = argv.index("--num-experts")
+        assert argv[i:i + 4] == ["--num-experts", "8", "--expert-model-parallel-size", "2"]
+        assert "--moe-token-dispatcher-type" in argv

@@ -205,7 +205,7 @@ def _agree_worker(rank: int, world: int, root: str, rank1_tracker: Optional[int]
     from megatron.training.checkpoint import discovery as checkpoint_discovery
 
     if rank == 1 and rank1_tracker is not None:   # a stale view: the newer folders unseen too
-        checkpoint_discovery.read_tracker = lambda load: rank1_tracker
+        checkpoint_discovery.tracker_entry = lambda load: rank1_tracker
         checkpoint_discovery._newer_complete_checkpoints = lambda root, iteration: []
     args = _args(Path(root) / ("missing" if rank == 1 and rank1_fails else "ckpt"))
     if rank == 1 and rank1_fails:

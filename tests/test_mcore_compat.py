@@ -559,3 +559,52 @@ def test_foreach_multi_tensor_ops_replace_megatron_cores_fallback(monkeypatch) -
     assert norm.item() == pytest.approx(2.0 * 7 ** 0.5)
     undo()
     assert clip_grads.l2_norm_impl is before
+
+
+def test_moe_router_reads_te_general_gemm_that_only_te_defines() -> None:
+    """megatron-core 0.16's router gating reads ``te_general_gemm`` unconditionally, a name its
+    module defines only with Transformer Engine: without TE the router fails until
+    :func:`install_moe_fixes` defines it as None (then the torch.mm branch runs)."""
+    import inspect
+
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.distributed.mcore_compat.moe import install_moe_fixes
+
+    assert "te_general_gemm is not None" in inspect.getsource(moe_utils.RouterGatingLinearFunction)
+    if getattr(moe_utils, "HAVE_TE", False):
+        pytest.skip("Transformer Engine installed: megatron-core defines the name itself")
+    had = "te_general_gemm" in vars(moe_utils)  # a model built in this process installed it
+    undo = install_moe_fixes(cpu=False)
+    try:
+        x, w = torch.randn(3, 4), torch.randn(2, 4)
+        out = moe_utils.router_gating_linear(x, w, None, torch.float32)
+        assert torch.equal(out, x @ w.t())
+    finally:
+        undo()
+    assert ("te_general_gemm" in vars(moe_utils)) == had
+
+
+def test_alltoall_dispatcher_splits_are_host_numpy_only_for_cuda_tensors() -> None:
+    """The alltoall token dispatcher hands ``maybe_move_tensor_to_cpu(..., as_numpy=True)``'s
+    result to ``all_to_all_single`` as split sizes; megatron-core converts CUDA tensors only, so
+    on CPU the wrapper of :func:`install_moe_fixes` returns numpy for host tensors too."""
+    import inspect
+
+    import numpy as np
+    from megatron.core.transformer.moe import token_dispatcher
+    from megatron.distributed.mcore_compat.moe import install_moe_fixes
+
+    assert "maybe_move_tensor_to_cpu(" in inspect.getsource(token_dispatcher)
+    splits = torch.tensor([3, 5])
+    current = token_dispatcher.maybe_move_tensor_to_cpu  # a model built here may have wrapped it
+    original = getattr(current, "__wrapped__", current)
+    assert torch.is_tensor(original(splits, as_numpy=True))  # megatron-core's: stays a tensor
+    undo = install_moe_fixes(cpu=True)
+    try:
+        moved = token_dispatcher.maybe_move_tensor_to_cpu(splits, as_numpy=True)
+        assert isinstance(moved, np.ndarray) and moved.tolist() == [3, 5]
+        assert install_moe_fixes(cpu=True) is not None  # idempotent: wraps once
+        assert not hasattr(token_dispatcher.maybe_move_tensor_to_cpu.__wrapped__, "__wrapped__")
+    finally:
+        undo()
+    assert token_dispatcher.maybe_move_tensor_to_cpu is current

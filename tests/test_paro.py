@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron.distributed.quant.paro import args as paro_args
+from megatron.distributed.quant import arguments as quant_args
 from megatron.distributed.quant.paro import comm as paro_comm
 from megatron.distributed.quant.paro import cost as paro_cost
 from megatron.distributed.quant.paro import strategy as paro_strategy
@@ -124,7 +124,7 @@ def test_group_size(monkeypatch):
 
 
 def test_add_paro_args():
-    parser = paro_args.add_paro_args(argparse.ArgumentParser())
+    parser = quant_args.add_paro_args(argparse.ArgumentParser())
     args = parser.parse_args(["--paro-strategy", "nig", "--paro-group-size", "4"])
     assert parse_paro_strategy(args.paro_strategy).name == "NIG"
     assert args.paro_group_size == 4

@@ -507,10 +507,11 @@ def _reserved(args: Any, memory_bytes: float) -> Tuple[float, str]:
     """``reserved_bytes_for_auto`` for the run these flags describe."""
     from megatron.distributed.quant import integration
     from megatron.distributed.quant.paro import integration as paro_integration
+    from megatron.training.components import activation_shape
 
     return paro_integration.reserved_bytes_for_auto(
         integration.build_quantization_config(args, frozenset()).paro, memory_bytes,
-        paro_integration.activation_bytes_estimate(args))
+        integration.activation_bytes_estimate(**activation_shape(args)))
 
 
 @pytest.fixture
@@ -532,10 +533,11 @@ def _choose(args: Any) -> Tuple[str, float]:
     from megatron.distributed.quant.paro.cost import StateBytes, model_state_memory
 
     from megatron.distributed.quant import integration
+    from megatron.training.components import activation_shape
 
     auto = paro_integration.resolve_auto_strategy(
         integration.build_quantization_config(args, frozenset()), 1.3e9,
-        paro_integration.activation_bytes_estimate(args))
+        integration.activation_bytes_estimate(**activation_shape(args)))
     mem = model_state_memory(auto.config.paro.strategy, 1.3e9, 16, 8,
                              state_bytes=StateBytes(param=2.0, grad=4.0)).total
     return auto.note, mem

@@ -132,9 +132,9 @@ def test_a_node_split_over_hosts_is_warned_about() -> None:
 def test_the_trainer_warns_at_startup(monkeypatch) -> None:
     """The single-hardware-queue warning (streams.py) and the runtime's placement notes reach
     the startup warnings; no queue warning where nothing overlaps or on the CPU."""
-    from megatron.distributed.quant import integration
+    from megatron.distributed.quant import chunks, integration
 
-    monkeypatch.setattr(integration, "nobody_to_talk_to", lambda: False)
+    monkeypatch.setattr(chunks, "nobody_to_talk_to", lambda: False)
 
     class Chunk(torch.nn.Module):
         quant_runtime = type("rt", (), {"startup_notes": ["placement note"]})()

@@ -26,7 +26,9 @@ from megatron.planner.timeline import (OPTIMIZER_BYTES_PER_ELEMENT, grad_bucket_
                                        two_lanes, weight_bucket_cost)
 from megatron.planner.variants import (parse_run_args, recipe_variant_flags,
                                                          strip_quantization_flags)
-from megatron.planner.workload import Workload, count_parameters
+from megatron.planner.workload import (Workload, count_parameters, moe_layer_pattern,
+                                       parameter_counts, set_default_ffn_hidden_size,
+                                       set_padded_vocab_size)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -553,3 +555,253 @@ def test_contention_is_at_worst_serial():
     # serial: two equal lanes at the bound take as long as one after the other
     half = Contention(compute=2.0, communication=2.0)
     assert two_lanes([1.0], [1.0], [-1], [-1], half) == pytest.approx((2.0, 2.0))
+
+
+# -- Mixture-of-Experts (issue 48) -----------------------------------------------------------------
+MOE_FLAGS = ["--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "8",
+             "--moe-token-dispatcher-type", "alltoall"]
+MIXTRAL_TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+                "--mock-data", "--vocab-size", "128", "--lr", "1e-4", "--train-iters", "1"]
+
+
+def _mcore_moe_counts(args, block_spec=False):
+    """(all, routed-expert) parameters of megatron-core's GPTModel built from ``args`` on a gloo
+    world of one (the sequential expert MLPs of the local spec; ``block_spec``: the decoder block
+    spec, which honours --moe-layer-freq)."""
+    import torch.nn.functional as F
+
+    from dist_harness import model_parallel_world_of_one
+
+    with model_parallel_world_of_one(seed=0):
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                              get_gpt_layer_local_spec)
+        from megatron.core.transformer import TransformerConfig
+
+        cfg = TransformerConfig(
+            num_layers=args.num_layers, hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            num_query_groups=args.num_query_groups if args.group_query_attention else None,
+            ffn_hidden_size=args.ffn_hidden_size, gated_linear_unit=args.swiglu,
+            activation_func=F.silu if args.swiglu else F.gelu,
+            add_bias_linear=args.add_bias_linear, normalization=args.normalization,
+            use_cpu_initialization=True, num_moe_experts=args.num_experts,
+            moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            moe_router_pre_softmax=args.moe_router_pre_softmax,
+            moe_layer_freq=args.moe_layer_freq, moe_grouped_gemm=False)
+        spec = (get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
+                                           normalization=args.normalization) if block_spec
+                else get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False,
+                                              normalization=args.normalization))
+        model = GPTModel(cfg, spec, vocab_size=args.padded_vocab_size,
+                         max_sequence_length=args.max_position_embeddings,
+                         position_embedding_type=args.position_embedding_type,
+                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+        named = list(model.named_parameters())
+    return (sum(p.numel() for _, p in named),
+            sum(p.numel() for n, p in named if ".experts." in n))
+
+
+MOE_MODELS = {
+    # Mixtral's shape: SwiGLU experts, RMSNorm, RoPE, GQA, untied, no biases
+    "mixtral": ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                "--group-query-attention", "--num-query-groups", "2",
+                "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+                "--ffn-hidden-size", "96", "--num-experts", "4", "--moe-ffn-hidden-size", "40"],
+    # GPT's: plain MLP experts with biases (the router then has one too), LayerNorm, tied
+    "gpt-biases": ["--num-experts", "4", "--moe-router-topk", "1", "--moe-router-pre-softmax"],
+    # a shared expert beside the routed ones (bias-free, as megatron-core requires)
+    "shared": ["--swiglu", "--disable-bias-linear", "--num-experts", "4",
+               "--moe-shared-expert-intermediate-size", "24"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_MODELS))
+def test_moe_parameter_count_is_megatron_cores(name):
+    args = parse_run_args(MIXTRAL_TINY + MOE_MODELS[name])
+    args.padded_vocab_size = 128
+    set_default_ffn_hidden_size(args)
+    args.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size   # the trainer's rule
+    total, expert = _mcore_moe_counts(args)
+    c = parameter_counts(args)
+    assert (c.total, c.expert) == (total, expert) and count_parameters(args) == total
+    assert c.active == c.dense + c.expert * args.moe_router_topk // args.num_experts
+
+
+def test_moe_layer_freq_is_megatron_cores():
+    """--moe-layer-freq as a list (Megatron-LM's string) and as an int: the dense layers keep
+    the --ffn-hidden-size MLP, as megatron-core's decoder block spec builds them."""
+    for freq in ("([0]*1+[1]*2)", "2"):
+        args = parse_run_args(MIXTRAL_TINY[:1] + ["3"] + MIXTRAL_TINY[2:] + [
+            "--swiglu", "--disable-bias-linear", "--num-experts", "4", "--moe-layer-freq", freq])
+        args.padded_vocab_size = 128
+        set_default_ffn_hidden_size(args)
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+        assert moe_layer_pattern(args) == ([False, True, True] if "[" in freq else [True, False, True])
+        assert (count_parameters(args), parameter_counts(args).expert) == _mcore_moe_counts(
+            args, block_spec=True), freq
+    dense = parse_run_args(MIXTRAL_TINY)
+    assert moe_layer_pattern(dense) == [False, False]
+
+
+def test_moe_flops_follow_the_active_parameters():
+    from megatron.training.model.flops import training_flops_per_iteration
+
+    dense = parse_run_args(GPT_1_3B + ["--swiglu", "--group-query-attention", "--num-query-groups", "4"])
+    set_padded_vocab_size(dense)
+    set_default_ffn_hidden_size(dense)
+    assert (training_flops_per_iteration(dense)
+            == training_flops_per_iteration(dense_like(dense)))
+    args = parse_run_args(GPT_1_3B + ["--swiglu", "--num-experts", "8", "--moe-router-topk", "2",
+                                      "--moe-ffn-hidden-size", "1024",
+                                      "--moe-shared-expert-intermediate-size", "512"])
+    set_padded_vocab_size(args)
+    set_default_ffn_hidden_size(args)
+    h, f, tokens = 2048, args.ffn_hidden_size, 16 * 2048
+    # each of the 24 layers: its MLP (3 h f) replaced by the router and what a token meets
+    extra = 24 * (h * 8 + 2 * 3 * h * 1024 + 3 * h * 512 - 3 * h * f)
+    assert training_flops_per_iteration(args) == pytest.approx(
+        training_flops_per_iteration(dense_like(args)) + 6 * extra * tokens)
+    # 8 experts top-8 of width f/8 (+ router): the dense model's MLP FLOPs
+    even = parse_run_args(GPT_1_3B + ["--swiglu", "--num-experts", "8", "--moe-router-topk", "8",
+                                      "--moe-ffn-hidden-size", str(args.ffn_hidden_size // 8)])
+    set_padded_vocab_size(even)
+    set_default_ffn_hidden_size(even)
+    assert args.ffn_hidden_size % 8 == 0
+    assert training_flops_per_iteration(even) == pytest.approx(
+        training_flops_per_iteration(dense_like(even)) + 6 * 24 * h * 8 * tokens)
+
+
+def dense_like(args):
+    """``args`` without the MoE flags."""
+    import argparse
+
+    out = argparse.Namespace(**vars(args))
+    out.num_experts = None
+    return out
+
+
+def _moe_work(nodes, gpn, ep, extra=(), experts=8):
+    args = parse_run_args(GPT_1_3B[:12] + ["--global-batch-size", str(nodes * gpn)] + GPT_1_3B[14:]
+                          + ["--swiglu", "--num-experts", str(experts), "--expert-model-parallel-size",
+                             str(ep), "--moe-ffn-hidden-size", "1024"] + list(extra))
+    return Workload.from_args(args, _cluster(nodes=nodes, gpn=gpn)), args
+
+
+def test_moe_layout_dense_and_expert_groups():
+    # EP 8 in a node of 8: one expert-DP rank per node, the group spans every node
+    w, args = _moe_work(16, 8, 8)
+    c = parameter_counts(args)
+    assert (w.dp, w.dp_per_node, w.dp_nodes) == (128, 8, 16)
+    assert (w.ep, w.expert_dp, w.expert_dp_per_node, w.expert_dp_nodes) == (8, 16, 1, 16)
+    assert w.rank_expert_parameters == c.expert // 8 and w.rank_dense_parameters == c.dense
+    assert sum(w.expert_buckets) == w.rank_expert_parameters and sum(w.buckets) == c.dense
+    assert w.parameters == c.total and w.compute_parameters == c.active
+    # EP 4 on 2 nodes of 8: expert-DP 4, two of them per node
+    w4, _ = _moe_work(2, 8, 4)
+    assert (w4.expert_dp, w4.expert_dp_per_node, w4.expert_dp_nodes) == (4, 2, 2)
+    # EP 16 across two nodes of 8 (D divides EP): one per node
+    w16, _ = _moe_work(4, 8, 16, experts=16)
+    assert (w16.expert_dp, w16.expert_dp_per_node, w16.expert_dp_nodes) == (2, 1, 2)
+    # EP 1: the experts are dense parameters, no expert buffers
+    w1, _ = _moe_work(2, 8, 1)
+    assert w1.expert_buckets == () and w1.rank_parameters == c.total == sum(w1.buckets)
+    for ep, match in ((3, "does not divide the data-parallel"), (16, "does not divide --num-experts")):
+        with pytest.raises(ValueError, match=match):
+            _moe_work(2, 8, ep)
+    with pytest.raises(ValueError, match="different number of ranks on each node"):
+        _moe_work(2, 6, 4)   # 6 DP ranks per node, EP 4: 2 or 1 of a group on a node
+
+
+def test_moe_bytes_per_group_are_the_collectives_accounting():
+    """Dense buffers over the data-parallel group, expert buffers over the expert-data-parallel
+    group, each recorded as its collectives record it; with EP 8 of a node the expert group has
+    one rank per node, so its bytes all cross nodes."""
+    from megatron.planner.timeline import _record_bytes, padded_buckets
+
+    for quant in ((), ("--quantized-gradients", "--quantized-weights", "--hadamard-transform")):
+        w, args = _moe_work(4, 8, 8, quant)
+        cfg = QuantizationConfig.from_args(args)
+        p = predict("x", w, cfg, _rates())
+        eb = padded_buckets(w, cfg, expert=True)
+        assert len(eb) == len(w.expert_buckets) and all(x >= y for x, y in zip(eb, w.expert_buckets))
+        ex = _record_bytes(w, cfg, eb, w.expert_group)
+        de = _record_bytes(w, cfg, padded_buckets(w, cfg))
+        assert p.bytes_per_link == {"intra": de["intra"], "inter": de["inter"],
+                                    "expert_intra": ex["intra"], "expert_inter": ex["inter"]}
+        assert p.bytes_per_link["expert_intra"] == 0 and p.bytes_per_link["expert_inter"] > 0
+        # the same buckets over a group of 4 nodes, one rank each, recorded by hand
+        acc = CommAccounting()
+        in_bytes = w.grad_bytes(cfg.grad_accum_dtype)
+        for i, n in enumerate(eb):
+            if cfg.quantized_gradients:
+                acc.record_two_level_reduce_scatter(f"g{i}", numel=n - n % 4, elem_size=in_bytes,
+                                                    dp_size=4, intra_size=1,
+                                                    intra=cfg.gradient_intra_hop,
+                                                    inter=cfg.gradient_inter_hop)
+            else:
+                acc.record_baseline(f"g{i}", kind="grad", numel=n - n % 4, elem_size=in_bytes,
+                                    dp_size=4, peers_intra=0, peers_inter=3)
+        grad = acc.totals()["grad"]["inter"]
+        assert grad["bytes" if quant else "baseline_bytes"] <= ex["inter"]
+    # a dense model and EP 1 have no expert bytes, and the table no expert columns
+    w1, args1 = _moe_work(2, 8, 1)
+    p1 = predict("baseline", w1, QuantizationConfig.from_args(args1), _rates())
+    assert p1.bytes_per_link["expert_inter"] == p1.bytes_per_link["expert_intra"] == 0
+    from megatron.planner.report import format_table
+
+    assert "expert inter" not in format_table([p1]) and "expert inter" in format_table([p])
+
+
+def test_moe_memory_divides_experts_by_ep_and_their_states_by_expert_dp():
+    w, args = _moe_work(4, 8, 8)
+    w1, _ = _moe_work(4, 8, 1)
+    cfg = QuantizationConfig()
+    c = parameter_counts(args)
+    m8, m1 = predict("b", w, cfg, _rates()).memory_bytes, predict("b", w1, cfg, _rates()).memory_bytes
+    # EP 8 holds 1/8 of the experts (6 bytes each: bf16 weight, fp32 gradient) but shards their
+    # 12 bytes of optimizer state over 4 expert-DP ranks instead of 32 DP ranks
+    expect = (6 * (c.expert / 8 - c.expert) + 12 * (c.expert / 8 / 4 - c.expert / 32))
+    assert m8 - m1 == pytest.approx(expect, rel=1e-6)
+
+
+def test_moe_overlap_queues_both_buffers_in_backward_order():
+    """With a long backward only what fills last is exposed: the last bucket of each buffer, both
+    full when the backward ends (the first layers'), one after the other."""
+    from megatron.planner.timeline import padded_buckets
+
+    w, args = _moe_work(4, 8, 8, ["--overlap-grad-reduce", "--ddp-bucket-size", "20000000"])
+    cfg = QuantizationConfig.from_args(args)
+    assert len(w.buckets) > 2 and len(w.expert_buckets) > 2
+    slow = predict("b", w, cfg, _rates(tflops=0.01))
+    last = (grad_bucket_cost(padded_buckets(w, cfg)[-1], w, cfg, _rates()).seconds
+            + grad_bucket_cost(padded_buckets(w, cfg, expert=True)[-1], w, cfg, _rates(),
+                               w.expert_group).seconds)
+    assert slow.grad_exposed_s == pytest.approx(last)
+    fast = predict("b", w, cfg, _rates(tflops=1e6))   # a backward of the EP all-to-alls only
+    backward = 2 * fast.compute_s / 3
+    assert fast.grad_total_s - backward - 1e-12 <= fast.grad_exposed_s < fast.grad_total_s
+    assert fast.grad_total_s == pytest.approx(
+        sum(grad_bucket_cost(n, w, cfg, _rates()).seconds for n in w.buckets)
+        + sum(grad_bucket_cost(n, w, cfg, _rates(), w.expert_group).seconds for n in w.expert_buckets))
+
+
+def test_the_tool_plans_the_moe_recipe():
+    out = _tool("--recipe", "examples/moe/run_8x0.8b.sh", "--nodes", "16", "--gpus-per-node", "8",
+                "--inter-gbit", "100", "--paro")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert ("EP 8: expert buffers over expert-DP 16 (D=1 per node x M=16 nodes)" in out.stdout
+            and "2.09B active" in out.stdout), out.stdout
+    head = next(line for line in out.stdout.splitlines() if line.startswith("| variant"))
+    assert "| expert inter MB/GPU | expert intra MB/GPU |" in head
+    rows = {line.split("|")[1].strip(): line.split("|") for line in out.stdout.splitlines()
+            if line.startswith("| ") and "variant" not in line}
+    assert {"baseline", "SDP4Bit", "TLq-HS", "qWD", "SDP4Bit+LoCo"} <= set(rows)
+    ms = {k: float(v[2]) for k, v in rows.items() if "n/a" not in v[2]}
+    assert ms["SDP4Bit"] < ms["TLq-HS"] < ms["baseline"]
+    expert_inter = {k: float(rows[k][12]) for k in ("baseline", "SDP4Bit")}
+    assert expert_inter["SDP4Bit"] < expert_inter["baseline"] / 4
+    assert "engine does not shard expert parameters" in rows["PaRO GGG"][2]
+    assert "recommended: SDP4Bit" in out.stdout

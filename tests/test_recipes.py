@@ -1,4 +1,4 @@
-"""examples/sdp4bit, examples/loco recipes and examples/quickstart.sh.
+"""examples/sdp4bit, examples/loco, examples/moe recipes and examples/quickstart.sh.
 
 * every script passes ``bash -n``;
 * ECHO_ONLY=1 prints the launch command without running it: the flags are checked exactly
@@ -29,8 +29,12 @@ LOCO = {  # script -> (layers, hidden, heads, ffn)
     "examples/loco/run_0.8b.sh": (24, 1536, 12, 4096),
     "examples/loco/run_8b.sh": (32, 4096, 32, 11008),
 }
-ALL_SCRIPTS = list(SDP) + list(LOCO) + ["examples/sdp4bit/common.sh", "examples/quickstart.sh",
-                                        "examples/sdp4bit/sbatch_elastic.sh"]
+MOE = {  # script -> (layers, hidden, heads, query groups, ffn, lr, min lr, micro batch)
+    "examples/moe/run_8x0.8b.sh": (24, 2048, 16, 8, 5632, "3e-4", "3e-5", 2),
+}
+ALL_SCRIPTS = list(SDP) + list(LOCO) + list(MOE) + [
+    "examples/sdp4bit/common.sh", "examples/moe/common.sh", "examples/quickstart.sh",
+    "examples/sdp4bit/sbatch_elastic.sh"]
 
 QWD = ["--quantized-weights", "--weight-quantization-bits", "4", "--wq-group-size", "2048"]
 TLQ = ["--quantized-gradients", "--gq-group-size-inter", "128", "--gradient-quantization-bits-inter", "4",
@@ -55,7 +59,8 @@ LOCO_FLAGS = ["--quantized-gradients", "--gradient-quantization-bits-intra", "4"
 def _env(**kw):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "MASTER_", "NNODES", "NODE_RANK", "GPUS_PER_NODE", "WORLD_SIZE",
-                                "RANK", "LOCAL_", "VARIANT", "LOCO", "DATA_PATH", "RUN_DIR", "TORCHRUN"))}
+                                "RANK", "LOCAL_", "VARIANT", "LOCO", "DATA_PATH", "RUN_DIR", "TORCHRUN",
+                                "EP", "TOPK", "NUM_EXPERTS", "GROUPED_GEMM", "TP"))}
     env.update({k: str(v) for k, v in kw.items()})
     return env
 
@@ -190,6 +195,71 @@ def test_recipe_args_pass_trainer_validation():
             assert not q.enabled and not q.loco
 
 
+MOE_ARGS = ["--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "8",
+            "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
+            "--moe-token-dispatcher-type", "alltoall"]
+
+
+@pytest.mark.parametrize("script", list(MOE))
+def test_moe_commands(script):
+    """The Mixtral-style MoE recipe: its model card, the MoE flags, and VARIANT's quantization
+    flags exactly as the dense recipes'."""
+    layers, hidden, heads, groups, ffn, lr, min_lr, mbs = MOE[script]
+    for variant, flags in VARIANTS.items():
+        cmd = _echo(script, "--extra-flag-for-test", VARIANT=variant, DRY_RUN=1, DATA_PATH="mock")
+        assert cmd[:2] == ["python", "pretrain_gpt.py"] and cmd[-1] == "--dry-run"
+        assert _quant_part(cmd) == flags, variant
+        assert cmd[-2] == "--extra-flag-for-test"
+        i = cmd.index("--num-experts")
+        assert cmd[i:i + len(MOE_ARGS)] == MOE_ARGS
+        assert [_opt(cmd, f) for f in ("--num-layers", "--hidden-size", "--num-attention-heads",
+                                        "--num-query-groups", "--ffn-hidden-size", "--seq-length")] == \
+            [str(layers), str(hidden), str(heads), str(groups), str(ffn), "2048"]
+        assert (_opt(cmd, "--lr"), _opt(cmd, "--min-lr"), _opt(cmd, "--micro-batch-size")) == (lr, min_lr, str(mbs))
+        assert (_opt(cmd, "--normalization"), _opt(cmd, "--position-embedding-type"),
+                _opt(cmd, "--rotary-base")) == ("RMSNorm", "rope", "1000000")
+        for flag in ("--swiglu", "--group-query-attention", "--untie-embeddings-and-output-weights",
+                     "--disable-bias-linear", "--bf16", "--use-distributed-optimizer",
+                     "--overlap-grad-reduce", "--mock-data"):
+            assert flag in cmd, flag
+        for flag in ("--moe-grouped-gemm", "--sequence-parallel", "--data-path"):
+            assert flag not in cmd, flag
+        assert _opt(cmd, "--save") == f"runs/moe/mixtral-8x0.8b-{variant}/checkpoints"
+    # the knobs: EP, top-k, grouped GEMM where installed, TP (with sequence parallelism)
+    cmd = _echo(script, EP=4, TOPK=1, GROUPED_GEMM=1, TP=2, DATA_PATH="mock", NNODES=2, GPUS_PER_NODE=8)
+    assert cmd[0] == "torchrun" and _opt(cmd, "--nnodes") == "2"
+    assert (_opt(cmd, "--expert-model-parallel-size"), _opt(cmd, "--moe-router-topk"),
+            _opt(cmd, "--tensor-model-parallel-size")) == ("4", "1", "2")
+    assert "--moe-grouped-gemm" in cmd and "--sequence-parallel" in cmd
+    for bad, why in (({"VARIANT": "fp4"}, "unknown VARIANT"), ({"GROUPED_GEMM": "yes"}, "GROUPED_GEMM")):
+        r = _run(script, ECHO_ONLY=1, DATA_PATH="mock", **bad)
+        assert r.returncode != 0 and why in r.stderr, r.stderr
+
+
+def test_moe_recipe_args_pass_trainer_validation(monkeypatch, capsys):
+    """The MoE recipe's argument list parses and validates with the trainer's parser for the
+    launch's world: one node of 8 (EP 8, expert-data-parallel 1) and 16 nodes; on fewer ranks
+    than EP the trainer refuses it naming the flag."""
+    from megatron.training.arguments import parse_args
+
+    for nodes in (1, 16):
+        monkeypatch.setenv("WORLD_SIZE", str(8 * nodes))
+        for variant in ("baseline", "sdp4bit"):
+            cmd = _echo("examples/moe/run_8x0.8b.sh", DRY_RUN=1, DATA_PATH="mock", VARIANT=variant,
+                        NNODES=nodes, GPUS_PER_NODE=8)
+            args = parse_args(cmd[cmd.index("pretrain_gpt.py") + 1:])
+            assert (args.num_experts, args.expert_model_parallel_size, args.moe_router_topk) == (8, 8, 2)
+            assert (args.moe_token_dispatcher_type, args.moe_ffn_hidden_size) == ("alltoall", 5632)
+            assert args.moe_router_load_balancing_type == "aux_loss" and args.moe_aux_loss_coeff == 0.01
+            assert args.quant_config.quantized_gradients == (variant == "sdp4bit")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cmd = _echo("examples/moe/run_8x0.8b.sh", DRY_RUN=1, DATA_PATH="mock")
+    with pytest.raises(SystemExit):
+        parse_args(cmd[cmd.index("pretrain_gpt.py") + 1:])
+    assert "--expert-model-parallel-size 8 does not divide the data-parallel size 4" in \
+        capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------------
 # DRY_RUN=1: the real pretrain_gpt.py --dry-run
 # ------------------------------------------------------------------------------------------------
@@ -248,6 +318,12 @@ DRY_RUN_CASES = [
                                       "GPUS_PER_NODE": "4"},
      {"world_size": 8, "data_parallel_size": 2, "tensor_model_parallel_size": 4,
       "quantized_gradients": True}),
+    # the MoE recipe on its node of 8: EP 8, expert-data-parallel 1; quantized dense and expert
+    # buffers
+    ("examples/moe/run_8x0.8b.sh", {"VARIANT": "sdp4bit"},
+     {"world_size": 8, "num_moe_experts": 8, "expert_model_parallel_size": 8, "moe_router_topk": 2,
+      "moe_token_dispatcher_type": "alltoall", "moe_ffn_hidden_size": 5632,
+      "quantized_gradients": True, "quantized_weights": True, "hadamard_transform": True}),
 ]
 
 
@@ -271,7 +347,7 @@ README_DRY_RUN = "DRY_RUN=1 bash examples/sdp4bit/run_6.7b.sh"
 DRY_RUN_MOCK_NOTE = "[recipe] note: DRY_RUN=1 without DATA_PATH: using DATA_PATH=mock"
 
 
-@pytest.mark.parametrize("script", list(SDP) + list(LOCO))
+@pytest.mark.parametrize("script", list(SDP) + list(LOCO) + list(MOE))
 def test_dry_run_without_data_path_uses_mock_data(script):
     """DRY_RUN=1 needs no corpus or tokenizer files: with DATA_PATH unset it means mock data."""
     r = _run(script, DRY_RUN=1, ECHO_ONLY=1)  # _env() drops DATA_PATH from the environment

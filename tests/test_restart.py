@@ -222,8 +222,8 @@ def test_a_lost_node_resumes_on_the_remaining_one_with_dp_halved(tmp_path: Path)
     assert lost_rc == -signal.SIGKILL, logs[1].read_text()[-3000:]
     assert kept_rc == 0, kept[-5000:]
     second = kept[kept.index(" > attempt 2 of run shrink"):]
-    assert ("written with TP=1, PP=1, DP=4; this run has TP=1, PP=1, DP=2: model and optimizer "
-            "states resharded") in second, second[-3000:]
+    assert ("written with TP=1, PP=1, DP=4, EP=1; this run has TP=1, PP=1, DP=2, EP=1: model "
+            "and optimizer states resharded") in second, second[-3000:]
     assert f"loaded checkpoint from {ckpt} at iteration 3" in second
     assert f" > attempt 2 resumes from the checkpoint of iteration 3 in {ckpt}" in second
     records = [r for r in map(json.loads, log.read_text().splitlines()) if r["type"] == "train"]

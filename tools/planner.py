@@ -6,7 +6,10 @@ Plan a recipe on 16 nodes x 8 GPUs with 100 Gbit/s per node (no GPU needed):
     python tools/planner.py --recipe examples/sdp4bit/run_1.3b.sh --nodes 16 --gpus-per-node 8 \\
         --inter-gbit 100
 
-or any ``pretrain_gpt.py`` flags after ``--``. Rates default to the project's H200 measurements;
+or any ``pretrain_gpt.py`` flags after ``--``. An MoE run (``--num-experts``, e.g.
+``examples/moe/run_8x0.8b.sh``) is planned with its active parameters' FLOPs and, with
+``--expert-model-parallel-size`` > 1, its expert buffers over the expert-data-parallel group (the
+``expert`` columns). Rates default to the project's H200 measurements;
 ``--compute-json`` / ``--kernels-json`` take ``bench/gpu_throughput.py --out`` / ``bench/bench_quant.py
 --json`` files, ``--gpu A100`` carries them to another GPU by the ratio of peaks. On the real
 cluster, measure the links, kernels and compute of the launch and what overlap costs (about a

@@ -69,7 +69,14 @@ MODEL_PRESETS: Dict[str, Dict[str, int]] = {
     "tiny": dict(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=8, vocab_size=8192),     # ~3.7M
     "small": dict(num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=8, vocab_size=8192),    # ~16.8M
     "medium": dict(num_layers=6, hidden_size=640, num_attention_heads=10, seq_length=8, vocab_size=8192),  # ~34.8M
+    # Mixtral-style: 8 experts (MLP 4h) top-2, EP 2 (on 2 nodes x 2 the expert-DP group has one
+    # rank per node, as EP 8 on 8-GPU nodes): ~20.0M params, ~7.3M active per token
+    "moe-small": dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=8,
+                      vocab_size=8192, num_experts=8, expert_model_parallel_size=2),
 }
+MOE_FLAGS = ["--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+             "--moe-token-dispatcher-type", "alltoall"]
+"""The router of the MoE presets (besides --num-experts / --expert-model-parallel-size)."""
 
 # --- variants ------------------------------------------------------------------------------------
 # SDP4Bit as in the paper: TLq-HS 8-bit intra / 4-bit inter gradients (group 128/128, Hadamard)
@@ -152,11 +159,14 @@ def variant_script(variant: str, bf16_rs_algo: str = DEFAULT_BF16_RS_ALGO) -> Li
 
 
 def approx_gpt_params(num_layers: int, hidden_size: int, vocab_size: int, seq_length: int,
-                      untied: bool = False, **_: int) -> int:
+                      untied: bool = False, num_experts: int = 0, **_: int) -> int:
     """Parameter count of a Megatron GPT (12h^2+13h per layer, embeddings, final LN; the output
-    layer shares the word embeddings unless ``untied``, Megatron's default)."""
+    layer shares the word embeddings unless ``untied``, Megatron's default); with
+    ``num_experts`` E each layer's MLP (8h^2+5h) is E of them plus the router (h x E)."""
     h = hidden_size
     per_layer = 12 * h * h + 13 * h
+    if num_experts:
+        per_layer += (num_experts - 1) * (8 * h * h + 5 * h) + h * num_experts
     emb = vocab_size * h + seq_length * h
     return num_layers * per_layer + emb + 2 * h + (vocab_size * h if untied else 0)
 
@@ -223,6 +233,9 @@ def train_args(model: Dict[str, int], variant: str, iters: int, jsonl: str,
         "--train-iters", str(iters), "--lr", "1e-4", "--eval-iters", "0",
         "--log-interval", "1", "--jsonl-log", jsonl,
     ]
+    if m.get("num_experts"):
+        args += ["--num-experts", str(m["num_experts"]), "--expert-model-parallel-size",
+                 str(m["expert_model_parallel_size"]), *MOE_FLAGS]
     return args + flags + list(extra)
 
 
@@ -851,9 +864,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         rows, strongest, limit_ran = built["rows"], built["strongest"], built["limit_ran"]
         unit = "ms/iter"
         m = model
+        moe = (f", {m['num_experts']} experts top-2 (EP {m['expert_model_parallel_size']}, "
+               f"alltoall)" if m.get("num_experts") else "")
         what = (f"pretrain_gpt.py, GPT {args.model}: {m['num_layers']} layers, hidden "
                 f"{m['hidden_size']}, {m['num_attention_heads']} heads, seq {m['seq_length']}, vocab "
-                f"{m['vocab_size']} (~{nparams / 1e6:.1f}M params), micro-batch "
+                f"{m['vocab_size']}{moe} (~{nparams / 1e6:.1f}M params), micro-batch "
                 f"{args.micro_batch_size}, global batch {args.micro_batch_size * topo.world}")
         knobs = [f"bucket size {args.bucket_size:,} elements (baseline-bf16, sdp4bit-overlap, limit)"]
         if any(v in ("sdp4bit-overlap", *UNLIMITED_VARIANTS) for v in variants):

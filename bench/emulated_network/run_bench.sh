@@ -9,7 +9,8 @@
 # Knobs (environment):
 #   BANDWIDTH  link rate per direction, tc syntax (default 1gbit)
 #   LATENCY    one-way delay per end (default 1ms; only applied where sch_netem exists)
-#   MODEL      tiny | small | medium GPT preset (default small, ~16.8M params; medium ~34.8M; seq 8, micro-batch 1)
+#   MODEL      tiny | small | medium | moe-small GPT preset (default small, ~16.8M params; medium ~34.8M;
+#              moe-small: 8 experts top-2 at EP 2, ~20.0M; seq 8, micro-batch 1)
 #   SEQ        override the preset's sequence length
 #   MODE       train (pretrain_gpt.py) | collectives (bench_collectives.py)   (default train)
 #   VARIANTS   run in this order, in one invocation. train default:

@@ -39,11 +39,16 @@ def _mb(x: float) -> str:
 
 
 def format_table(rows: Sequence[Prediction], skipped: Sequence[Tuple[str, str]] = ()) -> str:
-    """A markdown table, one row per variant."""
+    """A markdown table, one row per variant; an MoE run with expert buffers (EP > 1) gets their
+    bytes per link in columns of their own (``expert inter``, ``expert intra``) beside the dense
+    buffers'."""
     base = next((r for r in rows if r.variant == "baseline"), None)
+    experts = any(r.bytes_per_link.get("expert_inter", 0) or r.bytes_per_link.get("expert_intra", 0)
+                  for r in rows)
     head = ("| variant | ms/iter | TFLOP/s/GPU | vs baseline | compute ms | grad exposed ms | "
             "weight exposed ms | optimizer ms | contention ms | inter MB/GPU | "
-            "intra MB/GPU | memory GiB/GPU |")
+            "intra MB/GPU | " + ("expert inter MB/GPU | expert intra MB/GPU | " if experts else "")
+            + "memory GiB/GPU |")
     columns = head.count("|") - 1
     lines: List[str] = [head, "|---|" + "---:|" * (columns - 1)]
     for r in rows:
@@ -53,7 +58,9 @@ def format_table(rows: Sequence[Prediction], skipped: Sequence[Tuple[str, str]] 
             f"{1e3 * r.compute_s:.1f} | {1e3 * r.grad_exposed_s:.1f} | {1e3 * r.weight_exposed_s:.1f} | "
             f"{1e3 * r.optimizer_s:.1f} | {1e3 * r.contention_s:.1f} | "
             f"{_mb(r.bytes_per_link['inter'])} | {_mb(r.bytes_per_link['intra'])} | "
-            f"{r.memory_bytes / 2**30:.1f} |")
+            + (f"{_mb(r.bytes_per_link.get('expert_inter', 0.0))} | "
+               f"{_mb(r.bytes_per_link.get('expert_intra', 0.0))} | " if experts else "")
+            + f"{r.memory_bytes / 2**30:.1f} |")
     for label, why in skipped:
         lines.append(f"| {label} | n/a: {why} |" + " |" * (columns - 2))
     return "\n".join(lines)

@@ -23,7 +23,7 @@ from megatron.distributed.quant.kernels.reference import QuantizedTensor
 from megatron.distributed.quant.memory import layer_memory
 from .calibration import Contention, DeviceRates
 from .cluster import all_reduce_time, all_to_all_time, p2p_time, ring_time
-from .workload import Workload
+from .workload import DPGroup, Workload, moe_layer_pattern
 
 __all__ = ["BucketCost", "Prediction", "predict", "two_lanes", "OPTIMIZER_BYTES_PER_ELEMENT",
            "LOCO_BYTES_PER_ELEMENT"]
@@ -70,7 +70,9 @@ class Prediction:
     weight_total_s: float
     """Every bucket's weight gather, hidden or not."""
     bytes_per_link: Dict[str, float]
-    """Bytes one rank sends per iteration, 'intra' and 'inter' (gradients + weights)."""
+    """Bytes one rank sends per iteration, 'intra' and 'inter' (gradients + weights) for its dense
+    buffers over the data-parallel group, 'expert_intra' and 'expert_inter' for its expert
+    buffers over the expert-data-parallel group (0 for a dense model or EP 1)."""
     memory_bytes: float
     """Model states + the quantized layer's buffers + activations, one GPU."""
     notes: List[str] = field(default_factory=list)
@@ -89,10 +91,13 @@ def _wire(numel: float, bits: int, group_size: int) -> float:
     return QuantizedTensor.wire_bytes(int(numel), bits, group_size)
 
 
-def grad_bucket_cost(n: int, w: Workload, cfg: QuantizationConfig, rates: DeviceRates) -> BucketCost:
-    """One bucket's gradient reduce-scatter (module docstring)."""
+def grad_bucket_cost(n: int, w: Workload, cfg: QuantizationConfig, rates: DeviceRates,
+                     group: Optional[DPGroup] = None) -> BucketCost:
+    """One bucket's gradient reduce-scatter (module docstring) over ``group`` (default the dense
+    data-parallel group; an MoE run's expert buffers: ``w.expert_group``)."""
     cl = w.cluster
-    p, d, m = w.dp, w.dp_per_node, w.dp_nodes
+    g = group or w.dense_group
+    p, d, m = g.size, g.per_node, g.nodes
     groups_per_node = max(1, cl.gpus_per_node // d)
     in_bytes = w.grad_bytes(cfg.grad_accum_dtype)
     if p == 1:
@@ -132,10 +137,13 @@ def grad_bucket_cost(n: int, w: Workload, cfg: QuantizationConfig, rates: Device
     return BucketCost(hop1 + loco + pipelined, hop1 + loco + k * chunk_kernels)
 
 
-def weight_bucket_cost(n: int, w: Workload, cfg: QuantizationConfig, rates: DeviceRates) -> BucketCost:
-    """One bucket's parameter all-gather after the step."""
+def weight_bucket_cost(n: int, w: Workload, cfg: QuantizationConfig, rates: DeviceRates,
+                       group: Optional[DPGroup] = None) -> BucketCost:
+    """One bucket's parameter all-gather after the step, over ``group`` (as
+    :func:`grad_bucket_cost`)."""
     cl = w.cluster
-    p, d, m = w.dp, w.dp_per_node, w.dp_nodes
+    g = group or w.dense_group
+    p, d, m = g.size, g.per_node, g.nodes
     groups_per_node = max(1, cl.gpus_per_node // d)
     if p == 1:
         return BucketCost(0.0)
@@ -156,21 +164,25 @@ def weight_bucket_cost(n: int, w: Workload, cfg: QuantizationConfig, rates: Devi
     return BucketCost(send + gather + recv, send + recv)
 
 
-def padded_buckets(w: Workload, cfg: QuantizationConfig) -> Tuple[int, ...]:
-    """The buckets as the quantized layer pads them (whole quantization groups per shard)."""
-    if not cfg.enabled or w.dp == 1:
-        return w.buckets
+def padded_buckets(w: Workload, cfg: QuantizationConfig, expert: bool = False) -> Tuple[int, ...]:
+    """The buckets as the quantized layer pads them (whole quantization groups per shard): the
+    dense buffers', or with ``expert`` the expert buffers' over their own group."""
+    buckets, g = (w.expert_buckets, w.expert_group) if expert else (w.buckets, w.dense_group)
+    if not cfg.enabled or g.size == 1:
+        return buckets
     from megatron.distributed.quant.collectives.common import required_padding_multiple_from_config
 
-    mult = required_padding_multiple_from_config(cfg, w.dp, w.dp_per_node)
-    return tuple(-(-n // mult) * mult for n in w.buckets)
+    mult = required_padding_multiple_from_config(cfg, g.size, g.per_node)
+    return tuple(-(-n // mult) * mult for n in buckets)
 
 
-def _record_bytes(w: Workload, cfg: QuantizationConfig, buckets: Sequence[int]) -> Dict[str, float]:
-    """Per-rank bytes on each link per iteration (``buckets`` padded as the layer pads them),
-    through the collectives' own accounting calls."""
+def _record_bytes(w: Workload, cfg: QuantizationConfig, buckets: Sequence[int],
+                  group: Optional[DPGroup] = None) -> Dict[str, float]:
+    """Per-rank bytes on each link per iteration (``buckets`` padded as the layer pads them) over
+    ``group`` (default the dense one), through the collectives' own accounting calls."""
     acc = CommAccounting()
-    p, d = w.dp, w.dp_per_node
+    g = group or w.dense_group
+    p, d = g.size, g.per_node
     if p > 1:
         in_bytes = w.grad_bytes(cfg.grad_accum_dtype)
         for i, n in enumerate(buckets):
@@ -198,23 +210,38 @@ def _record_bytes(w: Workload, cfg: QuantizationConfig, buckets: Sequence[int]) 
     return out
 
 
-def _memory(w: Workload, cfg: QuantizationConfig, buckets: Sequence[int]) -> float:
+def _memory(w: Workload, cfg: QuantizationConfig, buckets: Sequence[int],
+            expert_buckets: Sequence[int] = ()) -> float:
     from megatron.distributed.quant.paro.cost import activation_memory
 
     a = w.args
     rp = w.rank_parameters
-    states = rp * (2 + w.grad_bytes(cfg.grad_accum_dtype)) + 12 * rp / w.dp
-    layer = (layer_memory(cfg, list(buckets), w.dp, w.dp_per_node)
-             if cfg.enabled and w.dp > 1 else None)
+    # fp32 main parameters and Adam moments (12 bytes) sharded over each buffer's own group
+    states = (rp * (2 + w.grad_bytes(cfg.grad_accum_dtype)) + 12 * w.rank_dense_parameters / w.dp
+              + 12 * w.rank_expert_parameters / w.expert_dp)
+    layer = transient = 0.0
+    if cfg.enabled and w.dp > 1:
+        dense = layer_memory(cfg, list(buckets), w.dp, w.dp_per_node)
+        layer, transient = dense.persistent_bytes, dense.transient_bytes
+        if expert_buckets and w.expert_dp > 1:
+            ex = layer_memory(cfg, list(expert_buckets), w.expert_dp, w.expert_dp_per_node)
+            layer += ex.persistent_bytes
+            transient = max(transient, ex.transient_bytes)   # one reduction's scratch at a time
+    layer += transient
     recompute = getattr(a, "recompute_granularity", None)
+    ffn = a.ffn_hidden_size
+    if w.moe:   # a token's MLP activations: its top-k experts' and the shared expert's
+        width = a.moe_ffn_hidden_size or ffn or 4 * a.hidden_size
+        ffn = (min(a.moe_router_topk or 2, a.num_experts) * width
+               + (getattr(a, "moe_shared_expert_intermediate_size", None) or 0))
     act = activation_memory(seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
                             hidden_size=a.hidden_size, num_layers=max(1, a.num_layers // w.pp),
                             num_attention_heads=a.num_attention_heads,
-                            vocab_size=a.padded_vocab_size, ffn_hidden_size=a.ffn_hidden_size,
+                            vocab_size=a.padded_vocab_size, ffn_hidden_size=ffn,
                             gated_mlp=bool(getattr(a, "swiglu", False)), attention_scores=False,
                             recompute=recompute) / w.tp
     in_flight = min(w.pp, w.micro_batches)   # 1F1B keeps pp micro-batches on the first stage
-    return states + (layer.transient_bytes + layer.persistent_bytes if layer else 0) + act * in_flight
+    return states + layer + act * in_flight
 
 
 def two_lanes(compute: Sequence[float], jobs: Sequence[float], job_after: Sequence[int],
@@ -255,11 +282,46 @@ def two_lanes(compute: Sequence[float], jobs: Sequence[float], job_after: Sequen
 
 def _micro_batch_seconds(w: Workload, rates: DeviceRates) -> float:
     """One micro-batch's forward + backward on a rank at the measured rate nearest this model."""
-    return w.flops_per_rank / (rates.tflops_for(w.parameters).tflops * 1e12) / w.micro_batches
+    return w.flops_per_rank / (rates.tflops_for(w.compute_parameters).tflops * 1e12) / w.micro_batches
+
+
+def _ends(buckets: Sequence[int]) -> List[float]:
+    """Where in the backward pass each bucket of one buffer is full: the fraction of the buffer's
+    parameters filled by then (the pass spread over a buffer by parameter count)."""
+    total = float(sum(buckets)) or 1.0
+    out, acc = [], 0
+    for n in buckets:
+        acc += n
+        out.append(acc / total)
+    return out
+
+
+def _ep_all_to_all_seconds(w: Workload) -> float:
+    """One micro-batch's token dispatch and combine across the expert-parallel group, forward and
+    backward (4 all-to-alls per MoE layer of the stage, bf16 hidden states of each token's top-k
+    copies), not overlapped with compute: megatron-core's alltoall dispatcher waits for them."""
+    a, cl = w.args, w.cluster
+    if w.ep == 1:
+        return 0.0
+    moe_layers = sum(moe_layer_pattern(a)) / w.pp
+    tokens = a.micro_batch_size * a.seq_length
+    sent = tokens * min(a.moe_router_topk or 2, a.num_experts) * a.hidden_size * 2 * (w.ep - 1) / w.ep
+    span = w.ep * w.tp
+    if cl.nodes > 1 and span > cl.gpus_per_node:   # the EP group crosses nodes
+        ep_nodes = span // cl.gpus_per_node
+        one = all_to_all_time(sent * (ep_nodes - 1) / ep_nodes * w.ep / (w.ep - 1), cl.inter,
+                              cl.gpus_per_node)
+    else:
+        one = all_to_all_time(sent, cl.intra)
+    return 4 * moe_layers * one
 
 
 def predict(variant: str, w: Workload, cfg: QuantizationConfig, rates: DeviceRates) -> Prediction:
-    """The iteration of ``w`` with the collectives of ``cfg`` on ``rates`` (module docstring)."""
+    """The iteration of ``w`` with the collectives of ``cfg`` on ``rates`` (module docstring). An
+    MoE run with EP > 1 has two kinds of buffers: the dense ones over the data-parallel group and
+    the expert ones over the expert-data-parallel group, each with its own two levels; their
+    buckets' collectives share one queue, in the order the backward fills them (the forward
+    uses them)."""
     cl, a = w.cluster, w.args
     notes: List[str] = []
     mb = _micro_batch_seconds(w, rates)
@@ -267,7 +329,8 @@ def predict(variant: str, w: Workload, cfg: QuantizationConfig, rates: DeviceRat
     if w.tp > 1:
         act = a.micro_batch_size * a.seq_length * a.hidden_size * 2
         tp_comm = 4 * (a.num_layers / w.pp) * all_reduce_time(act, w.tp, 1, 1, cl)
-    slot = mb + tp_comm
+    ep_comm = _ep_all_to_all_seconds(w)
+    slot = mb + tp_comm + ep_comm
     compute = (w.micro_batches + w.pp - 1) * slot
     if w.pp > 1:
         act = a.micro_batch_size * a.seq_length * a.hidden_size * 2 / w.tp
@@ -276,17 +339,24 @@ def predict(variant: str, w: Workload, cfg: QuantizationConfig, rates: DeviceRat
         compute += 2 * (w.micro_batches + w.pp - 1) * p2p_time(act, link, cl.gpus_per_node if crosses else 1)
 
     buckets = padded_buckets(w, cfg)
-    grads = [grad_bucket_cost(n, w, cfg, rates) for n in buckets]
-    weights = [weight_bucket_cost(n, w, cfg, rates) for n in buckets]
+    expert_buckets = padded_buckets(w, cfg, expert=True)
+    eg = w.expert_group
+    grads = ([grad_bucket_cost(n, w, cfg, rates) for n in buckets]
+             + [grad_bucket_cost(n, w, cfg, rates, eg) for n in expert_buckets])
+    weights = ([weight_bucket_cost(n, w, cfg, rates) for n in buckets]
+               + [weight_bucket_cost(n, w, cfg, rates, eg) for n in expert_buckets])
+    # each bucket's end in the backward (fraction of it), both buffers spread over the layers
+    ends = _ends(w.buckets) + _ends(w.expert_buckets)
     backward = 2 * slot / 3
-    share = [n / w.rank_parameters for n in w.buckets]
     contention = 0.0
     if w.overlap_grad_reduce and w.dp > 1:
-        # the last micro-batch's backward fills bucket j at its share; its reduction then starts
-        pieces = [x * backward for x in share]
+        # the last micro-batch's backward fills bucket j at its end; its reduction then starts
+        order = sorted(range(len(grads)), key=lambda j: (ends[j], j))
+        marks = [ends[j] for j in order]
+        pieces = [(x - y) * backward for x, y in zip(marks, [0.0] + marks[:-1])]
 
         def grad_phase(slowdowns: Contention) -> float:
-            return max(two_lanes(pieces, [c.seconds for c in grads], list(range(len(grads))),
+            return max(two_lanes(pieces, [grads[j].seconds for j in order], list(range(len(order))),
                                  [-1] * len(pieces), slowdowns))
 
         kind = "quantized" if cfg.quantized_gradients else "plain"
@@ -295,12 +365,15 @@ def predict(variant: str, w: Workload, cfg: QuantizationConfig, rates: DeviceRat
     else:
         grad_exposed = sum(c.seconds for c in grads)
 
-    shard = w.rank_parameters / w.dp
+    shard = w.rank_dense_parameters / w.dp + w.rank_expert_parameters / w.expert_dp
     optimizer = (shard * rates.optimizer_seconds_per_element if rates.optimizer_seconds_per_element
                  else shard * OPTIMIZER_BYTES_PER_ELEMENT / rates.copy_bandwidth)
     forward = slot / 3
     if w.overlap_param_gather and w.dp > 1:
-        order = list(range(len(w.buckets)))[::-1]          # forward meets the first layers first
+        # forward meets the first layers first: bucket j's parameters from 1 - end_j on
+        order = sorted(range(len(weights)), key=lambda j: (1 - ends[j], -j))
+        marks = [1 - ends[j] for j in order] + [1.0]
+        pieces = [(y - x) * forward for x, y in zip(marks[:-1], marks[1:])]
         # bucket k's forward waits for its gather; megatron-core's pre-hook dispatches gather k
         # when bucket k-1's forward starts (one ahead: after gather k-1 and forward k-2), the
         # trainer's --overlap-param-gather-with-optimizer-step all of them at the step's end
@@ -308,8 +381,7 @@ def predict(variant: str, w: Workload, cfg: QuantizationConfig, rates: DeviceRat
         job_after = [-1 if all_after_step else k - 2 for k in range(len(order))]
 
         def weight_phase(slowdowns: Contention) -> float:
-            return max(two_lanes([share[j] * forward for j in order],
-                                 [weights[j].seconds for j in order], job_after,
+            return max(two_lanes(pieces, [weights[j].seconds for j in order], job_after,
                                  list(range(len(order))), slowdowns))
 
         kind = "quantized" if cfg.quantized_weights else "plain"
@@ -321,13 +393,19 @@ def predict(variant: str, w: Workload, cfg: QuantizationConfig, rates: DeviceRat
     total = compute + grad_exposed + optimizer + weight_exposed
     if w.tp > 1:
         notes.append(f"TP all-reduces {1e3 * tp_comm:.1f} ms per micro-batch, not overlapped")
+    if ep_comm:
+        notes.append(f"EP token all-to-alls {1e3 * ep_comm:.1f} ms per micro-batch, not overlapped")
+    link_bytes = _record_bytes(w, cfg, buckets)
+    expert_bytes = (_record_bytes(w, cfg, expert_buckets, eg) if expert_buckets
+                    else {"intra": 0.0, "inter": 0.0})
+    link_bytes.update({f"expert_{k}": v for k, v in expert_bytes.items()})
     return Prediction(
         variant=variant, iteration_s=total,
         tflops_per_gpu=w.flops_per_rank / total / 1e12 if total > 0 else 0.0,
         compute_s=compute, grad_exposed_s=grad_exposed, weight_exposed_s=weight_exposed,
         optimizer_s=optimizer, contention_s=contention,
         grad_total_s=sum(c.seconds for c in grads), weight_total_s=sum(c.seconds for c in weights),
-        bytes_per_link=_record_bytes(w, cfg, buckets), memory_bytes=_memory(w, cfg, buckets),
+        bytes_per_link=link_bytes, memory_bytes=_memory(w, cfg, buckets, expert_buckets),
         notes=notes)
 
 
@@ -343,6 +421,14 @@ def predict_paro(strategy: str, w: Workload,
     cl = w.cluster
     if w.tp > 1 or w.pp > 1:
         return None, "PaRO runs with TP = PP = 1"
+    if w.moe:
+        from megatron.distributed.quant.paro.strategy import uses_engine
+
+        if uses_engine(strategy):
+            return None, ("the PaRO engine does not shard expert parameters (the trainer refuses "
+                          "--num-experts with it)")
+        if w.rank_expert_parameters:
+            return None, "megatron-core's DDP with expert buffers: the baseline rows price it"
     grad_b = w.grad_bytes()
     sb = StateBytes(param=2, grad=grad_b, optim=12)
     vol = communication_volume(strategy, w.parameters, cl.world_size, cl.gpus_per_node,
@@ -364,5 +450,6 @@ def predict_paro(strategy: str, w: Workload,
         compute_s=w.micro_batches * mb, grad_exposed_s=exposed, weight_exposed_s=0.0,
         optimizer_s=optimizer, contention_s=0.0,
         grad_total_s=w.micro_batches * micro + once, weight_total_s=0.0,
-        bytes_per_link={"intra": vol.intra, "inter": vol.inter}, memory_bytes=mem.total,
+        bytes_per_link={"intra": vol.intra, "inter": vol.inter, "expert_intra": 0.0,
+                        "expert_inter": 0.0}, memory_bytes=mem.total,
         notes=["exposed = per-micro-step collectives beyond the compute + the once-per-step ones"]), None

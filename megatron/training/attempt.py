@@ -1,32 +1,11 @@
 """Which attempt of the job this process belongs to, and the store key space of that attempt.
 
-Why: torchrun keeps one TCP store for the whole job (its agent's, shared by every rendezvous
-round, on the same port) and restarts the workers into it after a failure; torch's ``env://``
-handler adds no per-attempt prefix, so the restarted ranks rendezvous among the keys the dead
-attempt left: gloo's full-mesh connect reads the dead ranks' addresses ("Connection refused")
-or waits on a key that is already set for the old group (upstream pytorch issues 135712 and
-167288), and the failure beacon (:mod:`megatron.distributed.failures`) finds the last
-attempt's posted failure. Every attempt therefore initialises its process groups on a
-``PrefixStore`` of its own.
-
-The prefix must be the same on every rank of one rendezvous round, and new for each round.
-``TORCHELASTIC_RESTART_COUNT`` is neither: it is each agent's own count (an agent that
-restarts because another node joined does not count; a node that joins later starts at 0).
-torchrun exports no round number to the workers. So the ranks agree on it through the store:
-
-* rank 0 of the round (one per round, a fresh process) takes the next number from a counter
-  (``store.add``: atomic, never reused on that store), at least its own agent's restart count
-  + 1 (so a launcher that gives every round a fresh store still numbers the restarts), and
-  publishes it as the current attempt;
-* every other rank reads the current attempt, which may still be the dead round's, and proves
-  it is this round's by a handshake only a live rank 0 answers: it writes a fresh nonce under
-  that attempt's keys, rank 0 answers under a key named after the nonce. A dead round's rank 0
-  answers nobody, so a rank that read a stale attempt sees the published number change and
-  retries with the new one.
-
-Nothing here depends on the launcher: without torchrun (or with a fresh store per round, as
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes) the first attempt is number 1 and costs a few
-store requests.
+Why: torchrun restarts the workers into the job's one TCP store, and torch's ``env://`` adds no
+per-attempt prefix, so restarted ranks would rendezvous among the dead attempt's keys (gloo
+connects to dead addresses, the failure beacon finds the old failure). Every attempt therefore
+uses a ``PrefixStore`` of its own, numbered by an agreement through the store (a counter rank 0
+takes, a nonce handshake only a live rank 0 answers). See [Note: attempt numbers] in
+docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ steps outside a run build the same pieces the same way.
 from __future__ import annotations
 
 import argparse
-from typing import Any, List
+from typing import Any, Dict, List
 
 import torch
 
@@ -34,6 +34,10 @@ def model_provider(args: argparse.Namespace, config: Any, vocab_size: int,
     ``post_process``)."""
     from megatron.core.models.gpt import GPTModel
 
+    if getattr(args, "num_experts", None) is not None:
+        from megatron.distributed.mcore_compat.moe import install_moe_fixes
+
+        install_moe_fixes(cpu=args.device == "cpu")
     model = GPTModel(config=config, transformer_layer_spec=gpt_layer_spec(args, config),
                      vocab_size=vocab_size,
                      max_sequence_length=args.max_position_embeddings,
@@ -72,6 +76,36 @@ def mask_padded_vocab_logits(model: torch.nn.Module, unpadded: int, padded: int)
     model.output_layer.register_forward_hook(hook)
 
 
+def keeps_attention_scores(args: argparse.Namespace) -> bool:
+    """Whether the attention kernel materialises the s x s scores: megatron-core's local kernel
+    (and an unknown one: assume it does), and Transformer Engine's unfused backend -- asked for
+    with ``--attention-backend unfused``, or TE's fallback for fp32, which its flash and fused
+    kernels do not take. SDPA and TE's flash / fused kernels do not."""
+    impl = getattr(args, "attention_impl", "local")
+    if impl in ("local", None):
+        return True
+    if impl == "transformer_engine":
+        half = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
+        return getattr(args, "attention_backend", None) == "unfused" or not half
+    return False
+
+
+def activation_shape(args: argparse.Namespace) -> Dict[str, Any]:
+    """One micro-batch's shape, precision, attention kernel and recomputation, as the keywords of
+    ``integration.activation_bytes_estimate`` (the layer reads no ``args``)."""
+    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 0
+    return dict(
+        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        hidden_size=args.hidden_size, num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads, vocab_size=vocab,
+        ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
+        gated_mlp=bool(getattr(args, "swiglu", False)),
+        bytes_per_value=2.0 if (args.bf16 or args.fp16) else 4.0,
+        attention_scores=keeps_attention_scores(args),
+        recompute=getattr(args, "recompute_granularity", None),
+        recompute_num_layers=getattr(args, "recompute_num_layers", None) or 1)
+
+
 def get_model(args: argparse.Namespace, config: Any, vocab_size: int) -> List[torch.nn.Module]:
     """One model chunk (no virtual pipeline), mixed-precision wrapped, DDP via the integration."""
     from megatron.core import parallel_state as ps
@@ -86,7 +120,8 @@ def get_model(args: argparse.Namespace, config: Any, vocab_size: int) -> List[to
         chunk = Float16Module(config, chunk)
     auto = integration.resolve_auto_strategy(args.quant_config,
                                              sum(p.numel() for p in chunk.parameters()),
-                                             integration.activation_bytes_estimate(args))
+                                             integration.activation_bytes_estimate(
+                                                 **activation_shape(args)))
     if auto is not None:  # --paro-strategy auto: the trainer records what the layer chose
         args.quant_config, args.paro_strategy = auto.config, auto.config.paro.strategy
         if auto.use_distributed_optimizer is not None:

@@ -1,68 +1,14 @@
 """Run megatron-core 0.16.1 on CPU ranks (gloo) without touching megatron-core's source.
 
-Why this exists: megatron-core assumes CUDA everywhere -- buffers are allocated on
-``torch.cuda.current_device()``, small helper tensors are created with ``device='cuda'``
-(optimizer overflow buffers, grad scaler, causal masks, token counters in the pipeline
-schedule), DDP creates ``torch.cuda.Stream`` objects, the distributed optimizer compares
-``Tensor.type()`` strings against ``'torch.cuda.*Tensor'`` and the tensor-parallel RNG tracker
-saves/restores CUDA generator states. None of that is needed for correctness on CPU, so we
-redirect those touch points to the CPU **inside megatron-core only**.
-
-How (each item is one patch; :func:`cpu_mode` applies them all on entry and undoes them all
-on exit, :func:`enable_cpu_mode` enters once for the rest of the process):
-
-1. ``torch`` proxy per megatron-core module.  Every loaded ``megatron.core.*`` module whose
-   global ``torch`` is the real torch module gets a :class:`_TorchProxy` instead. The proxy
-   forwards everything to torch except:
-
-   * factory functions (``tensor``, ``zeros``, ``empty``, ``ones``, ``full``, ``arange``, ...) and
-     ``torch.device``: a ``'cuda'`` / ``cuda:N`` / integer device becomes ``'cpu'``
-     (optimizer ``_dummy_overflow_buf``/``found_inf``, grad scaler, ``clip_grads``, causal
-     masks in ``transformer.utils``, ``total_num_tokens`` in the pipeline schedules);
-   * ``torch.cuda`` is :data:`_CUDA_SHIM`: ``current_device()`` returns ``torch.device('cpu')``
-     (param/grad buffers, ``GlobalMemoryBuffer``, TP layers, p2p shapes), ``Stream``/``Event``/
-     ``stream()``/``current_stream()`` are no-op objects (DDP communication stream -- with gloo
-     every collective is already ordered on the host), ``synchronize``/``empty_cache``/``nvtx``
-     are no-ops, and ``get_rng_state``/``set_rng_state``/``manual_seed`` act on the CPU
-     generator (the RNG tracker's ``add``).
-
-   Global ``torch`` is untouched: our own code and torch itself still see the real module, so
-   a stray ``device='cuda'`` outside megatron-core still fails loudly.  Modules whose
-   functions are compiled lazily (``torch.jit.script``/``torch.compile`` resolve globals at
-   first call) are skipped, see :data:`_SKIP_MODULE_PREFIXES`.
-
-2. The RNG tracker's CUDA state getter/setter (private ``tensor_parallel.random`` globals,
-   replaced through
-   :func:`megatron.distributed.mcore_compat.process_globals.patch_tp_rng_state`) become
-   CPU-generator versions, so ``get_cuda_rng_tracker().fork()`` (dropout in TP regions) forks the
-   CPU generator exactly as it would fork the CUDA one, and ``model_parallel_cuda_manual_seed``
-   works.
-
-3. ``torch.Tensor.type()`` (no-argument form) and ``torch.Tensor.cuda()``: when -- and only
-   when -- the caller is a megatron-core module, ``type()`` of a CPU tensor reports the CUDA
-   type string (``'torch.BFloat16Tensor'`` -> ``'torch.cuda.BFloat16Tensor'``) so
-   ``DistributedOptimizer``/``Float16OptimizerWithFloat16Params`` classify params correctly,
-   and ``cuda()`` returns the tensor itself (checkpoint load paths, ``check_param_hashes``).
-   Any other caller gets the original behaviour.
-
-4. Megatron-core's JIT fuser (``megatron.core.jit.jit_fuser``) is switched to a no-op
-   decorator (``mcore_compat.process_globals.suspend_jit_fuser``): the bias-GELU/SwiGLU
-   fusions otherwise go through ``torch.compile``, which needs a C++ toolchain on CPU and buys
-   nothing for tiny CPU runs.  (Only affects modules imported while CPU mode is on -- they keep their undecorated
-   functions after it is left; the trainer also disables the fusion flags.)
-
-5. A logging filter on ``megatron.core.tensor_parallel.random`` drops the per-forward warning
-   "CPU RNG state changed within GPU RNG context": on CPU the forked generator *is* the CPU
-   generator, so the warning is expected and would flood the logs.
-
-Scope: ``with cpu_mode(): ...`` applies every patch on entry and restores every original object
-on exit (each module's ``torch`` global, ``Tensor.type`` / ``Tensor.cuda``, the RNG functions,
-the JIT fuser, the log filter), so a process (a test session, a tool) can leave CPU mode and
-enter it again.  Scopes nest: only the outermost entry patches and only its exit restores.
-:func:`enable_cpu_mode` is the entered-forever form kept for existing callers (spawned test
-ranks); it is idempotent and a repeated call only proxies megatron-core modules imported since
-the previous call, as :func:`refresh_cpu_mode` does inside a scope.  Enter before building
-models/optimizers; leave after the last use of megatron-core objects built inside.
+Why: megatron-core assumes CUDA everywhere (buffers on ``torch.cuda.current_device()``, helper
+tensors made with ``device='cuda'``, CUDA streams, ``Tensor.type()`` compared with
+``'torch.cuda.*Tensor'``, CUDA RNG states), none of it needed for correctness on CPU. Those touch
+points are redirected to the CPU **inside megatron-core only**: a ``torch`` proxy per
+megatron-core module, CPU versions of the RNG tracker's state functions, ``Tensor.type()`` /
+``cuda()`` answered as on CUDA for megatron-core callers only, the JIT fuser off, one log filter.
+``with cpu_mode():`` applies them and restores every original on exit (scopes nest);
+:func:`enable_cpu_mode` enters for the rest of the process. Enter before building models and
+optimizers. See [Note: CPU mode patches] in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -102,6 +48,11 @@ _PRELOAD_MODULES = (
     "megatron.core.transformer.transformer_layer",
     "megatron.core.transformer.transformer_block",
     "megatron.core.transformer.mlp",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.moe_utils",
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.models.gpt.gpt_layer_specs",
     "megatron.core.models.common.language_module.language_module",

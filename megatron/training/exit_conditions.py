@@ -1,36 +1,12 @@
 """When a run stops early: a signal (``--exit-signal-handler``), a time budget
 (``--exit-duration-in-mins``) or an iteration count (``--exit-interval``), as in Megatron-LM.
 
-Why one place: a preempted job (SLURM sends SIGTERM some time before it kills the job) must save
-and exit cleanly, and every rank must stop at the *same* iteration boundary -- a rank that
-stopped one iteration earlier than its peers would leave them blocked in the next collective, and
-the checkpoint would mix two iterations.  Signals arrive at different ranks at different times
-(or at only some of them), and each rank's clock starts at a different moment, so the stop
-decision is agreed: at the end of every iteration each rank contributes its local flags
-("a signal arrived", "the time is up") to one all-reduce MAX over all ranks, and all ranks read
-the same answer.  That all-reduce is the only cost (on GPU one small host sync per iteration),
-and it only happens when ``--exit-signal-handler`` or ``--exit-duration-in-mins`` is set.
-``--exit-interval`` needs no agreement: every rank counts the same iterations.
-
-The signal handler only records the signal (it runs between two Python bytecodes of the main
-thread, possibly in the middle of a step); the training loop then saves (``--save``, the
-checkpoint includes the quantization state as every save does) and exits with status 0.
-
-torchrun (torch 2.13, ``torch.distributed.run``; read in its source and checked by
-tests/test_preemption.py): torchrun handles SIGTERM, SIGINT, SIGHUP and SIGQUIT
-(``--signals-to-handle`` adds e.g. SIGUSR1; a signal not in that list terminates torchrun itself)
-by sending the same signal to the process group of every live worker (each worker runs in its
-own session, so processes a worker forked get it too), waits ``--shutdown-timeout`` seconds
-(default 30, or ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) for them to exit, then sends SIGKILL, and
-finally exits itself with status 1 and a ``SignalException`` traceback, whatever its workers
-returned.  So under torchrun the rest of the current iteration, the save *and the workers'
-interpreter exit* must fit in that timeout.  The checkpoint (tracker last) is complete before
-the exit starts, so a SIGKILL during the exit loses nothing; but on a loaded 2-core machine the
-exit alone (Python's final garbage collection over torch and megatron-core, ~430k objects)
-took more than 30 s, so raise it (``torchrun --shutdown-timeout 300``) for large models or
-crowded hosts.  SLURM sends its SIGTERM to every process of the job step, so workers may see
-the signal twice (harmless: the flag is already set); with ``sbatch --signal=USR1@300`` use
-``--exit-signal SIGUSR1`` and ``torchrun --signals-to-handle SIGTERM,SIGINT,SIGUSR1``.
+Why one place: a preempted job must save and exit cleanly, and every rank must stop at the
+*same* iteration boundary (an early rank would leave its peers blocked in a collective, and the
+checkpoint would mix two iterations). Signals and clocks differ per rank, so the decision is one
+all-reduce MAX of the local flags per iteration, only with a signal handler or a time budget;
+``--exit-interval`` needs none. The handler only records the signal; the loop saves and exits 0.
+See [Note: stopping under torchrun] in docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -69,6 +69,7 @@ def initialize_distributed(args: argparse.Namespace) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
             distributed_timeout_minutes=args.distributed_timeout_minutes)
     assert parallel_state.get_data_parallel_world_size() == args.data_parallel_size, (
         "data-parallel size from WORLD_SIZE at parse time differs from the process group")

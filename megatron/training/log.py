@@ -74,17 +74,67 @@ class LogInterval:
         return self.samples / self.iterations if self.iterations else 0.0
 
 
+MOE_BALANCING_LOSS_NAMES = {"aux_loss": "load_balancing_loss",
+                            "seq_aux_loss": "seq_load_balancing_loss",
+                            "global_aux_loss": "global_load_balancing_loss"}
+"""The name megatron-core's router records each ``--moe-router-load-balancing-type``'s loss under."""
+
+
+def moe_loss_names(args: argparse.Namespace) -> List[str]:
+    """The MoE auxiliary losses this run's router records (as Megatron-LM tracks them)."""
+    if getattr(args, "num_experts", None) is None:
+        return []
+    names = [MOE_BALANCING_LOSS_NAMES[args.moe_router_load_balancing_type]] if (
+        args.moe_router_load_balancing_type in MOE_BALANCING_LOSS_NAMES) else []
+    return names + (["z_loss"] if args.moe_z_loss_coeff is not None else [])
+
+
+class _PerLayer:
+    """Takes megatron-core's per-layer scalars (its tensorboard writer's ``add_scalar``)."""
+
+    def __init__(self) -> None:
+        self.values: Dict[str, float] = {}
+
+    def add_scalar(self, name: str, value: Any, iteration: int) -> None:
+        if name.startswith("moe/"):
+            self.values[name] = float(value)
+
+
+def moe_aux_losses(args: argparse.Namespace) -> Tuple[Dict[str, torch.Tensor], Dict[str, float]]:
+    """This iteration's MoE auxiliary losses as Megatron-LM logs them (the mean over MoE layers of
+    the micro-batches' mean), reduced over the ranks that hold them, left on the device; with
+    ``--moe-per-layer-logging`` also each layer's (``moe/<name>_layer_<i>``, host floats).
+    Clears megatron-core's tracker. Empty for a dense model."""
+    names = moe_loss_names(args)
+    if not names:
+        return {}, {}
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+    losses: Dict[str, torch.Tensor] = {}
+    per_layer = _PerLayer() if args.moe_per_layer_logging else None
+    track_moe_metrics(loss_scale=1.0 / get_num_microbatches(), iteration=0,
+                      total_loss_dict=losses, writer=per_layer,
+                      per_layer_logging=per_layer is not None, force_initialize=True,
+                      track_names=names, num_layers=args.num_layers,
+                      moe_layer_freq=args.moe_layer_freq)
+    return ({k: v for k, v in losses.items() if k in names},
+            {} if per_layer is None else per_layer.values)
+
+
 def _fmt_log_line(iteration: int, args, consumed: int, ms_per_iter: float, lr: float,
                   loss: float, loss_scale: float, grad_norm: Optional[float], skipped: int,
                   nans: int, tokens_per_s: float, comm: Dict[str, float],
-                  batch_size: int, tflops: float = 0.0) -> str:
+                  batch_size: int, tflops: float = 0.0,
+                  moe: Optional[Dict[str, float]] = None) -> str:
     parts = [f" iteration {iteration:8d}/{args.train_iters:8d}",
              f"consumed samples: {consumed:12d}",
              f"elapsed time per iteration (ms): {ms_per_iter:.1f}",
              f"learning rate: {lr:.6E}",
              f"global batch size: {batch_size:5d}",
-             f"lm loss: {loss:.6E}",
-             f"loss scale: {loss_scale:.1f}"]
+             f"lm loss: {loss:.6E}"]
+    parts += [f"{name}: {value:.6E}" for name, value in (moe or {}).items()]
+    parts += [f"loss scale: {loss_scale:.1f}"]
     if grad_norm is not None:
         parts.append(f"grad norm: {grad_norm:.3f}")
     parts += [f"number of skipped iterations: {skipped:3d}",
@@ -100,6 +150,7 @@ def _fmt_log_line(iteration: int, args, consumed: int, ms_per_iter: float, lr: f
 
 
 LOG_LINE_COMM_KEYS = ("grad_inter_bits_per_element", "weight_inter_bits_per_element",
+                      "expert_grad_inter_bits_per_element", "expert_weight_inter_bits_per_element",
                       "comm_grad_exposed_ms", "comm_weight_exposed_ms")
 """The communication figures of the iteration log line, after Megatron-LM's own fields: what
 crosses the slow link (bits per element, gradients and weights) and what the step waited for.
@@ -120,6 +171,8 @@ class TrainingLog:
         self.run_samples = 0
         """Sequences of this run's steps, for the summary's rates."""
         self.memory_reported = False
+        self.moe_sums: Dict[str, torch.Tensor] = {}
+        """The interval's MoE auxiliary losses, summed on the device (:func:`moe_aux_losses`)."""
 
     def iteration(self, iteration: int, consumed_samples: int, model: List[torch.nn.Module],
                   optimizer: Any, loss: float, lr: float, grad_norm: Optional[float],
@@ -133,6 +186,11 @@ class TrainingLog:
         samples = batch_size or args.global_batch_size
         self.interval.add(loss, seconds, skipped, is_nan, samples)
         self.run_samples += samples
+        losses, per_layer = moe_aux_losses(args)
+        for name, value in losses.items():
+            self.moe_sums[name] = self.moe_sums.get(name, 0.0) + value
+        if per_layer:
+            metrics.scalars(per_layer, iteration)
         if iteration % args.tensorboard_log_interval == 0:
             tb = {"lm loss": loss if math.isfinite(loss) else None, "learning-rate": lr,
                   "grad-norm": grad_norm if (grad_norm is not None and math.isfinite(grad_norm)) else None,
@@ -153,9 +211,12 @@ class TrainingLog:
             tflops = tflops_per_gpu(args, ms / 1000.0, per_iteration)
             comm = integration.communication_report(model, reset=True)
             timed = self.timers.report(interval.iterations)   # every rank: an all-reduce
+            moe = {name: float(total) / interval.iterations
+                   for name, total in self.moe_sums.items()}
+            self.moe_sums = {}
             line = _fmt_log_line(iteration, args, consumed_samples, ms, lr, avg_loss,
                                  current_loss_scale(optimizer), grad_norm, interval.skipped,
-                                 interval.nan, tps, comm, samples, tflops)
+                                 interval.nan, tps, comm, samples, tflops, moe)
             print_rank_0(line)
             if timed:   # Megatron-LM prints its timers on a line of their own, after the iteration's
                 print_rank_0(" timers (ms per iteration, slowest rank) | " + " | ".join(
@@ -171,8 +232,10 @@ class TrainingLog:
                             "nan_iterations": interval.nan, "ms_per_iteration": ms,
                             "iterations_in_interval": interval.iterations,
                             "tokens_per_s": tps,
-                            "tflops_per_gpu": tflops, **comm,
+                            "tflops_per_gpu": tflops, **moe, **comm,
                             **({"timers_ms": timed} if timed else {})})
+            if moe:
+                metrics.scalars(moe, iteration)
             if comm:
                 metrics.scalars({f"comm/{k}": v for k, v in comm.items()}, iteration)
             if timed and args.log_timers_to_tensorboard:

@@ -26,15 +26,11 @@ def print_rank_0(msg: str) -> None:
 def quiet_library_warnings(rank: int) -> None:
     """One copy of each library notice per job, on rank 0; none repeated per rank.
 
-    Why: without Transformer Engine/Apex every rank printed megatron-core's fallback warnings at
-    import (a dozen lines per rank), and megatron-core's own calls of since-renamed torch
-    collectives (``reduce_scatter_tensor``, ``all_gather_into_tensor``) warned on every rank: a
-    2-rank CPU run opened with 40 lines of noise before its first log line.  Now rank 0 says each
-    fallback once; deprecation notices addressed to megatron-core's developers (its internal
-    imports, its collective names, its config defaults) and megatron-core's per-rank log chatter
-    are dropped.  Call it before megatron-core is imported.  Our own warnings
-    (``megatron.distributed``, ``megatron.training``) are untouched, and our own collectives use
-    the current torch names.
+    Why: every rank would print megatron-core's fallback warnings (no TE / Apex) and its
+    deprecation notices (renamed torch collectives, internal imports, config defaults) before the
+    first log line. Rank 0 says each fallback once; notices addressed to megatron-core's
+    developers and its per-rank log chatter are dropped; our own warnings are untouched. Call it
+    before megatron-core is imported.
     """
     import logging
 

@@ -2,16 +2,11 @@
 checkpoint state, and what a resume does when the run's schedule is not the checkpoint's.
 
 Resume, as in Megatron-LM: ``--override-opt_param-scheduler`` trains with this run's flags,
-``--use-checkpoint-opt_param-scheduler`` keeps the checkpoint's schedule; with neither, a
-schedule that differs from the checkpoint's stops the run (:class:`StartupError`, the same on
-every rank: every rank reads the same checkpoint and flags) with one line naming each difference
-and both flags. Either way the schedule continues from the checkpoint's consumed samples.
-
-Why our own check: megatron-core's ``load_state_dict`` asserts with a per-field message naming
-neither flag; the check here runs first, so that assertion never fires.  The WSD decay phase is
-not in megatron-core's state dict, nor --decoupled-lr / --decoupled-min-lr (megatron-core keeps
-them in the optimizer's param groups): :func:`scheduler_state_dict` adds them, and they are
-checked and restored here like the rest.
+``--use-checkpoint-opt_param-scheduler`` keeps the checkpoint's; with neither, a differing
+schedule stops the run with one line naming each difference and both flags (megatron-core's own
+assertion names neither; this check runs first). :func:`scheduler_state_dict` adds what
+megatron-core's state dict lacks (the WSD decay phase, ``--decoupled-lr`` /
+``--decoupled-min-lr``), checked and restored like the rest.
 """
 
 from __future__ import annotations

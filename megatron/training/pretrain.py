@@ -229,6 +229,12 @@ def _report_startup(args: argparse.Namespace, model: List[torch.nn.Module], opti
     print_rank_0(f" > device: {args.device}, backend: {args.distributed_backend}, world size: "
                  f"{args.world_size} (TP={args.tensor_model_parallel_size}, "
                  f"PP={args.pipeline_model_parallel_size}, DP={args.data_parallel_size})")
+    if getattr(args, "num_experts", None) is not None:
+        ep = args.expert_model_parallel_size
+        print_rank_0(f" > mixture of experts: {args.num_experts} experts, top-"
+                     f"{args.moe_router_topk}, {args.moe_token_dispatcher_type} dispatcher, "
+                     f"EP={ep}, expert DP={args.data_parallel_size // ep} (expert weights and "
+                     "gradients gathered and reduced over the expert-data-parallel group)")
     print_rank_0(f" > attention: {attention_choice(args).describe()}")
     print_rank_0(fusion_plan(args).summary())
     if (args.quant_config.enabled and not integration.uses_sharded_engine(args.paro_strategy)
@@ -283,7 +289,8 @@ def _train_one_iteration(run: TrainingRun, profiler: StepProfiler) -> None:
     batch_size = current_global_batch_size(args)
     t0 = time.time()
     loss, ok, grad_norm, reason = train_step(args, run.forward_step_func, run.train_iter,
-                                             run.model, run.optimizer, run.scheduler, run.device)
+                                             run.model, run.optimizer, run.scheduler, run.device,
+                                             batch_size=batch_size)
     dt = time.time() - t0
     run.iteration += 1
     profiler.after_step(run.iteration, last=run.iteration >= args.train_iters)

@@ -1,13 +1,11 @@
 """Megatron-LM's ``--profile`` flags and memory report.
 
-Why: a GPU user's first question about a slow run is "where does the step go?". Megatron-LM
-answers it with ``--profile --use-pytorch-profiler --profile-step-start S --profile-step-end E
---profile-ranks R`` (a torch.profiler trace of iterations [S, E) under ``--tensorboard-dir``;
-without ``--use-pytorch-profiler``, ``cudaProfilerStart/Stop`` around them for Nsight Systems'
-``--capture-range=cudaProfilerApi``) and with a memory report (allocated / max allocated /
-reserved / max reserved) after the first logged iterations. The same flags act here; the trace
-also prints its top operators (CUDA time on a GPU, CPU time otherwise) to the log, so the "top
-kernels before / after" of a change can be read without opening the trace.
+Why: "where does the step go?" is the first question about a slow run. As in Megatron-LM,
+``--profile --use-pytorch-profiler --profile-step-start S --profile-step-end E --profile-ranks R``
+writes a torch.profiler trace of iterations [S, E) under ``--tensorboard-dir`` (without
+``--use-pytorch-profiler``: ``cudaProfilerStart/Stop`` for Nsight Systems), and a memory report
+follows the first logged iterations. The trace's top operators also go to the log, so a change's
+"top kernels before / after" reads without opening the trace.
 """
 
 from __future__ import annotations

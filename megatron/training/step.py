@@ -198,8 +198,10 @@ def eval_num_microbatches(args: argparse.Namespace) -> int:
     return args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
 
 
-def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler, device):
-    """One optimizer step over num_microbatches micro-batches (the current global batch)."""
+def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler, device,
+               batch_size: Optional[int] = None):
+    """One optimizer step over num_microbatches micro-batches (the current global batch;
+    ``batch_size``: its size when the caller has it, else :func:`current_global_batch_size`)."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -239,7 +241,8 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     loss = read[0]
     scale_after = _LOSS_SCALE_AFTER_LAST_STEP.get(optimizer, 1.0) if scaled else 1.0
     if ok:
-        scheduler.step(increment=current_global_batch_size(args))
+        scheduler.step(increment=batch_size if batch_size is not None
+                       else current_global_batch_size(args))
         if scale_after != scale_before:  # fp16 dynamic scale grew: keep LoCo errors in scaled units
             integration.on_loss_scale_changed(model, scale_after / scale_before)
     else:

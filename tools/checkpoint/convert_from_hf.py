@@ -20,6 +20,19 @@ The counterpart of ``convert_to_hf.py``; both use the one name table of
 * ``mistral`` -> the Llama flags; a ``sliding_window`` shorter than ``--seq-length`` is refused
   (megatron-core attends over the whole sequence).
 * ``qwen2`` -> the Llama flags plus ``--add-qkv-bias --disable-bias-linear``.
+* ``mixtral`` -> the Llama flags (a ``sliding_window`` as for Mistral) plus ``--num-experts
+  <num_local_experts> --moe-router-topk <num_experts_per_tok> --moe-ffn-hidden-size
+  <intermediate_size> --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff
+  <router_aux_loss_coef>`` (``router_jitter_noise`` -> ``--moe-input-jitter-eps``; megatron-core
+  jitters the router's input only).  Mixtral's router (softmax over all experts, top k,
+  renormalised) is megatron-core's default (top k of the logits, softmax over those k; no
+  ``--moe-router-pre-softmax``): the same function.  The experts are written at
+  expert-parallel size 1 (``--expert-model-parallel-size`` > 1 is refused here): a
+  ``--ckpt-format torch_dist`` checkpoint then loads at any ``--expert-model-parallel-size``
+  (torch_dist reshards the experts); ``torch`` only at 1.  At TP > 1 the writers run with
+  ``--sequence-parallel`` (megatron-core's MoE layer needs it; so does training at TP > 1) and,
+  on gloo, the allgather dispatcher (no weights: the checkpoint is the same; training at
+  TP > 1 on CPU needs ``--moe-token-dispatcher-type allgather`` too).
 
 Multi-, grouped- (``--group-query-attention --num-query-groups``) and single-KV-head attention,
 ``head_dim`` (``--kv-channels``), tied and untied embeddings.
@@ -68,15 +81,13 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from megatron.training.model.rope_scaling import MCORE_LLAMA3_FIXED  # noqa: E402
-from tools.checkpoint.hf_state_dict import DTYPES, Shape, from_hf  # noqa: E402
+from tools.checkpoint.hf_state_dict import DTYPES, HF_MODEL_FILES, Shape, from_hf  # noqa: E402
 from tools.checkpoint.megatron_checkpoint_reader import (  # noqa: E402
     TRACKER, ConversionError, split_tensor_parallel)
 
 __all__ = ["ImportPlan", "plan_import", "read_hf_state_dict", "convert", "build_parser", "main"]
 
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
-_NOT_TOKENIZER = re.compile(r".*\.(safetensors|bin|pt|pth|gguf|ckpt|msgpack|h5)$|^config\.json$|"
-                            r"^generation_config\.json$|.*\.index\.json$")
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,7 @@ class ImportPlan:
     linear_bias: bool
     qkv_bias: bool
     tied: bool
+    num_experts: int = 0
 
 
 # ----------------------------------------------------------------------------- config -> flags
@@ -124,6 +136,24 @@ def _rope_flags(config: Any) -> List[str]:
     return flags + ["--use-rope-scaling", "--rope-scaling-factor", repr(float(scaling["factor"]))]
 
 
+def _moe_flags(config: Any) -> List[str]:
+    """Mixtral's MoE fields -> the trainer's MoE flags (megatron-core's default router: top k
+    of the logits, softmax over the k = Mixtral's softmax, top k, renormalised)."""
+    experts, topk = int(config.num_local_experts), int(config.num_experts_per_tok)
+    if not 1 <= topk <= experts:
+        raise ConversionError(f"num_experts_per_tok {topk} must be in 1..num_local_experts "
+                              f"{experts}")
+    flags = ["--num-experts", str(experts), "--moe-router-topk", str(topk),
+             "--moe-ffn-hidden-size", str(config.intermediate_size),
+             "--moe-token-dispatcher-type", "alltoall",
+             "--moe-aux-loss-coeff", repr(float(getattr(config, "router_aux_loss_coef", 0.0)
+                                                or 0.0))]
+    jitter = float(getattr(config, "router_jitter_noise", 0.0) or 0.0)
+    if jitter > 0:
+        flags += ["--moe-input-jitter-eps", repr(jitter)]
+    return flags
+
+
 def plan_import(config: Any, seq_length: int) -> ImportPlan:
     """The trainer's model flags for an HF config (``transformers`` config object), or a
     ConversionError naming the config field the trainer cannot express."""
@@ -156,7 +186,7 @@ def plan_import(config: Any, seq_length: int) -> ImportPlan:
             flags.append("--openai-gelu")
         plan = dict(family="gpt2", num_layers=int(config.n_layer), shape=shape, linear_bias=True,
                     qkv_bias=False)
-    elif model_type in ("llama", "mistral", "qwen2"):
+    elif model_type in ("llama", "mistral", "qwen2", "mixtral"):
         heads, hidden = int(config.num_attention_heads), int(config.hidden_size)
         groups = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
@@ -177,7 +207,8 @@ def plan_import(config: Any, seq_length: int) -> ImportPlan:
         elif model_type == "qwen2":
             qkv_bias = True
         window = getattr(config, "sliding_window", None)
-        uses_window = model_type == "mistral" or getattr(config, "use_sliding_window", False)
+        uses_window = (model_type in ("mistral", "mixtral")
+                       or getattr(config, "use_sliding_window", False))
         if uses_window and window is not None and int(window) < seq_length:
             raise ConversionError(f"sliding_window {window} is shorter than --seq-length "
                                   f"{seq_length}: megatron-core attends over the whole sequence "
@@ -201,8 +232,12 @@ def plan_import(config: Any, seq_length: int) -> ImportPlan:
         plan = dict(family="qwen2" if model_type == "qwen2" else "llama",
                     num_layers=int(config.num_hidden_layers), shape=shape,
                     linear_bias=linear_bias, qkv_bias=qkv_bias)
+        if model_type == "mixtral":
+            flags += _moe_flags(config)
+            plan.update(family="mixtral", num_experts=int(config.num_local_experts))
     else:
-        raise ConversionError(f"model_type {model_type!r}: imports gpt2, llama, mistral and qwen2")
+        raise ConversionError(f"model_type {model_type!r}: imports gpt2, llama, mistral, qwen2 "
+                              "and mixtral")
     if not tied:
         flags.append("--untie-embeddings-and-output-weights")
     if getattr(config, "initializer_range", None) is not None:
@@ -235,9 +270,31 @@ def read_hf_state_dict(hf_dir: str) -> Dict[str, torch.Tensor]:
 
 
 def _normalize_hf_names(family: str, sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """GPT2Model checkpoints (the original ``gpt2``) name tensors without ``transformer.``."""
+    """GPT2Model checkpoints (the original ``gpt2``) name tensors without ``transformer.``;
+    Mixtral in transformers >= 5's in-memory layout (``mlp.gate.weight``,
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] = [w1; w3] per expert, ``mlp.experts.down_proj``
+    [E, H, I]) -> the checkpoint names (``block_sparse_moe.gate.weight``,
+    ``block_sparse_moe.experts.E.w1/w2/w3.weight``) that ``save_pretrained`` writes."""
     if family == "gpt2" and "transformer.wte.weight" not in sd and "wte.weight" in sd:
         return {(k if k.startswith("lm_head.") else "transformer." + k): v for k, v in sd.items()}
+    if family == "mixtral":
+        out: Dict[str, torch.Tensor] = {}
+        for k, v in sd.items():
+            m = re.match(r"(model\.layers\.\d+\.)mlp\.(gate\.weight|experts\.gate_up_proj|"
+                         r"experts\.down_proj)$", k)
+            if m is None:
+                out[k] = v
+            elif m.group(2) == "gate.weight":
+                out[m.group(1) + "block_sparse_moe.gate.weight"] = v
+            elif m.group(2) == "experts.down_proj":
+                for e in range(v.shape[0]):
+                    out[f"{m.group(1)}block_sparse_moe.experts.{e}.w2.weight"] = v[e]
+            else:
+                for e in range(v.shape[0]):
+                    w1, w3 = v[e].chunk(2, dim=0)
+                    out[f"{m.group(1)}block_sparse_moe.experts.{e}.w1.weight"] = w1
+                    out[f"{m.group(1)}block_sparse_moe.experts.{e}.w3.weight"] = w3
+        return out
     return sd
 
 
@@ -248,7 +305,7 @@ def install_tokenizer(src: Optional[str], dst: str, vocab_size: int,
     if src is None or not os.path.isdir(src):
         return None
     names = [n for n in sorted(os.listdir(src))
-             if os.path.isfile(os.path.join(src, n)) and not _NOT_TOKENIZER.match(n)]
+             if os.path.isfile(os.path.join(src, n)) and not HF_MODEL_FILES.match(n)]
     if not any(n.startswith("tokenizer") or n in ("vocab.json", "merges.txt") for n in names):
         return None
     os.makedirs(dst, exist_ok=True)
@@ -389,12 +446,16 @@ def convert(hf_dir: str, save: str, tensor_parallel: int = 1, pipeline_parallel:
             ckpt_format: str = "torch_dist", seq_length: Optional[int] = None,
             dtype: str = "fp32", make_vocab_size_divisible_by: int = 128,
             tokenizer_dir: Optional[str] = None, force: bool = False,
-            log: Callable[[str], None] = print) -> Dict[str, Any]:
+            log: Callable[[str], None] = print, expert_parallel: int = 1) -> Dict[str, Any]:
     """Import; returns a summary dict (also written to ``save/convert_from_hf.json``)."""
     from transformers import AutoConfig
 
     from megatron.training.arguments.parser import padded_vocab_size
 
+    if expert_parallel != 1:
+        raise ConversionError(f"--expert-model-parallel-size {expert_parallel}: the import writes "
+                              "the experts at expert-parallel size 1; a --ckpt-format torch_dist "
+                              "checkpoint loads at any --expert-model-parallel-size")
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise ConversionError(f"--hf-dir {hf_dir}: no config.json")
     if os.path.exists(os.path.join(save, TRACKER)) and not force:
@@ -421,6 +482,10 @@ def convert(hf_dir: str, save: str, tensor_parallel: int = 1, pipeline_parallel:
         ckpt_format, "--no-save-optim", "--no-save-rng", "--seed", "1234"]
     if dtype != "fp32":
         writer_flags.append(f"--{dtype}")
+    if plan.num_experts and tensor_parallel > 1:
+        # megatron-core's MoE layer at TP > 1 needs sequence parallelism; the writers run on
+        # gloo, where the alltoall dispatcher cannot at TP > 1 (the dispatcher holds no weights)
+        writer_flags += ["--sequence-parallel", "--moe-token-dispatcher-type", "allgather"]
     # the trainer's own validation, once, before anything is read or written: a layout it
     # refuses (e.g. layers not dividing over PP) is its one line naming the flag, not
     # a failure inside every writer process
@@ -429,7 +494,7 @@ def convert(hf_dir: str, save: str, tensor_parallel: int = 1, pipeline_parallel:
                          str(plan.vocab_size), *writer_flags], tensor_parallel * pipeline_parallel)
     hf_sd = _normalize_hf_names(plan.family, read_hf_state_dict(hf_dir))
     full = from_hf(plan.family, hf_sd, plan.num_layers, plan.shape, plan.linear_bias,
-                   plan.qkv_bias, plan.tied)
+                   plan.qkv_bias, plan.tied, plan.num_experts)
     emb = full["embedding.word_embeddings.weight"]
     if emb.shape[0] != plan.vocab_size:
         raise ConversionError(f"the HF embedding has {emb.shape[0]} rows but config.json's "
@@ -457,7 +522,9 @@ def convert(hf_dir: str, save: str, tensor_parallel: int = 1, pipeline_parallel:
     world = tensor_parallel * pipeline_parallel
     run_argv = model_args + writer_flags
     log(f" {plan.family}: {plan.num_layers} layers, {plan.shape.heads} heads / "
-        f"{plan.shape.groups} KV heads x {plan.shape.head_dim}, vocab {plan.vocab_size} -> "
+        f"{plan.shape.groups} KV heads x {plan.shape.head_dim}"
+        f"{f', {plan.num_experts} experts' if plan.num_experts else ''}, "
+        f"vocab {plan.vocab_size} -> "
         f"{padded} rows; writing {ckpt_format} at TP={tensor_parallel} PP={pipeline_parallel}")
     with tempfile.TemporaryDirectory(prefix="convert_from_hf_", dir=save) as tmp:
         weights = os.path.join(tmp, "weights.pt")
@@ -500,6 +567,7 @@ def convert(hf_dir: str, save: str, tensor_parallel: int = 1, pipeline_parallel:
                "tensor_model_parallel_size": tensor_parallel,
                "pipeline_model_parallel_size": pipeline_parallel, "ckpt_format": ckpt_format,
                "dtype": dtype, "seq_length": seq_length, "tokenizer": tok_len is not None,
+               "num_experts": plan.num_experts, "expert_model_parallel_size": 1,
                "model_args": model_args}
     with open(os.path.join(save, "convert_from_hf.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
@@ -516,8 +584,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "pretrain_gpt.py)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="MoE (Mixtral): only 1 -- the experts are written at expert-parallel "
+                        "size 1; a torch_dist checkpoint resumes at any "
+                        "--expert-model-parallel-size (torch_dist reshards the experts)")
     p.add_argument("--ckpt-format", choices=("torch", "torch_dist"), default="torch_dist",
-                   help="torch_dist (default): loads at any DP/TP/PP; torch: the same TP/PP, DP 1")
+                   help="torch_dist (default): loads at any DP/TP/PP (and EP for MoE); torch: "
+                        "the same TP/PP, DP 1, EP 1")
     p.add_argument("--seq-length", type=int, default=None,
                    help="training sequence length (default min(max_position_embeddings, 4096)); "
                         "checked against a sliding window")
@@ -539,7 +612,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         convert(a.hf_dir, a.save, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
                 a.ckpt_format, a.seq_length, a.dtype, a.make_vocab_size_divisible_by,
-                a.tokenizer_dir, a.force)
+                a.tokenizer_dir, a.force, expert_parallel=a.expert_model_parallel_size)
     except ConversionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

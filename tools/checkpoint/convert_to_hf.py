@@ -6,7 +6,7 @@
     python tools/checkpoint/convert_to_hf.py --load runs/loco/llama-0.8b-loco/checkpoints \\
         --output hf/llama-0.8b --tokenizer-dir data/llama2-tokenizer
 
-The result loads with ``AutoModelForCausalLM.from_pretrained(output)``.  Two architectures, picked
+The result loads with ``AutoModelForCausalLM.from_pretrained(output)``.  The architecture is picked
 from the flags the checkpoint was trained with (its saved ``args``):
 
 * GPT recipes (``examples/sdp4bit``: LayerNorm, ``--position-embedding-type learned_absolute``,
@@ -21,6 +21,14 @@ from the flags the checkpoint was trained with (its saved ``args``):
   saved args carry them) -> ``num_key_value_heads``.
 * The Llama layout with ``--add-qkv-bias --disable-bias-linear`` (biases on q/k/v only) ->
   ``Qwen2ForCausalLM``; ``--use-rope-scaling`` -> Llama 3.x ``rope_type: llama3``.
+* The Llama layout with ``--num-experts`` (no biases, an MoE MLP in every layer, softmax
+  routing without ``--moe-router-pre-softmax``, no shared expert) -> ``MixtralForCausalLM``:
+  ``mlp.router.weight`` -> ``block_sparse_moe.gate.weight``, each expert's SwiGLU
+  ``linear_fc1`` -> ``w1`` (gate) / ``w3`` (up), ``linear_fc2`` -> ``w2``;
+  ``num_local_experts``, ``num_experts_per_tok`` = ``--moe-router-topk``, ``intermediate_size``
+  = ``--moe-ffn-hidden-size``, ``router_aux_loss_coef`` = ``--moe-aux-loss-coeff``.  A
+  ``torch_dist`` checkpoint exports whatever ``--expert-model-parallel-size`` trained it (its
+  experts are stored globally); a ``torch`` one only at expert-parallel size 1.
 
 Anything else (e.g. RMSNorm with learned positions, ``--rotary-percent`` < 1, virtual pipeline
 chunks, QK layernorm) is refused with the flag that prevents it.
@@ -74,7 +82,6 @@ import argparse
 import inspect
 import json
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -87,7 +94,7 @@ if str(ROOT) not in sys.path:  # the saved args unpickle megatron.distributed.qu
 import torch  # noqa: E402
 
 from tools.checkpoint.hf_state_dict import (  # noqa: E402
-    DTYPES, architecture, gelu_flavour, hf_config, split_qkv, to_hf)
+    DTYPES, HF_MODEL_FILES, architecture, gelu_flavour, hf_config, split_qkv, to_hf)
 from tools.checkpoint.megatron_checkpoint_reader import (  # noqa: E402
     TRACKER, ConversionError, load_megatron_checkpoint, merge_tensor_parallel,
     resolve_iteration_dir)
@@ -95,10 +102,6 @@ from tools.checkpoint.megatron_checkpoint_reader import (  # noqa: E402
 __all__ = ["ConversionError", "TRACKER", "DTYPES", "resolve_iteration_dir", "merge_tensor_parallel",
            "load_megatron_checkpoint", "split_qkv", "architecture", "gelu_flavour", "to_hf",
            "hf_config", "install_tokenizer", "convert", "build_parser", "main"]
-
-_WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|gguf|ckpt)$|^config\.json$|"
-                           r"^generation_config\.json$|.*\.index\.json$")
-
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -113,7 +116,7 @@ def install_tokenizer(args: argparse.Namespace, output: str, tokenizer_dir: Opti
         copied = []
         for name in sorted(os.listdir(tokenizer_dir)):
             src = os.path.join(tokenizer_dir, name)
-            if os.path.isfile(src) and not _WEIGHT_FILES.match(name):
+            if os.path.isfile(src) and not HF_MODEL_FILES.match(name):
                 shutil.copy2(src, os.path.join(output, name))
                 copied.append(name)
         log(f" tokenizer files copied from {tokenizer_dir}: {', '.join(copied) or '(none)'}")
@@ -169,9 +172,9 @@ def convert(load: str, output: str, iteration: Optional[int] = None, dtype: str 
             log: Callable[[str], None] = print, verify: bool = True) -> Dict[str, Any]:
     """Export; returns a summary dict (also written to ``output/megatron_export.json``)."""
     from huggingface_hub import save_torch_state_dict
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2Config
 
-    if os.path.isdir(output) and any(_WEIGHT_FILES.match(n) for n in os.listdir(output)) \
+    if os.path.isdir(output) and any(HF_MODEL_FILES.match(n) for n in os.listdir(output)) \
             and not force:
         raise ConversionError(f"--output {output} already holds a model; pass --force to "
                               "overwrite")
@@ -205,7 +208,8 @@ def convert(load: str, output: str, iteration: Optional[int] = None, dtype: str 
                               f"{config_kwargs['vocab_size']} rows (--vocab-size too small, or "
                               "the wrong tokenizer)")
     config_kwargs.update(_special_ids(args, tok))
-    config_cls = {"gpt2": GPT2Config, "llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    config_cls = {"gpt2": GPT2Config, "llama": LlamaConfig, "qwen2": Qwen2Config,
+                  "mixtral": MixtralConfig}[arch]
     dtype_name = str(target).replace("torch.", "")
     # transformers >= 4.56 calls it dtype, older versions torch_dtype.
     dtype_key = "dtype" if "dtype" in inspect.signature(config_cls.__init__).parameters \

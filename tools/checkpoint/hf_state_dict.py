@@ -1,7 +1,9 @@
 """Megatron <-> Hugging Face state dicts, both directions from one name table per family.
 
-Families: ``gpt2`` (GPT2LMHeadModel), ``llama`` (LlamaForCausalLM; Mistral has the same tensors)
-and ``qwen2`` (Qwen2ForCausalLM: Llama plus biases on q/k/v only).  :data:`FAMILIES` lists, per
+Families: ``gpt2`` (GPT2LMHeadModel), ``llama`` (LlamaForCausalLM; Mistral has the same tensors),
+``qwen2`` (Qwen2ForCausalLM: Llama plus biases on q/k/v only) and ``mixtral``
+(MixtralForCausalLM: Llama attention, a router and ``num_local_experts`` SwiGLU experts per
+layer -- megatron-core's MoE layer with the sequential expert MLPs).  :data:`FAMILIES` lists, per
 family, which megatron-core tensor is which HF tensor(s) and how they are laid out
 (:class:`TensorMap`); :func:`to_hf` (tools/checkpoint/convert_to_hf.py) and :func:`from_hf`
 (tools/checkpoint/convert_from_hf.py) walk the same table, so a name or a layout is written down
@@ -11,6 +13,7 @@ once.  Both check that no tensor is left over.
 from __future__ import annotations
 
 import argparse
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -22,6 +25,11 @@ from tools.checkpoint.megatron_checkpoint_reader import ConversionError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The --dtype choices of the HF converters, both ways."""
+
+HF_MODEL_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|gguf|ckpt|msgpack|h5)$|^config\.json$|"
+                            r"^generation_config\.json$|.*\.index\.json$")
+"""The files of a HF model directory that are not its tokenizer (weights in any framework's
+format, configs, shard indices): never copied as tokenizer files, both ways."""
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -77,7 +85,8 @@ class TensorMap:
     ``when``: which models have the tensor -- ``always``, ``linear_bias`` (all linear biases:
     ``--add-bias-linear``), ``qkv_bias`` (``--add-bias-linear`` or ``--add-qkv-bias``).
     ``zeros``: an HF bias slot that is zeros when the Megatron model has no bias (GPT-2 always
-    has biases)."""
+    has biases).  In a family's ``experts`` entries ``{e}`` is the expert's index (the same
+    on both sides: conversion is at expert-parallel size 1, where local = global index)."""
     megatron: str
     hf: Tuple[str, ...]
     kind: str = "copy"
@@ -110,6 +119,18 @@ _LLAMA_GLOBAL = (
     _m("decoder.final_layernorm.weight", "model.norm.weight"),
 )
 
+# Mixtral: the Llama attention (no biases), the router (megatron-core's TopKRouter) and per
+# expert SwiGLU's [w1 (gate); w3 (up)] fused in linear_fc1, w2 in linear_fc2, as in the Llama MLP.
+_MIXTRAL_LAYER = tuple(tm for tm in _LLAMA_LAYER
+                       if tm.when == "always" and not tm.megatron.startswith("mlp.")) + (
+    _m("mlp.router.weight", "block_sparse_moe.gate.weight"),
+)
+_MIXTRAL_EXPERT = (
+    _m("mlp.experts.local_experts.{e}.linear_fc1.weight", "block_sparse_moe.experts.{e}.w1.weight",
+       "block_sparse_moe.experts.{e}.w3.weight", kind="glu"),
+    _m("mlp.experts.local_experts.{e}.linear_fc2.weight", "block_sparse_moe.experts.{e}.w2.weight"),
+)
+
 FAMILIES: Dict[str, Dict[str, Any]] = {
     "gpt2": dict(
         hf_class="GPT2LMHeadModel", layer_prefix="transformer.h.{}.",
@@ -138,6 +159,8 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
                   layer=_LLAMA_LAYER, glob=_LLAMA_GLOBAL),
     "qwen2": dict(hf_class="Qwen2ForCausalLM", layer_prefix="model.layers.{}.",
                   layer=_LLAMA_LAYER, glob=_LLAMA_GLOBAL),
+    "mixtral": dict(hf_class="MixtralForCausalLM", layer_prefix="model.layers.{}.",
+                    layer=_MIXTRAL_LAYER, experts=_MIXTRAL_EXPERT, glob=_LLAMA_GLOBAL),
 }
 OUTPUT = _m("output_layer.weight", "lm_head.weight")
 
@@ -175,6 +198,13 @@ def _from_hf_tensors(tm: TensorMap, ts: List[torch.Tensor], shape: Shape) -> tor
     raise AssertionError(tm.kind)
 
 
+def _expert_maps(family: str, num_experts: int) -> List[TensorMap]:
+    """The family's per-expert entries for experts 0 .. num_experts - 1 (none: dense)."""
+    return [TensorMap(tm.megatron.format(e=e), tuple(n.format(e=e) for n in tm.hf), tm.kind,
+                      tm.when, tm.zeros)
+            for e in range(num_experts) for tm in FAMILIES[family].get("experts", ())]
+
+
 def _present(tm: TensorMap, linear_bias: bool, qkv_bias: bool) -> bool:
     return {"always": True, "linear_bias": linear_bias, "qkv_bias": qkv_bias or linear_bias}[tm.when]
 
@@ -193,8 +223,10 @@ def _attention_shape(args: argparse.Namespace) -> Tuple[int, int, int]:
 
 
 def architecture(args: argparse.Namespace) -> str:
-    """'gpt2', 'llama' or 'qwen2' from the training flags, else a ConversionError naming the
-    flags.  Qwen2: the Llama architecture with ``--add-qkv-bias`` and no other linear bias."""
+    """'gpt2', 'llama', 'qwen2' or 'mixtral' from the training flags, else a ConversionError
+    naming the flags.  Qwen2: the Llama architecture with ``--add-qkv-bias`` and no other linear
+    bias; Mixtral: the Llama architecture with ``--num-experts`` (see :func:`mixtral_checks`)."""
+    moe = getattr(args, "num_experts", None) is not None
     norm = getattr(args, "normalization", "LayerNorm")
     pos = getattr(args, "position_embedding_type", "learned_absolute")
     swiglu = bool(getattr(args, "swiglu", False))
@@ -203,6 +235,9 @@ def architecture(args: argparse.Namespace) -> str:
     if getattr(args, "apply_layernorm_1p", False):
         raise ConversionError("--apply-layernorm-1p has no GPT-2 / Llama / Qwen2 equivalent")
     if pos == "learned_absolute":
+        if moe:
+            raise ConversionError(f"--num-experts exports as Mixtral, which needs "
+                                  f"--position-embedding-type rope (got {pos})")
         if norm != "LayerNorm" or swiglu:
             raise ConversionError(
                 f"--position-embedding-type learned_absolute exports as GPT-2, which needs "
@@ -225,10 +260,38 @@ def architecture(args: argparse.Namespace) -> str:
         if getattr(args, "rotary_interleaved", False):
             raise ConversionError("--rotary-interleaved: HF Llama uses the non-interleaved "
                                   "(rotate-half) RoPE")
+        if moe:
+            mixtral_checks(args)
+            return "mixtral"
         if getattr(args, "add_qkv_bias", False) and not getattr(args, "add_bias_linear", True):
             return "qwen2"
         return "llama"
     raise ConversionError(f"--position-embedding-type {pos} is not supported")
+
+
+def mixtral_checks(args: argparse.Namespace) -> None:
+    """ConversionError naming the flag where an MoE model is not a Mixtral: every layer MoE,
+    softmax routing to the top k renormalised (megatron-core's default: top k of the logits,
+    softmax over those k -- the same function), no shared expert, no biases."""
+    freq = getattr(args, "moe_layer_freq", 1)
+    if freq != 1 and not (isinstance(freq, list) and all(v == 1 for v in freq)):
+        raise ConversionError(f"--moe-layer-freq {freq}: Mixtral has an MoE MLP in every layer")
+    if getattr(args, "moe_shared_expert_intermediate_size", None):
+        raise ConversionError("--moe-shared-expert-intermediate-size: Mixtral has no shared "
+                              "expert")
+    if getattr(args, "moe_router_score_function", "softmax") != "softmax":
+        raise ConversionError(f"--moe-router-score-function {args.moe_router_score_function}: "
+                              "Mixtral routes with a softmax")
+    if getattr(args, "moe_router_pre_softmax", False):
+        raise ConversionError("--moe-router-pre-softmax: Mixtral renormalises the top-k "
+                              "probabilities (megatron-core's default order), the pre-softmax "
+                              "router does not")
+    if getattr(args, "add_bias_linear", True) or getattr(args, "add_qkv_bias", False):
+        raise ConversionError("Mixtral has no linear biases: export needs --disable-bias-linear "
+                              "and no --add-qkv-bias")
+    if getattr(args, "moe_expert_capacity_factor", None) is not None:
+        warnings.warn(f"--moe-expert-capacity-factor {args.moe_expert_capacity_factor}: training "
+                      "dropped tokens over an expert's capacity; Mixtral never drops")
 
 
 def gelu_flavour(args: argparse.Namespace) -> str:
@@ -315,6 +378,8 @@ def to_hf(args: argparse.Namespace, sd: Dict[str, torch.Tensor],
             if tm.when != "always" and family != "gpt2":
                 tm = TensorMap(tm.megatron, tm.hf, tm.kind, tm.when, zeros=True)
             convert(tm, f"decoder.layers.{i}.{tm.megatron}", fam["layer_prefix"].format(i))
+        for tm in _expert_maps(family, int(getattr(args, "num_experts", None) or 0)):
+            convert(tm, f"decoder.layers.{i}.{tm.megatron}", fam["layer_prefix"].format(i))
     for tm in fam["glob"]:
         convert(tm, tm.megatron, "")
     for name in ("model.embed_tokens.weight", "transformer.wte.weight"):
@@ -373,6 +438,14 @@ def hf_config(family: str, args: argparse.Namespace, vocab: int) -> Dict[str, An
     config.update(_rope_config_kwargs(rope))
     if family == "llama":
         config.update(attention_bias=bias_linear, mlp_bias=bias_linear)
+    if family == "mixtral":
+        config.update(intermediate_size=int(args.moe_ffn_hidden_size or args.ffn_hidden_size),
+                      num_local_experts=int(args.num_experts),
+                      num_experts_per_tok=int(args.moe_router_topk),
+                      router_aux_loss_coef=float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0),
+                      router_jitter_noise=float(getattr(args, "moe_input_jitter_eps", None)
+                                                or 0.0),
+                      sliding_window=None)
     return config
 
 
@@ -392,14 +465,16 @@ def _no_leftovers(take: _Taker) -> None:
     if left:
         raise ConversionError(f"the checkpoint has tensors this export would drop: {left[:6]}"
                               f"{' ...' if len(left) > 6 else ''} (an architecture feature "
-                              "GPT-2 / Llama / Qwen2 cannot express)")
+                              "GPT-2 / Llama / Qwen2 / Mixtral cannot express)")
 
 
 # ----------------------------------------------------------------------------- HF -> Megatron
 def from_hf(family: str, hf_sd: Dict[str, torch.Tensor], num_layers: int, shape: Shape,
-            linear_bias: bool, qkv_bias: bool, tied: bool) -> Dict[str, torch.Tensor]:
-    """The full (TP = PP = 1 layout, unpadded vocabulary) Megatron state dict of an HF state
-    dict; a ConversionError names a missing HF tensor or one that would be dropped."""
+            linear_bias: bool, qkv_bias: bool, tied: bool,
+            num_experts: int = 0) -> Dict[str, torch.Tensor]:
+    """The full (TP = PP = 1 layout, unpadded vocabulary; experts at expert-parallel size 1)
+    Megatron state dict of an HF state dict; a ConversionError names a missing HF tensor or one
+    that would be dropped."""
     fam = FAMILIES[family]
     left = set(hf_sd)
     out: Dict[str, torch.Tensor] = {}
@@ -416,6 +491,8 @@ def from_hf(family: str, hf_sd: Dict[str, torch.Tensor], num_layers: int, shape:
 
     for i in range(num_layers):
         for tm in fam["layer"]:
+            convert(tm, f"decoder.layers.{i}.{tm.megatron}", fam["layer_prefix"].format(i))
+        for tm in _expert_maps(family, num_experts):
             convert(tm, f"decoder.layers.{i}.{tm.megatron}", fam["layer_prefix"].format(i))
     for tm in fam["glob"]:
         convert(tm, tm.megatron, "")

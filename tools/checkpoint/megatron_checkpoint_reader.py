@@ -149,9 +149,15 @@ def _clean_chunk(sd: Dict[str, Any]) -> Dict[str, torch.Tensor]:
 
 
 def _merge_rule(key: str, swiglu: bool) -> str:
-    """How the TP shards of ``key`` (canonical name) combine: cat0 | cat1 | glu | same."""
+    """How the TP shards of ``key`` (canonical name) combine: cat0 | cat1 | glu | same.
+    MoE: the router is replicated; each expert's MLP is split like the dense MLP (expert TP =
+    --tensor-model-parallel-size)."""
     if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return "cat0"
+    if key.endswith(".mlp.router.weight"):
+        return "same"
+    key = re.sub(r"\.mlp\.experts\.local_experts\.\d+\.(linear_fc[12]\.(weight|bias))$",
+                 r".mlp.\1", key)
     if key in ("embedding.position_embeddings.weight", "decoder.final_layernorm.weight",
                "decoder.final_layernorm.bias") or \
             re.search(r"\.(input|pre_mlp)_layernorm\.(weight|bias)$", key):
@@ -166,9 +172,9 @@ def _merge_rule(key: str, swiglu: bool) -> str:
                          (".mlp.linear_fc2.bias", "same")):
         if key.endswith(suffix):
             return rule
-    raise ConversionError(f"tensor {key!r} is not part of the GPT-2 / Llama layouts this tool "
-                          "exports (e.g. QK layernorm, MoE): cannot merge its tensor-parallel "
-                          "shards")
+    raise ConversionError(f"tensor {key!r} is not part of the GPT-2 / Llama / Mixtral layouts "
+                          "this tool exports (e.g. QK layernorm, a shared expert): cannot merge "
+                          "its tensor-parallel shards")
 
 
 def merge_tensor_parallel(key: str, shards: List[torch.Tensor], swiglu: bool) -> torch.Tensor:
@@ -216,6 +222,13 @@ def read_torch_format(path: str) -> Tuple[argparse.Namespace, Dict[str, torch.Te
     args = _as_namespace(state.get("args"))
     tp = int(getattr(args, "tensor_model_parallel_size", 1))
     pp = int(getattr(args, "pipeline_model_parallel_size", 1))
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    if ep > 1:
+        raise ConversionError(f"{path} was written with --expert-model-parallel-size {ep} in "
+                              "--ckpt-format torch: each expert-parallel rank's file holds its "
+                              "own experts; export a --ckpt-format torch_dist checkpoint (any "
+                              "expert-parallel size) or one written at --expert-model-parallel-"
+                              "size 1")
     layers_per_stage = args.num_layers // pp
     swiglu = bool(getattr(args, "swiglu", False))
     full: Dict[str, torch.Tensor] = {}
@@ -297,8 +310,20 @@ def read_torch_dist_format(path: str) -> Tuple[argparse.Namespace, Dict[str, tor
             if value.shape[0] != args.num_layers:
                 raise ConversionError(f"{key}: leading dim {value.shape[0]} != --num-layers "
                                       f"{args.num_layers}")
+            # megatron-core's SequentialMLP saves its experts under mlp.experts.experts.*,
+            # stacked over the global experts (any expert-parallel size): [layers, experts, ...]
+            # (or mlp.experts.experts.E.* with singleton local shards)
+            e = re.match(r"(mlp\.experts)\.experts\.(?:(\d+)\.)?(.+)$", m.group(1))
             for i in range(args.num_layers):
-                full[f"decoder.layers.{i}.{canonical_layer_key(m.group(1))}"] = value[i]
+                if e and e.group(2) is not None:
+                    full[f"decoder.layers.{i}.{e.group(1)}.local_experts.{e.group(2)}."
+                         f"{e.group(3)}"] = value[i]
+                elif e:
+                    for j in range(value.shape[1]):
+                        full[f"decoder.layers.{i}.{e.group(1)}.local_experts.{j}."
+                             f"{e.group(3)}"] = value[i][j]
+                else:
+                    full[f"decoder.layers.{i}.{canonical_layer_key(m.group(1))}"] = value[i]
         else:
             full[key] = value
     return args, full

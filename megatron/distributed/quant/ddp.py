@@ -30,6 +30,9 @@ GRAD_EXACT = "grad_reduce_scatter_exact"
 WEIGHT_EXACT = "weight_all_gather_exact"
 
 _CHUNK_BUCKET_STRIDE = 10_000
+_EXPERT_BUCKET_OFFSET = 5_000
+"""Expert buckets' indices start here within a chunk's stride (their seeds differ from the
+dense buckets')."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -204,15 +207,18 @@ def weight_quantization_dtype_error(quant_config: QuantizationConfig,
 
 
 class QuantizedDistributedDataParallel(DistributedDataParallel):
-    """megatron-core DDP whose dense bucket groups communicate quantized (see module docstring).
+    """megatron-core DDP whose bucket groups communicate quantized (see module docstring).
 
-    Expert-parallel buffers (MoE) keep megatron-core's exact collectives.
+    Expert-parallel buffers (MoE, expert parallelism > 1) go through ``expert_runtime``: the
+    same collectives over megatron-core's expert-data-parallel group and its own two levels;
+    without one (that group has one rank: nothing to send) they keep megatron-core's.
     """
 
     def __init__(self, config: TransformerConfig, ddp_config: DistributedDataParallelConfig,
                  module: torch.nn.Module, quant_config: QuantizationConfig,
                  disable_bucketing: bool = False, runtime: Optional[QuantizationRuntime] = None,
-                 chunk_id: int = 0, **kwargs: Any) -> None:
+                 chunk_id: int = 0, expert_runtime: Optional[QuantizationRuntime] = None,
+                 **kwargs: Any) -> None:
         if not ddp_config.use_distributed_optimizer:
             raise ValueError("quantized communication (--quantized-weights / --quantized-gradients) "
                              "requires --use-distributed-optimizer")
@@ -237,10 +243,28 @@ class QuantizedDistributedDataParallel(DistributedDataParallel):
             converted.append(QuantizedBucketGroup.convert(bg, runtime, f"chunk{chunk_id}", base))
             base += len(bg.buckets)
         self.bucket_groups = converted
+        # Kept also on a pipeline stage without MoE layers: every rank then has the same
+        # runtimes, and their per-step agreements (collectives) match across ranks.
+        self.expert_quant_runtime = expert_runtime
+        if expert_runtime is not None and self.expert_parallel_bucket_groups:
+            base = chunk_id * _CHUNK_BUCKET_STRIDE + _EXPERT_BUCKET_OFFSET
+            converted = []
+            for bg in self.expert_parallel_bucket_groups:
+                converted.append(QuantizedBucketGroup.convert(
+                    bg, self.expert_quant_runtime, f"chunk{chunk_id}/expert", base))
+                base += len(bg.buckets)
+            self.expert_parallel_bucket_groups = converted
         # param_to_bucket_group holds the same objects (class swapped in place): nothing to remap.
 
     def quantized_bucket_groups(self) -> List[QuantizedBucketGroup]:
-        return [bg for bg in self.bucket_groups if isinstance(bg, QuantizedBucketGroup)]
+        """Every bucket group on the quantized path, dense ones then expert ones."""
+        return [bg for bg in self.bucket_groups + self.expert_parallel_bucket_groups
+                if isinstance(bg, QuantizedBucketGroup)]
+
+    def quant_runtimes(self) -> List[QuantizationRuntime]:
+        """The dense runtime, then the expert one (when the chunk has quantized expert buffers)."""
+        return [self.quant_runtime] + ([self.expert_quant_runtime]
+                                       if self.expert_quant_runtime is not None else [])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -261,7 +285,7 @@ def install_optimizer_hooks(optimizer: Any, model_chunks: Sequence[torch.nn.Modu
     if not qddps:
         return
     groups = [bg for m in qddps for bg in m.quantized_bucket_groups()]
-    runtimes = list({id(m.quant_runtime): m.quant_runtime for m in qddps}.values())
+    runtimes = list({id(rt): rt for m in qddps for rt in m.quant_runtimes()}.values())
 
     for bg in groups:
         bg._reference_hook_installed = True

@@ -4,22 +4,26 @@
 does not know how quantization and PaRO are wired into megatron-core: flags, the data-parallel
 wrapper and optimizer, per-iteration and checkpoint hooks, reports. With quantization off and no
 PaRO engine strategy every function is plain megatron-core behaviour (bit-identical). Heavy modules
-are imported inside the functions that need them; PaRO building is in :mod:`.paro.integration`.
+are imported inside the functions that need them; PaRO building is in :mod:`.paro.integration`,
+the reports in :mod:`.reports`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import weakref
 from typing import TYPE_CHECKING, AbstractSet, Any, Dict, Iterator, List, Optional
 
 import torch
 
 from .arguments import gradients_quantized  # noqa: F401 (re-export)
 from .config import QuantizationConfig, TopologyUnknownError  # noqa: F401 (re-export)
+from .chunks import engine_chunks as _engine_chunks
+from .chunks import nobody_to_talk_to  # noqa: F401 (re-export)
+from .chunks import runtimes_of as _runtimes
 from .grad_accum import apply_grad_accum_dtype, resolve_grad_dtypes  # noqa: F401 (re-export)
+from .reports import (communication_report, memory_report, startup_warnings,  # noqa: F401
+                      strategy_report)
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -39,8 +43,7 @@ __all__ = [
 # ----------------------------------------------------------------------------- flags
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the quantized-communication flags and the PaRO flags (``--paro-*``)."""
-    from .arguments import add_quantization_args
-    from .paro.args import add_paro_args
+    from .arguments import add_paro_args, add_quantization_args
 
     add_quantization_args(parser)
     add_paro_args(parser)
@@ -68,7 +71,7 @@ def build_quantization_config(args: argparse.Namespace,
 def check_strategy_args(args: argparse.Namespace) -> None:
     """Accept or refuse the strategy of ``args.quant_config`` against the rest of the command
     line (ValueError with the fix); part of argument validation, writes nothing."""
-    from .paro.args import check_paro_args
+    from .arguments import check_paro_args
 
     check_paro_args(args, args.quant_config)
 
@@ -100,23 +103,6 @@ def weight_quantization_dtype_error(quant_config: QuantizationConfig,
     from .ddp import weight_quantization_dtype_error as check
 
     return check(quant_config, params_dtype)
-
-
-def _runtimes(model_chunks: List[torch.nn.Module]) -> List[Any]:
-    """Distinct QuantizationRuntime objects of the (quantized) chunks, in chunk order."""
-    seen: Dict[int, Any] = {}
-    for chunk in model_chunks:
-        rt = getattr(chunk, "quant_runtime", None)
-        if rt is not None and id(rt) not in seen:
-            seen[id(rt)] = rt
-    return list(seen.values())
-
-
-def _engine_chunks(model_chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
-    """The chunks wrapped by the PaRO engine (none for megatron-core DDP)."""
-    from .paro.integration import is_engine
-
-    return [chunk for chunk in model_chunks if is_engine(chunk)]
 
 
 # ----------------------------------------------------------------------------- model, optimizer
@@ -156,21 +142,23 @@ def resolve_auto_strategy(quant_config: QuantizationConfig, num_params: int,
     return resolve(quant_config, num_params, activation_bytes)
 
 
-def activation_bytes_estimate(args: argparse.Namespace) -> float:
-    """One micro-batch's estimated activation bytes for this run's model flags (what the trainer
-    passes to :func:`resolve_auto_strategy` once the padded vocabulary is known)."""
-    from .paro.integration import activation_bytes_estimate as estimate
+def activation_bytes_estimate(*, seq_length: int, micro_batch_size: int, hidden_size: int,
+                              num_layers: int, num_attention_heads: int, vocab_size: int,
+                              ffn_hidden_size: Optional[int] = None, gated_mlp: bool = False,
+                              bytes_per_value: float = 2.0, attention_scores: bool = True,
+                              recompute: Optional[str] = None,
+                              recompute_num_layers: int = 1) -> float:
+    """One micro-batch's estimated activation bytes for a model of this shape
+    (:func:`.paro.cost.activation_memory`): what the trainer passes to
+    :func:`resolve_auto_strategy`. Plain values, computed by the trainer from its flags."""
+    from .paro.cost import activation_memory
 
-    return estimate(args)
-
-
-def nobody_to_talk_to() -> bool:
-    """True when the data-parallel group (with context parallelism) has one rank: nothing is
-    sent, so quantizing would only lose precision. The model then gets megatron-core's own DDP
-    (bit-identical to the baseline) whatever the quantization flags say."""
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 1
+    return activation_memory(
+        seq_length=seq_length, micro_batch_size=micro_batch_size, hidden_size=hidden_size,
+        num_layers=num_layers, num_attention_heads=num_attention_heads, vocab_size=vocab_size,
+        ffn_hidden_size=ffn_hidden_size, gated_mlp=gated_mlp, bytes_per_value=bytes_per_value,
+        attention_scores=attention_scores, recompute=recompute,
+        recompute_num_layers=recompute_num_layers)
 
 
 def wrap_model_with_ddp(
@@ -196,13 +184,19 @@ def wrap_model_with_ddp(
             for i, chunk in enumerate(model_chunks)
         ]
     from .ddp import QuantizedDistributedDataParallel
-    from .runtime import build_runtime
+    from .runtime import build_expert_runtime, build_runtime
 
     runtime = build_runtime(quant_config)
+    # Decided from the config, the same on every rank (group creation is world-collective),
+    # also on a pipeline stage without MoE layers.
+    expert_runtime = (build_expert_runtime(quant_config, runtime)
+                      if getattr(config, "num_moe_experts", None)
+                      and getattr(config, "expert_model_parallel_size", 1) > 1 else None)
     return [
         QuantizedDistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                          quant_config=quant_config, disable_bucketing=(i > 0),
-                                         runtime=runtime, chunk_id=i)
+                                         runtime=runtime, chunk_id=i,
+                                         expert_runtime=expert_runtime)
         for i, chunk in enumerate(model_chunks)
     ]
 
@@ -374,151 +368,3 @@ def reset_quantization_state(model_chunks: List[torch.nn.Module], iteration: int
     loaded model weights are the reference); only the iteration counters follow the checkpoint."""
     for rt in _runtimes(model_chunks):
         rt.resume_at(iteration)
-
-
-# ----------------------------------------------------------------------------- reports
-def startup_warnings(quant_config: QuantizationConfig, model_chunks: List[torch.nn.Module], *,
-                     device: str, overlap: bool, tensor_parallel: int, sequence_parallel: bool,
-                     environ: Optional[Dict[str, str]] = None) -> List[str]:
-    """What the trainer warns about at startup: a rank placement that splits a node's ranks over
-    several hosts (:mod:`.placement`), and ``CUDA_DEVICE_MAX_CONNECTIONS=1`` where it removes
-    the overlap of the quantized collectives (:func:`.streams.single_hardware_queue_warning`;
-    ``overlap``: gradient reduce or parameter gather overlapped, the other arguments its)."""
-    from .streams import single_hardware_queue_warning
-
-    notes = [note for rt in _runtimes(model_chunks) for note in rt.startup_notes]
-    if quant_config.enabled and not nobody_to_talk_to():
-        queue = single_hardware_queue_warning(
-            dict(os.environ if environ is None else environ), device=device,
-            overlap=bool(overlap), tensor_parallel=tensor_parallel,
-            sequence_parallel=bool(sequence_parallel))
-        if queue is not None:
-            notes.append(queue)
-    return notes
-
-
-def memory_report(model_chunks: List[torch.nn.Module]) -> Optional[str]:
-    """The startup line of what the quantized layer adds to each GPU's memory for this run's
-    buckets (:func:`.memory.layer_memory`, parameters stored as the config says), or None when
-    no bucket is quantized."""
-    from .memory import layer_memory
-
-    rts = _runtimes(model_chunks)
-    numels = [n for rt in rts for n in rt.buffer_numel.values() if n]
-    if not numels:
-        return None
-    groups = rts[0].groups
-    config = rts[0].config
-    return layer_memory(config, numels, groups.dp_size, groups.intra_size,
-                        int(config.paro.param_bytes)).describe()
-
-
-def strategy_report(quant_config: QuantizationConfig, model_chunks: List[torch.nn.Module],
-                    optimizer: Any) -> Optional[str]:
-    """The startup report of the run's strategy (``quant_config.paro``: model-state memory and
-    bytes per link of one step, from the cost model; for the PaRO engine also the resident bytes
-    it measures), or None without a strategy."""
-    from .paro.integration import strategy_report as report
-
-    return report(quant_config, model_chunks, optimizer)
-
-
-def _flatten(report: Dict[str, Any]) -> Dict[str, float]:
-    out: Dict[str, float] = {}
-    for kind in ("grad", "weight"):
-        entry = report.get(kind)
-        if not entry or not entry.get("calls"):
-            continue
-        for link in ("intra", "inter", "total"):
-            s = entry[link]
-            if not s["bytes"] and not s["baseline_bytes"]:
-                continue
-            out[f"{kind}_{link}_bytes"] = float(s["bytes"])
-            out[f"{kind}_{link}_baseline_bytes"] = float(s["baseline_bytes"])
-            for metric in ("bits_per_element", "baseline_bits_per_element", "ratio_vs_baseline"):
-                if s[metric] is not None:
-                    out[f"{kind}_{link}_{metric}"] = float(s[metric])
-        if entry["bits_per_model_element"] is not None:
-            out[f"{kind}_bits_per_model_element"] = float(entry["bits_per_model_element"])
-        out[f"{kind}_calls"] = float(entry["calls"])
-    return out
-
-
-def communication_report(model_chunks: List[torch.nn.Module], reset: bool = True,
-                         totals: bool = False) -> Dict[str, float]:
-    """Bytes/bits per element on each link since the last call (empty when quantization is off
-    and no chunk is a PaRO engine); with ``totals``, over the whole run instead (for the
-    end-of-run summary; resets nothing).
-
-    Keys ``{grad|weight}_{intra|inter|total}_{bytes|bits_per_element|ratio_vs_baseline|...}``,
-    ``{kind}_bits_per_model_element`` (bytes on all links per bucket element), ``{kind}_calls``,
-    ``nonfinite_events`` (quantized collectives that met NaN/Inf in the interval),
-    ``comm_{grad_intra|grad_inter|grad_exposed|weight|weight_exposed}_ms`` (per iteration: time
-    the collectives took vs time the training thread waited for them, streams.CommTiming),
-    ``quant_error_{grad|weight}_{rel|cos}`` (``--quantization-error-interval``: relative L2 error
-    and cosine of the monitored quantized results vs the exact ones, this rank's shards, in
-    intervals that held a monitored iteration), with LoCo ``loco_error_bytes_per_param`` (error-buffer memory on this rank per local parameter),
-    and for PaRO-engine chunks ``paro_{intra|inter}_bytes`` (every byte the engine sent on each
-    link, quantized or not, in the cost model's convention: comparable with its report).
-    """
-    merged: Dict[str, float] = {}
-    rts = _runtimes(model_chunks)
-    if rts:
-        merged.update(_runtime_report(rts, model_chunks, reset, totals))
-    merged.update(_engine_bytes(model_chunks, reset, totals))
-    return merged
-
-
-def _runtime_report(rts: List[Any], model_chunks: List[torch.nn.Module], reset: bool,
-                    totals: bool) -> Dict[str, float]:
-    merged: Dict[str, float] = {}
-    nonfinite = 0
-    for rt in rts:
-        report = rt.accounting.totals() if totals else rt.accounting.interval_report()
-        for k, v in _flatten(report).items():
-            if "bits" in k or "ratio" in k:
-                merged.setdefault(k, v)  # one runtime per model in practice
-            else:
-                merged[k] = merged.get(k, 0.0) + v
-        nonfinite += rt.nonfinite_events if totals else rt.nonfinite_events_interval
-        if not totals:  # total vs exposed communication ms per iteration (one runtime per model)
-            # Only the kinds this layer sends (and times): megatron-core's own exact collectives
-            # are not timed, and a 0.000 for them would read as "free".
-            timed = ("comm_grad" if rt.config.quantized_gradients else None,
-                     "comm_weight" if rt.config.quantized_weights else None)
-            merged.update({k: v for k, v in rt.timing.interval_report(reset=reset).items()
-                           if k.startswith(tuple(t for t in timed if t))})
-            # --quantization-error-interval: quantized vs exact over the interval's samples
-            merged.update(rt.errors.report(reset=reset))
-        if reset and not totals:
-            rt.accounting.reset_interval()
-            rt.nonfinite_events_interval = 0
-    merged["nonfinite_events"] = float(nonfinite)
-    locos = [rt.loco for rt in rts if rt.loco is not None]
-    if locos:
-        # LoCo's memory overhead on this rank, per local model parameter (int8 codes + scales).
-        n_params = sum(p.numel() for chunk in model_chunks for p in chunk.parameters())
-        merged["loco_error_bytes_per_param"] = sum(l.memory_bytes() for l in locos) / max(1, n_params)
-    return merged
-
-
-_ENGINE_RUN_BYTES: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[str, float]]" = (
-    weakref.WeakKeyDictionary())
-"""Per PaRO-engine chunk, the bytes of the intervals already reported (the engine's counter holds
-only those since the last report)."""
-
-
-def _engine_bytes(model_chunks: List[torch.nn.Module], reset: bool,
-                  totals: bool) -> Dict[str, float]:
-    out: Dict[str, float] = {}
-    for chunk in _engine_chunks(model_chunks):
-        run = _ENGINE_RUN_BYTES.setdefault(chunk, {"intra": 0.0, "inter": 0.0})
-        counted = chunk.counter.bytes
-        for link in ("intra", "inter"):
-            key = f"paro_{link}_bytes"
-            out[key] = out.get(key, 0.0) + counted[link] + (run[link] if totals else 0.0)
-        if reset and not totals:
-            for link in ("intra", "inter"):
-                run[link] += counted[link]
-            chunk.counter.reset()
-    return out

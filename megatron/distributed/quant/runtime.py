@@ -25,11 +25,12 @@ from .config import QuantizationConfig
 from .loco import LoCoErrorFeedback
 from .placement import agree_intra_node_size, placement_warning
 from .streams import CommStreams, CommTiming
-from .topology import TwoLevelGroups, build_two_level_groups_for_all
+from .topology import TwoLevelGroups, build_two_level_groups_for_all, expert_intra_node_size
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QuantizationRuntime", "QuantizationErrorMonitor", "build_runtime", "SCOPES"]
+__all__ = ["QuantizationRuntime", "QuantizationErrorMonitor", "build_runtime",
+           "build_expert_runtime", "SCOPES"]
 
 SCOPES = ("global", "intra", "inter")
 """Where a collective runs: the whole DP group (two hops), the node, or across nodes."""
@@ -82,10 +83,14 @@ class QuantizationRuntime:
     caller owns the buffers and decides *when* to communicate; this object decides *how*.
     """
 
-    def __init__(self, config: QuantizationConfig, groups: TwoLevelGroups) -> None:
+    def __init__(self, config: QuantizationConfig, groups: TwoLevelGroups,
+                 name: str = "") -> None:
         self.config = config
         """Validated where it was built (:meth:`QuantizationConfig.from_args`), not again here."""
         self.groups = groups
+        self.name = name
+        """'' for the dense buffers; 'expert' for MoE expert buffers over the expert-data-
+        parallel group (the prefix of their report fields)."""
         self.iteration = 0
         self.last_stepped_iteration: Optional[int] = None
         self.accounting = CommAccounting()
@@ -461,3 +466,19 @@ def build_runtime(config: QuantizationConfig,
     if note is not None:
         runtime.startup_notes.append(note)
     return runtime
+
+
+def build_expert_runtime(config: QuantizationConfig,
+                         dense: QuantizationRuntime) -> Optional[QuantizationRuntime]:
+    """Runtime for a MoE model's expert buffers: the two levels of megatron-core's expert-data-
+    parallel group (its ranks per node from the dense groups' nodes,
+    :func:`.topology.expert_intra_node_size`), or None when that group has one rank (nothing to
+    send). Collective over the world, like :func:`build_runtime`."""
+    group = parallel_state.get_expert_data_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    if len(ranks) == 1:  # the same on every rank: every expert-DP group has DP / EP ranks
+        return None
+    intra = expert_intra_node_size(dense.groups, ranks)
+    return QuantizationRuntime(config, _two_level_groups_for(group, intra,
+                                                             config.communicator_timeout),
+                               name="expert")

@@ -21,7 +21,8 @@ from typing import Any, List, Optional, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["TwoLevelGroups", "build_two_level_groups", "build_two_level_groups_for_all"]
+__all__ = ["TwoLevelGroups", "build_two_level_groups", "build_two_level_groups_for_all",
+           "expert_intra_node_size"]
 
 
 @dataclass
@@ -255,3 +256,27 @@ def build_two_level_groups_for_all(all_dp_ranks: Sequence[Sequence[int]], intra_
     if mine is None:
         raise ValueError(f"rank {me} is in none of the DP groups {[list(r) for r in all_dp_ranks]}")
     return mine
+
+
+def expert_intra_node_size(dense: TwoLevelGroups, expert_dp_ranks: Sequence[int]) -> int:
+    """Expert-data-parallel ranks per node, from the dense groups' nodes (``dense``: this rank's
+    DP group, ``intra_size`` ranks a node; ``expert_dp_ranks``: this rank's expert-DP group).
+
+    megatron-core takes expert parallelism out of the DP ranks (EP fastest), so with the expert
+    tensor-parallel size equal to TP the expert-DP group is every EP-th rank of the dense DP
+    group: D / EP of them share a node when EP divides D, one when D divides EP. ValueError for
+    a layout whose nodes hold different numbers of them, or that is not node-major."""
+    members = [int(r) for r in expert_dp_ranks]
+    outside = [r for r in members if r not in dense.dp_ranks]
+    if outside:
+        raise ValueError(f"expert-data-parallel ranks {outside} are not in this rank's data-"
+                         f"parallel group {dense.dp_ranks}: the quantized expert collectives "
+                         "need --expert-tensor-parallel-size equal to --tensor-model-parallel-size")
+    nodes = [dense.dp_ranks.index(r) // dense.intra_size for r in members]
+    per_node = {n: nodes.count(n) for n in nodes}
+    if len(set(per_node.values())) != 1 or nodes != sorted(nodes):
+        raise ValueError(
+            f"the expert-data-parallel group {members} spreads unevenly over the nodes "
+            f"({dense.intra_size} data-parallel ranks each): --expert-model-parallel-size must "
+            f"divide the data-parallel ranks per node ({dense.intra_size}) or be a multiple of it")
+    return next(iter(per_node.values()))

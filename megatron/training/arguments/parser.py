@@ -22,6 +22,7 @@ from typing import Callable, FrozenSet, List, NoReturn, Optional
 
 from megatron.distributed.quant import integration
 
+from megatron.training.arguments.moe import add_moe_args
 from megatron.training.data.tokenizer import TOKENIZER_TYPES
 from megatron.training.model import rope_scaling
 from megatron.training.profiling import add_profile_args
@@ -482,6 +483,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     _add_checkpoint_args(parser)
     _add_logging_args(parser)
     _add_megatron_lm_compat_args(parser)
+    add_moe_args(parser)
     add_profile_args(parser)
     integration.add_arguments(parser)
     if extra_args_provider is not None:

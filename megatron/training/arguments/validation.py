@@ -18,6 +18,7 @@ from typing import Callable, Tuple
 from megatron.distributed.quant import integration
 
 from megatron.training.data.blend import data_blend, is_number
+from megatron.training.arguments import moe
 from megatron.training.arguments.parser import flags_given, launcher_rank
 from megatron.training.profiling import validate_profile_args
 from megatron.training.data.tokenizer import SENTENCEPIECE_TYPES
@@ -114,6 +115,26 @@ def layers_divide_over_pipeline(args: argparse.Namespace) -> None:
     if args.pipeline_model_parallel_size > 1:
         _require(args.num_layers % args.pipeline_model_parallel_size == 0,
                  "--num-layers must be divisible by --pipeline-model-parallel-size")
+
+
+def moe_flags_fit(args: argparse.Namespace) -> None:
+    """The MoE flags (:data:`.moe.RULES`: expert parallelism inside the data-parallel ranks,
+    the expert MLP size, grouped GEMM installed)."""
+    try:
+        for rule in moe.RULES:
+            rule(args)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+
+
+def moe_not_on_paro_engine(args: argparse.Namespace) -> None:
+    """The PaRO engine shards dense parameters only: a MoE model trains on megatron-core's DDP
+    (the quantized path covers its expert buffers)."""
+    if moe.is_moe(args) and integration.uses_sharded_engine(args.paro_strategy):
+        raise ArgumentError(
+            f"--paro-strategy {args.paro_strategy}: the PaRO engine does not shard expert "
+            "parameters (--num-experts); use --paro-strategy NNN or NNG, or none "
+            "(megatron-core's distributed optimizer, quantized with the quantization flags)")
 
 
 # ----------------------------------------------------------------------------- batch sizes
@@ -650,14 +671,16 @@ RULES: Tuple[Callable[[argparse.Namespace], None], ...] = (
     overlap_param_gather_needs_overlapped_distributed_optimizer,
     overlap_with_optimizer_step_needs_overlap_param_gather,
     # quantization
-    derive_quantization_config, check_paro_strategy, quantized_megatron_core_path_fits,
+    derive_quantization_config, check_paro_strategy, moe_not_on_paro_engine,
+    quantized_megatron_core_path_fits,
     two_level_topology_fits_world,
     # attention, kernels
     query_groups_divide_heads, old_attention_spellings, resolve_attention_backend,
     requested_fusions_available, per_token_loss_fits, unsupported_megatron_lm_features,
     profile_flags_valid,
     # model shape
-    position_table_covers_sequence, default_ffn_hidden_size, derive_recompute_settings,
+    position_table_covers_sequence, default_ffn_hidden_size, moe_flags_fit,
+    derive_recompute_settings,
     rope_scaling_needs_rope, openai_gelu_not_with_swiglu,
     # learning rate
     default_lr_decay_iters, one_warmup_flag, min_lr_at_most_lr, derive_lr_schedule_steps,

@@ -5,8 +5,8 @@ wrong ``--load`` (a file, an empty folder, a folder of iteration folders without
 refused naming what was found; a missing one starts from scratch only where Megatron-LM's
 "same command for the first launch and every restart" needs it; and the ranks, each reading the
 tracker on its own, must agree on one iteration (:func:`agreed_checkpoint_to_load`) before any
-of them reads a file.  The readers of the formats (:mod:`.checkpoint_torch_format`,
-:mod:`.dist_checkpoint`) only read the :class:`LoadTarget` decided here.
+of them reads a file.  The readers of the formats (:mod:`.torch_format`,
+:mod:`.torch_dist_format`) only read the :class:`LoadTarget` decided here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from megatron.training.checkpoint import integrity as checkpoint_integrity
 from megatron.training.checkpoint.layout import (MEGATRON_LM_MODEL_FILE, RELEASE, TRACKER,
                                                  checkpoint_dir, read_tracker, release_dir,
-                                                 tracker_names_release)
+                                                 tracker_entry)
 from megatron.training.errors import StartupError
 
 
@@ -123,17 +123,12 @@ def find_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
     * Training from scratch, with a WARNING line: ``DIR`` does not exist, or ``DIR`` is also
       ``--save`` and holds nothing but hidden leftovers (``.tmp_iter_*`` of a save that never
       completed, a lock file) or nothing at all.  ``--exit-on-missing-checkpoint`` turns
-      these into errors too.
+      these into errors too; so is a fresh start while ``--save`` holds a later checkpoint (the
+      first save would move its tracker backwards).
 
-    Why this choice, rather than making ``--exit-on-missing-checkpoint`` the default: a
-    Megatron-LM user launches the first run and every restart of a job with the same command,
-    ``--save D --load D``, and Megatron-LM starts the first launch from scratch (with a warning)
-    because ``D`` does not exist yet -- scripts that ``mkdir -p D`` first, or a first save that
-    was killed, leave it empty.  That must keep working.  Anything else without a checkpoint is
-    a wrong path (issue 26: ``--load`` on an iteration folder or a ``.pt`` file trained from
-    iteration 0 with exit 0), so it is refused before hours are spent on a run nobody wanted.
-    Starting from scratch while ``--save`` holds a later checkpoint is refused as well: the
-    first save of this run would move that directory's tracker backwards."""
+    Why not refuse every missing checkpoint: Megatron-LM users launch the first run and every
+    restart with the same ``--save D --load D``, and ``D`` may not exist yet or be empty. Any
+    other ``--load`` without a checkpoint is a wrong path, refused before hours are spent."""
     load = args.load
     if not load:
         return None
@@ -185,7 +180,8 @@ def find_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
                                   else f" and --load {load} holds no iter_* folder"))
         _warn_if_saves_replace_newer(args, load, step)
         return LoadTarget(load, step, checkpoint_dir(load, step))
-    if tracker_names_release(load):
+    entry = tracker_entry(load)
+    if entry == RELEASE:
         release = release_dir(load)
         if not os.path.isdir(release) or not _holds_checkpoint_files(release):
             found = _found(os.listdir(release)) if os.path.isdir(release) else ""
@@ -194,7 +190,7 @@ def find_checkpoint_to_load(args: argparse.Namespace) -> Optional[LoadTarget]:
                                + (f"holds no checkpoint files (found: {found or 'nothing'})"
                                   if os.path.isdir(release) else "does not exist"))
         return LoadTarget(load, 0, release, release=True)
-    iteration = read_tracker(load)
+    iteration = entry
     if iteration is not None:
         ckpt = checkpoint_dir(load, iteration)
         if not os.path.isdir(ckpt):

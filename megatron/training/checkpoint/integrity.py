@@ -1,42 +1,12 @@
 """Checkpoint integrity: every file's size and digest in a manifest, checked before a load.
 
-Why: neither format notices damaged bytes.  torch's zip reader is built without its CRC-32
-checks, so 8 flipped bytes in a ``.pt`` load silently (a run resumed from a loss of 2.9e3), and
-megatron-core's ``.distcp`` shards carry no checksum at all (the loss diverged one step later).
-A truncated ``.pt`` gave a raw ``PytorchStreamReader ... central directory`` traceback that
-named no file.  With a manifest a damaged checkpoint is refused before anything is loaded,
-naming the file and the checkpoint and pointing at the previous one.
-
-Layout: ``{iter_dir}/manifest.json``::
-
-    {"format": "checkpoint-manifest", "version": 1, "iteration": 30, "algorithm": "xxh3_128",
-     "files": {"mp_rank_00_000_dp_000.pt": {"size": 123456, "digest": "9f0c..."}, ...}}
-
-Names are relative to the iteration directory, ``/``-separated (``rank_state/tp00_...pt``).
-
-Who hashes what (the cost is spread over the ranks, as the writing is):
-
-* a file written with :func:`save_torch` (``--ckpt-format torch``'s per-rank files, torch_dist's
-  ``rank_state/`` files) is hashed by its writer *while* ``torch.save`` streams it, each large
-  chunk hashed on a helper thread while the main thread writes it (both release the GIL), so
-  the bytes are never read back;
-* megatron-core writes the ``.distcp`` shards itself (in its writer processes), named
-  ``__{rank}_{n}.distcp`` by the rank whose data they hold: that rank hashes them right after
-  the save, from the page cache (:func:`digest_own_distcp_files`);
-* whatever no rank claimed (megatron-core's ``.metadata``, ``metadata.json``, ``common.pt``) is
-  hashed by rank 0 when it writes the manifest (:func:`write_manifest`).
-
-The checkpointing module writes the manifest into the temporary directory, *then* renames it
-into place and moves the tracker: a checkpoint the tracker names always has its manifest.
-
-Verification (:func:`verify`) splits the files over the loading ranks by size, each rank reading
-and hashing its share.  Why a fast non-cryptographic hash: this guards against accidents
-(bit flips, truncation, torn or partial copies), not against an adversary, and it must cost
-little next to the write itself.  ``xxh3_128`` (the ``xxhash`` package, which HF ``datasets``
-already requires) measured several GB/s per core here (docs/performance.md, "Checkpoint
-integrity: cost on save and load"); ``sha256`` (hashlib, hardware-accelerated on most CPUs) is the fallback when
-``xxhash`` is missing.  The manifest names its algorithm, so either verifies the other's writes
-as long as the algorithm is importable at load.
+Why: neither format notices damaged bytes (torch's zip reader skips its CRC checks, ``.distcp``
+shards carry none), so flipped or truncated bytes loaded silently or failed naming no file. With
+``{iter_dir}/manifest.json`` a damaged checkpoint is refused before anything loads, naming the file
+and pointing at the previous checkpoint. Writers hash their own files while writing
+(:func:`save_torch`, :func:`digest_own_distcp_files`), rank 0 the rest (:func:`write_manifest`);
+:func:`verify` splits the check over the loading ranks. See [Note: checkpoint manifest] in
+docs/architecture.md.
 """
 
 from __future__ import annotations

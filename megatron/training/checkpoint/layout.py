@@ -9,7 +9,7 @@ checkpoint in an error) must agree on these names and on what a damaged tracker 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from megatron.training.checkpoint import integrity as checkpoint_integrity
 from megatron.training.errors import StartupError
@@ -39,23 +39,19 @@ def _tracker_text(root: str) -> Optional[bytes]:
         return f.read(64)
 
 
-def tracker_names_release(root: str) -> bool:
-    """Whether the tracker of ``root`` says ``release`` (Megatron-LM's release checkpoint)."""
-    raw = _tracker_text(root)
-    return raw is not None and raw.strip() == RELEASE.encode()
-
-
-def read_tracker(root: str) -> Optional[int]:
-    """Iteration named by the tracker file, or None when there is no checkpoint or the tracker
-    says ``release`` (:func:`tracker_names_release`; no iteration: a save replaces it).
+def tracker_entry(root: str) -> Union[int, str, None]:
+    """What the tracker file of ``root`` names, read once: an iteration, :data:`RELEASE`
+    (Megatron-LM's release checkpoint), or None (no tracker).
 
     A tracker that is not a non-negative number (random bytes, empty, text) is a
     :class:`StartupError` naming the file and the way out, raised where the ranks agree on what
     to load (every rank stops together), not a decoding traceback on the ranks that read it."""
     path = os.path.join(root, TRACKER)
     raw = _tracker_text(root)
-    if raw is None or raw.strip() == RELEASE.encode():
+    if raw is None:
         return None
+    if raw.strip() == RELEASE.encode():
+        return RELEASE
     try:
         text = raw.decode("ascii").strip()
         if text.isdigit():
@@ -69,6 +65,13 @@ def read_tracker(root: str) -> Optional[int]:
                f"it holds no iter_* folder: remove {TRACKER} to start from scratch")
     raise StartupError(f"{path} is damaged: it holds {raw[:32]!r}, not an iteration number; "
                        f"{way_out}")
+
+
+def read_tracker(root: str) -> Optional[int]:
+    """Iteration named by the tracker file, or None when there is no checkpoint or the tracker
+    says ``release`` (no iteration: a save replaces it); see :func:`tracker_entry`."""
+    entry = tracker_entry(root)
+    return entry if isinstance(entry, int) else None
 
 
 def write_tracker(root: str, iteration: int) -> None:

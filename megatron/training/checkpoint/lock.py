@@ -1,16 +1,12 @@
 """One run per ``--save`` directory: the advisory lock global rank 0 takes at startup.
 
-Why: two runs on one ``--save`` overwrite each other's checkpoints, and the second one used to
-find out only at its first save, if at all.  Rank 0 takes ``fcntl.flock`` on
-``{save}/.save.lock``, with the holder (host, pid, start time) written in the file.  A second run
-on the same directory is refused at startup with an error naming the holder -- before it loads
-anything from under the first run.  A lock file left by a process that died (``flock`` is
-released by the kernel, the text stays) is taken over with a logged note when that process was
-on this host and is gone.  On a file system where ``flock`` is not coherent between hosts the
-text is the lock: the holder refreshes the file's modification time every :data:`HEARTBEAT_S`
-seconds, and a lock of another host is stale once it is :data:`STALE_AFTER_S` seconds old -- or
-at once when it was written by an earlier run of the same job (a SLURM requeue, or a torchrun
-restart after a SIGKILL; :func:`earlier_run_of_this_job`).  The file is removed when the run ends.
+Why: two runs on one ``--save`` overwrite each other's checkpoints. Rank 0 takes ``fcntl.flock``
+on ``{save}/.save.lock`` and writes the holder (host, pid, start time) in it; a second run is
+refused at startup naming the holder. A dead holder's lock on this host is taken over with a note.
+Where ``flock`` is not coherent between hosts the text is the lock: the holder refreshes its
+modification time every :data:`HEARTBEAT_S` seconds, another host's lock is stale after
+:data:`STALE_AFTER_S`, or at once when an earlier run of the same job wrote it
+(:func:`earlier_run_of_this_job`). The file is removed when the run ends.
 """
 
 from __future__ import annotations
@@ -101,10 +97,8 @@ def earlier_run_of_this_job(info: Dict[str, Any], me: Dict[str, Any]) -> Optiona
     SLURM), a later torchrun attempt -- the attempt number the ranks agree on through the job's
     store (:mod:`megatron.training.attempt`), which grows with every rendezvous round whichever
     node rank 0 is on, or else this agent's ``TORCHELASTIC_RESTART_COUNT``. A launcher runs one
-    incarnation of a job at a time (SLURM one run, torchrun one worker group, whose workers it
-    stops before the next round), so that holder is gone. The case that matters: a rank 0
-    SIGKILLed (or whose node died) leaves a fresh lock, and its restart, usually on another
-    host, would wait out the staleness period."""
+    incarnation of a job at a time, so that holder is gone; without this, the restart of a
+    SIGKILLed rank 0 (usually on another host) would wait out the staleness period."""
     same_slurm = bool(me.get("slurm_job_id")) and info.get("slurm_job_id") == me["slurm_job_id"]
     if same_slurm and _newer(me.get("slurm_restart_count"), info.get("slurm_restart_count")):
         return (f"this SLURM job's previous run (job {me['slurm_job_id']}, restart "

@@ -1,29 +1,17 @@
 """Megatron-LM's own ``torch`` checkpoint layout, read for its model weights.
 
 Layout of one iteration folder (``iter_NNNNNNN/`` or ``release/``), as Megatron-LM's
-``save_checkpoint`` and its converter (``tools/checkpoint/convert.py``) write it::
+``save_checkpoint`` and its converter write it::
 
     mp_rank_{tp:02d}/model_optim_rng.pt             # pipeline-parallel size 1
     mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt    # pipeline-parallel size > 1
 
-one file per (TP, PP) rank, shared by the data-parallel ranks, holding ``model`` (``model0``,
-``model1``, ... with virtual pipeline stages), ``iteration``, ``args``, ``checkpoint_version``
-and, unless saved without them, ``optimizer``, ``opt_param_scheduler`` and ``rng_state``.
-
-Why a module of its own: this is not our ``torch`` format (:mod:`.torch_format`, one file per
-rank with our optimizer shards), and only the weights carry over -- Megatron-LM's optimizer and
-RNG states are laid out by Megatron-LM's classes. So such a checkpoint loads with
-``--finetune`` (iteration 0) or ``--no-load-optim --no-load-rng`` (continues at its iteration);
-a ``release`` checkpoint loads as with ``--finetune``. Continuing at its iteration, the
-learning-rate schedule does too: its ``opt_param_scheduler`` (a plain dict) loads through
-:func:`~megatron.training.lr_schedule.load_scheduler_state`, with the same checks and flags as
-ours. Anything that does not fit this run --
-another TP/PP size, another model shape, other tensors -- is refused in one line naming what
-differs; Transformer Engine's names of the fused layer norms are mapped to this run's spec
-(:func:`~megatron.training.model.layer_specs.canonical_layer_key`), and TE's ``_extra_state``
-entries (FP8 scaling state) that this run's layers do not have are left out, with a note.
-Such a checkpoint has no manifest of ours: it loads without digest verification, said in one
-log line (:data:`UNVERIFIED_NOTE`).
+Why a module of its own: this is not our ``torch`` format (:mod:`.torch_format`), and only the
+weights carry over (Megatron-LM's optimizer and RNG states are laid out by its classes): it loads
+with ``--finetune`` or ``--no-load-optim --no-load-rng``, its LR schedule through
+:func:`~megatron.training.lr_schedule.load_scheduler_state`. What does not fit this run is refused
+in one line naming it; TE's fused layer-norm names are mapped to this run's spec; no manifest, so
+no digest verification (:data:`UNVERIFIED_NOTE`). See "Checkpoints" in docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """Guards around ``--save``: checked at startup, one run per directory, clear write errors.
 
-Why: a checkpoint directory is where hours of training end up, and it used to be checked only
-by the first save.  These now happen before (or around) it:
-
-* **One run per ``--save``** (:class:`~.save_lock.SaveLock`, taken by :func:`prepare_save_dir`
-  on global rank 0): a second run on the same directory is refused at startup naming the holder.
-* **Writable at startup** (:func:`check_writable`): the directory is created if missing and a
-  probe file is written and removed, on global rank 0 and on the first rank of every other host
-  (hosts may mount it differently); a read-only directory stops the run at startup naming it.
-* **Free space** (:meth:`SaveDirGuard.check_free_space`): the size of one checkpoint (that of
-  the newest checkpoint already in ``--save``, else an estimate from the parameter count, the
-  optimizer state and the quantization state) against the free space; below two checkpoints'
-  worth is a warning at startup.
-* **ENOSPC / EACCES during a save** (:func:`describe_save_failure`): one error line naming the
-  directory, the bytes the checkpoint needs and the bytes free, instead of torch's
-  ``basic_ios::clear: iostream error``.  The tracker (``latest_checkpointed_iteration.txt``) is
-  only replaced after every rank finished writing (:mod:`.checkpointing`), so it still names the
-  previous complete checkpoint; the line says which.
-
-The helper processes of a ``torch_dist`` save are kept from outliving their rank by
-:mod:`.writer_processes`.
+Why: a checkpoint directory is where hours of training end up, so its problems must show before
+the first save: one run per directory (:class:`~.lock.SaveLock`, taken by
+:func:`prepare_save_dir`), writable on every host (:func:`check_writable`), room for a checkpoint
+(:meth:`SaveDirGuard.check_free_space`: the newest checkpoint's size, else an estimate; a warning
+below two), and a save that meets ENOSPC / EACCES stops with one line naming the directory, the
+bytes needed and free, and the previous complete checkpoint (:func:`describe_save_failure`).
+Writer processes of a ``torch_dist`` save: :mod:`.writer_processes`.
 """
 
 from __future__ import annotations

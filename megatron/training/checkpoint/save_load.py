@@ -1,5 +1,5 @@
 """Checkpoint save and load: the atomic save protocol and the order of a resume, over two
-formats (``--ckpt-format``).
+formats (``--ckpt-format``: :mod:`.torch_format`, :mod:`.torch_dist_format`).
 
 Layout::
 
@@ -7,27 +7,11 @@ Layout::
     {save}/iter_{N:07d}/mp_rank_{tp:02d}_{pp:03d}_dp_{dp:03d}.pt      # torch (default)
     {save}/iter_{N:07d}/metadata.json, *.distcp, common.pt, rank_state/  # torch_dist
 
-``torch`` (:mod:`.checkpoint_torch_format`): every rank writes its own file; resuming needs the
-same TP/PP/DP layout and bucket padding, another layout is refused at load naming what differs.
-``torch_dist``: megatron-core's dist_checkpointing (:mod:`.dist_checkpoint`), reshardable to
-another DP size and with quantization switched on or off; the megatron-core path only.  Both
-carry the RNG state (:mod:`.rng_state`) and the quantization state
-(:mod:`.checkpoint_quantization`).
-
-``--load`` reads either format (detected from the directory): a ``--save`` directory (the tracker,
-or ``--ckpt-step N``, picks the iteration) or one ``iter_NNNNNNN`` folder
-(:mod:`.checkpoint_discovery` says what is loaded, and what is refused).
-
-Integrity (:mod:`.checkpoint_integrity`): every file's size and digest go into the iteration's
-``manifest.json`` -- computed by the rank that wrote the file -- before the rename and the
-tracker move; a load checks them first (``--no-verify-checkpoint`` skips it), so a flipped or
-truncated file stops the run naming the file and the previous complete checkpoint.
-
-Why atomic: a job killed while saving must never leave a directory that ``--load`` would pick
-up.  Ranks write into ``{save}/.tmp_iter_{N:07d}``; once every rank's digests reached it, rank 0
-writes the manifest, renames the directory to ``iter_{N:07d}`` and then replaces the tracker
-file (temp file + ``os.replace``, :mod:`.checkpoint_layout`).  A crash before the rename leaves
-only a hidden temp dir, which the next save removes.
+Why atomic: a job killed while saving must never leave a directory ``--load`` would pick up.
+Ranks write into ``{save}/.tmp_iter_{N:07d}``; rank 0 writes the manifest (:mod:`.integrity`),
+renames the directory and then replaces the tracker (:mod:`.layout`); a crash before the rename
+leaves a hidden temp dir the next save removes. What ``--load`` loads: :mod:`.discovery`. See
+"Checkpoints" in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -73,7 +57,7 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model: List[torch.
     """Collective: every rank calls it.  Returns the final directory.
 
     ``--ckpt-format torch`` (default): one ``torch.save`` file per rank; ``torch_dist``:
-    megatron-core's dist_checkpointing (:mod:`.dist_checkpoint`), reshardable on load."""
+    megatron-core's dist_checkpointing (:mod:`.torch_dist_format`), reshardable on load."""
     root = args.save
     final = checkpoint_dir(root, iteration)
     tmp = os.path.join(root, f".tmp_iter_{iteration:07d}")

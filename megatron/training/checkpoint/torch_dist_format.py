@@ -1,31 +1,13 @@
 """``--ckpt-format torch_dist``: checkpoints that resume on another data-parallel size.
 
-Why a second format: the default ``torch`` format stores each rank's distributed-optimizer shard
-as that rank's slice of megatron-core's flat buffers, so it only loads into the same TP/PP/DP
-layout and the same bucket padding (quantization pads buckets differently).  This format uses
-megatron-core's ``dist_checkpointing`` exactly as Megatron-LM does: the model's and the
-distributed optimizer's *sharded state dicts* (``fully_sharded_model_space``: every parameter's
-fp32 master weight and Adam moments saved as a slice of that parameter), written by all ranks in
-parallel with the ``torch_dist`` strategy and resharded on load to whatever layout the loading
-run has.
-
-What is not a tensor of the model's global space is per rank, and lives beside megatron-core's
-files in ``{iter_dir}/rank_state/tp{tp:02d}_pp{pp:03d}_dp{dp:05d}.pt``: RNG states and the quantization
-state (stochastic-rounding generators, LoCo error buffers), each with the layout it was written
-under.  On load, :func:`load` compares that layout with the run's:
-
-* same layout: everything is restored as written (a resume is bit-exact, as with ``torch``);
-* another DP size: RNG states come from DP rank 0 of the same (TP, PP) rank (Megatron seeds
-  every DP rank of a (TP, PP) rank identically), and the quantization state is re-derived:
-  generators restart from ``--seed`` (deterministic, so a rerun reproduces), qWD reference
-  weights are the loaded model weights (they always are after a completed step), LoCo error
-  buffers restart from zero -- each logged once with its reason.
-
-Quantization may also be switched on or off at resume: the sharded tensors do not depend on the
-bucket padding, and the quantization state is then started fresh or ignored (logged).
-The same atomic temp-dir + manifest + rename + tracker protocol as the ``torch`` format applies
-(:mod:`.checkpointing` owns it); this module only fills and reads one iteration directory, and
-returns the digests of the files each rank wrote (:mod:`.checkpoint_integrity`).
+Why a second format: ``torch`` stores each rank's slice of megatron-core's flat optimizer buffers,
+so it loads only into the same layout and bucket padding. This one uses megatron-core's
+``dist_checkpointing`` as Megatron-LM does (sharded state dicts, ``fully_sharded_model_space``),
+resharded on load; per-rank state (RNG, quantization) lives in ``{iter_dir}/rank_state/`` with the
+layout it was written under and is restored as written or re-derived (logged). It only fills and
+reads one iteration directory (:mod:`.save_load` owns the atomic save protocol) and returns the
+digests of the files each rank wrote (:mod:`.integrity`). See "Checkpoints" in
+docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -60,6 +42,7 @@ def run_layout() -> Dict[str, int]:
     return {"tp": ps.get_tensor_model_parallel_world_size(),
             "pp": ps.get_pipeline_model_parallel_world_size(),
             "dp": ps.get_data_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(),
             "tp_rank": ps.get_tensor_model_parallel_rank(),
             "pp_rank": ps.get_pipeline_model_parallel_rank(),
             "dp_rank": ps.get_data_parallel_rank()}
@@ -103,7 +86,7 @@ def save(directory: str, args: argparse.Namespace, model: List[torch.nn.Module],
     ``common`` (iteration, scheduler, args, ...) is written once by rank 0 through
     dist_checkpointing's common state; ``per_rank`` (RNG, quantization) into this rank's file.
     Returns the digests of the files this rank wrote (its ``.distcp`` shards and its per-rank
-    file) for the checkpoint's manifest (:mod:`.checkpoint_integrity`).
+    file) for the checkpoint's manifest (:mod:`.integrity`).
     """
     dcp = _dist_checkpointing()
     state = _sharded_state_dict(model, optimizer, is_loading=False,
@@ -118,6 +101,11 @@ def save(directory: str, args: argparse.Namespace, model: List[torch.nn.Module],
     digests = checkpoint_integrity.digest_own_distcp_files(directory, torch.distributed.get_rank())
     digests.append(checkpoint_integrity.save_torch({"layout": layout, **per_rank}, path, directory))
     return digests
+
+
+def _saved_size(saved_layout: Dict[str, Any], key: str) -> Any:
+    """A parallel size of a saved layout (expert parallelism 1 where it predates MoE)."""
+    return saved_layout.get(key, 1 if key == "ep" else None)
 
 
 def _rank_state_path(directory: str, tp_rank: int, pp_rank: int, dp_rank: int) -> str:
@@ -140,16 +128,18 @@ def _per_rank_state(directory: str, layout: Dict[str, int],
                                                weights_only=False) \
             if os.path.isfile(path) else {}
 
+    sizes = ("tp", "pp", "dp", "ep")
     own = read(layout["dp_rank"])
-    if own and all(own["layout"].get(k) == layout[k] for k in ("tp", "pp", "dp")):
+    if own and all(_saved_size(own["layout"], k) == layout[k] for k in sizes):
         return own, True
     first = read(0)
     saved = {"tp": _get(saved_args, "tensor_model_parallel_size"),
              "pp": _get(saved_args, "pipeline_model_parallel_size"),
-             "dp": _get(saved_args, "data_parallel_size")}
+             "dp": _get(saved_args, "data_parallel_size"),
+             "ep": _get(saved_args, "expert_model_parallel_size") or 1}
     if first:
-        saved = {k: first["layout"].get(k) for k in ("tp", "pp", "dp")}
-    if not own and all(saved[k] == layout[k] for k in ("tp", "pp", "dp")):
+        saved = {k: _saved_size(first["layout"], k) for k in sizes}
+    if not own and all(saved[k] == layout[k] for k in sizes):
         path = _rank_state_path(directory, layout["tp_rank"], layout["pp_rank"],
                                 layout["dp_rank"])
         raise checkpoint_integrity.CheckpointIntegrityError(checkpoint_integrity.damaged(
@@ -236,8 +226,10 @@ def load(directory: str, args: argparse.Namespace, model: List[torch.nn.Module],
         old = per_rank.get("layout") or {}
         log(f" > checkpoint {directory} was written with TP={_get(saved_args, 'tensor_model_parallel_size')}"
             f", PP={_get(saved_args, 'pipeline_model_parallel_size')}, "
-            f"DP={_get(saved_args, 'data_parallel_size')}; this run has TP={layout['tp']}, "
-            f"PP={layout['pp']}, DP={layout['dp']}: model and optimizer states resharded"
+            f"DP={_get(saved_args, 'data_parallel_size')}, "
+            f"EP={_get(saved_args, 'expert_model_parallel_size') or 1}; this run has "
+            f"TP={layout['tp']}, PP={layout['pp']}, DP={layout['dp']}, EP={layout['ep']}: model "
+            "and optimizer states resharded"
             + ("; RNG states from DP rank 0" if old else "; RNG states not restored (no rank "
                "of the same TP/PP layout in the checkpoint)"))
     if "rng_state" in per_rank:

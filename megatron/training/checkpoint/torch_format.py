@@ -7,12 +7,12 @@ the optimizer state (for the distributed optimizer this rank's shard via megatro
 its fp32 master shard, Adam moments and step), the scheduler, RNG and quantization state,
 iteration and consumed samples.  The model weights are identical over data-parallel ranks, so
 only DP rank 0 of each (TP, PP) stores them (PaRO strategies that partition parameters gather
-them first).
+them first); with expert parallelism the first DP rank of each EP rank, DP rank = EP rank.
 
 Why a module of its own: this is what the format writes and reads, and what it cannot do --
 load into another TP/PP/DP layout, bucket padding or gradient bucketing -- named field by field
 (:func:`_check_same_layout`).  What to load and when the ranks agree is decided elsewhere
-(:mod:`.checkpoint_discovery`, :mod:`.checkpointing`).
+(:mod:`.discovery`, :mod:`.save_load`).
 """
 
 from __future__ import annotations
@@ -41,12 +41,33 @@ def rank_filename() -> str:
             f"{ps.get_pipeline_model_parallel_rank():03d}_dp_{ps.get_data_parallel_rank():03d}.pt")
 
 
+def _holds_weights() -> bool:
+    """This rank writes its chunk's weights: DP rank 0 of its (TP, PP) rank, or with expert
+    parallelism the expert-DP rank 0 of every EP rank (each holds other experts)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_model_parallel_world_size() > 1:
+        return ps.get_expert_data_parallel_rank() == 0
+    return ps.get_data_parallel_rank() == 0
+
+
+def _weights_dp_rank() -> int:
+    """The DP rank whose file holds this rank's weights: 0, or with expert parallelism the EP
+    rank (megatron-core takes EP fastest out of the DP ranks: expert-DP rank 0 of EP rank e is
+    DP rank e)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_model_parallel_world_size() > 1:
+        return ps.get_expert_model_parallel_rank()
+    return 0
+
+
 def model_filename() -> str:
-    """The DP-rank-0 file of this (TP, PP) rank: the one that holds the weights."""
+    """The file of this rank's (TP, PP[, EP]) rank that holds the weights."""
     from megatron.core import parallel_state as ps
 
     return (f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_"
-            f"{ps.get_pipeline_model_parallel_rank():03d}_dp_000.pt")
+            f"{ps.get_pipeline_model_parallel_rank():03d}_dp_{_weights_dp_rank():03d}.pt")
 
 
 def sub_optimizers(optimizer: Any) -> List[Any]:
@@ -142,8 +163,12 @@ def save_rank_file(directory: str, args: argparse.Namespace, model: List[torch.n
     from megatron.core import parallel_state as ps
 
     state = {**common, **per_rank}
-    model_sd = _model_state_dicts(model, keep=ps.get_data_parallel_rank() == 0)
-    if ps.get_data_parallel_rank() == 0:
+    keep = _holds_weights()
+    if keep and ps.get_data_parallel_rank() != _weights_dp_rank():
+        raise RuntimeError(f"DP rank {ps.get_data_parallel_rank()} holds the weights of EP rank "
+                           f"{_weights_dp_rank()}: megatron-core's expert rank order changed")
+    model_sd = _model_state_dicts(model, keep=keep)
+    if keep:
         state["model"] = model_sd
     if not args.no_save_optim:
         state["optimizer"] = _optimizer_state(optimizer)
@@ -184,8 +209,11 @@ def _check_same_layout(path: str, saved: Optional[argparse.Namespace],
                        ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
                        ("data-parallel size", "data_parallel_size"),
                        ("--use-distributed-optimizer", "use_distributed_optimizer"),
-                       ("--paro-strategy", "paro_strategy")):
-        old, new = getattr(saved, name, None), getattr(args, name, None)
+                       ("--paro-strategy", "paro_strategy"),
+                       ("--num-experts", "num_experts"),
+                       ("--expert-model-parallel-size", "expert_model_parallel_size")):
+        default = 1 if name == "expert_model_parallel_size" else None  # saved before MoE
+        old, new = getattr(saved, name, default), getattr(args, name, default)
         if old != new:
             diffs.append(f"{flag} {old} -> {new}")
     if integration.uses_sharded_engine(getattr(args, "paro_strategy", None)):

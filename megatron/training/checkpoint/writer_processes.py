@@ -1,16 +1,12 @@
 """No checkpoint-writer process outlives its rank.
 
-Why: megatron-core's ``torch_dist`` save starts helper processes from the rank, also for a
-synchronous save: writer workers forked per save
-(``FileSystemWriterAsync.write_preloaded_data_multiproc``, ``fork`` context) and, once per
-process, a spawned ``multiprocessing`` manager serving the write-results queue.  A rank killed
-with SIGKILL used to leave them behind (re-parented to init; the manager waits forever on its
-stop event, holding a re-imported trainer's memory).  Every process forked from a rank's main
-thread now asks the kernel for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``,
-:func:`install_fork_guard`) and exits at once if the parent died before it could ask; the
-manager is started by us, with the same request in its initializer
-(:func:`guard_torch_dist_writer_queue`).  (multiprocessing's resource tracker, also spawned,
-exits by itself when the last process holding its pipe is gone.)
+Why: megatron-core's ``torch_dist`` save starts helper processes from the rank (writer workers
+forked per save, a spawned ``multiprocessing`` manager for the results queue), which a rank killed
+with SIGKILL would leave behind, the manager waiting forever. Every process forked from a rank's
+main thread asks the kernel for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``,
+:func:`install_fork_guard`) and exits at once if the parent is already gone; we start the manager
+with the same request (:func:`guard_torch_dist_writer_queue`). multiprocessing's resource tracker
+exits by itself.
 """
 
 from __future__ import annotations
@@ -84,9 +80,8 @@ def guard_torch_dist_writer_queue() -> bool:
     Why: megatron-core 0.16.1 creates it lazily at the first ``torch_dist`` save
     (``filesystem_async._get_write_results_queue``: ``mp.get_context("spawn").Manager()``).  That
     manager is a *spawned* process (fork + exec, so :func:`install_fork_guard` does not reach
-    it), it re-imports the entry script (hundreds of MB) and it has no parent check: a rank
-    killed with SIGKILL left it behind for good, waiting on its stop event (a futex).  Ours is
-    the same spawn-context ``SyncManager``, started with an initializer that asks for SIGKILL
+    it), it re-imports the entry script (hundreds of MB) and it has no parent check: it would
+    outlive a SIGKILLed rank, waiting on its stop event.  Ours is the same spawn-context ``SyncManager``, started with an initializer that asks for SIGKILL
     when the rank dies.  Idempotent; returns whether the queue is ours."""
     if not sys.platform.startswith("linux"):
         return False

@@ -1,32 +1,12 @@
 """Training data for pretrain_gpt.py: startup checks, then megatron-core's dataset builder.
 
-Why checks of our own before megatron-core builds anything (megatron-core 0.16.1):
-
-* ``GPTDataset._get_num_epochs`` loops ``while num_tokens < num_tokens_requested`` and never
-  ends when the split it was asked samples from has no tokens -- and a request of 0 samples still
-  asks for one token (``add_extra_token_to_sequence``).  The trainer used to ask for test samples
-  it then threw away, so a corpus of ~100 documents with the default ``--split 969,30,1`` (an
-  empty test split) hung forever without a line of output.  Now a split the run does not use is
-  not built at all (its bookend is removed from the split matrix), and every split it does use
-  must have documents in every ``--data-path`` file, or the run stops at once naming the split,
-  the file and the fix.
-* the per-split document ranges come from megatron-core's own split code
-  (``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``, run on a stand-in dataset
-  class that only records the indices it is handed), so the check counts exactly the documents
-  the real build will use.  Every megatron-core private touch point (the split code, the index
-  reader) goes through :mod:`megatron.distributed.mcore_compat.data`.
-* a ``.bin`` that does not match its ``.idx`` (a truncated copy, files from two preprocessing
-  runs) is not detected by megatron-core: it fails much later in a DataLoader worker, or reads
-  garbage.  The ``.bin``'s size is compared with what the ``.idx`` (read with megatron-core's
-  ``_IndexReader``) describes.
-* with several ``--data-path`` files and no weights, megatron-core uses one epoch of each file's
-  split and asserts (``BlendedDataset``: every weight > 0) when one contributes no sample, and the
-  blend can hold fewer samples than the run needs (training would stop mid-run on an exhausted
-  iterator; evaluation would cycle forever on a dataset shorter than one micro-batch step).
-
-Every rank checks its own files (cheap: the ``.idx`` and file sizes), then the ranks agree, so a
-problem seen by any rank stops every rank with the same :class:`StartupError`, which
-``pretrain_gpt.py`` prints once -- no rank is left waiting in a collective.
+Why checks of our own first: megatron-core 0.16.1 hangs forever on a used split without tokens,
+misses a ``.bin`` that does not match its ``.idx``, and asserts or runs out mid-run on a blend
+too small for the run. Here a split the run does not use is not built; every used split must have
+documents in every ``--data-path`` file (counted with megatron-core's own split code, through
+:mod:`megatron.distributed.mcore_compat.data`); sizes are checked against the index. Every rank
+checks its own files, then the ranks agree, so one :class:`StartupError` stops every rank. See
+[Note: data checks before megatron-core] in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -81,9 +61,7 @@ def dataset_config(args: argparse.Namespace, tokenizer: Any, request: SplitReque
     The split matrix is computed by megatron-core from ``--split`` as always (so train and
     validation keep exactly their documents); in the config only the bookends of unused splits
     are then set to None, which makes megatron-core skip them.  The untouched matrix is returned
-    too, to tell "weight 0 in --split" from "not used by this run".  (The matrix is part of
-    megatron-core's index-cache key, so index caches written before unused splits were dropped are
-    rebuilt once; the samples are the same.)
+    too, to tell "weight 0 in --split" from "not used by this run".
     """
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 

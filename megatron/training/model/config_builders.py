@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict
 
+from megatron.training.arguments import moe
 from megatron.training.model.fusions import fusion_plan
 from megatron.training.model.layer_specs import attention_choice, config_attention_backend
 
@@ -47,6 +48,7 @@ def build_transformer_config(args: argparse.Namespace):
 
         kwargs["activation_func"] = F.silu
     kwargs.update(_imported_model_kwargs(args))
+    kwargs.update(moe.transformer_config_kwargs(args))
     return TransformerConfig(**kwargs)
 
 

@@ -16,13 +16,15 @@ key/value width k, MLP width f and sequence length s, the forward pass multiplie
   24 layers);
 * the MLP, 2 x h x f, or 3 x h x f when gated (SwiGLU: gate, up and down projections);
 
-plus, once per token, the logits, h x V over the padded vocabulary V.
+plus, once per token, the logits, h x V over the padded vocabulary V. A MoE layer (``--num-experts``
+E, ``--moe-layer-freq``) counts what a token runs, as Megatron-LM does: the router, h x E, and
+top-k expert MLPs of width ``--moe-ffn-hidden-size`` (plus the shared expert, if any).
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+from typing import List, Optional
 
 
 def training_flops_per_iteration(args: argparse.Namespace,
@@ -36,11 +38,34 @@ def training_flops_per_iteration(args: argparse.Namespace,
                       else args.num_attention_heads)  # --group-query-attention: fewer k/v heads
     ffn = args.ffn_hidden_size or 4 * h
     mlp_matrices = 3 if args.swiglu else 2
-    per_layer = h * (q + 2 * kv) + q * h + 2 * s * q + mlp_matrices * h * ffn
+    attention = h * (q + 2 * kv) + q * h + 2 * s * q
+    moe_layers = len(moe_layer_indices(args))
+    moe_mlp = 0
+    if moe_layers:
+        expert = args.moe_ffn_hidden_size or ffn
+        shared = getattr(args, "moe_shared_expert_intermediate_size", None) or 0
+        moe_mlp = (h * args.num_experts
+                   + mlp_matrices * h * (args.moe_router_topk * expert + shared))
     logits = h * args.padded_vocab_size
-    multiply_adds_per_token = layers * per_layer + logits
+    multiply_adds_per_token = (layers * attention + (layers - moe_layers) * mlp_matrices * h * ffn
+                               + moe_layers * moe_mlp + logits)
     tokens = (args.global_batch_size if batch_size is None else batch_size) * s
     return 3 * 2 * multiply_adds_per_token * tokens
+
+
+def moe_layer_indices(args: argparse.Namespace) -> List[int]:
+    """The layers that are MoE (none for a dense model): ``--moe-layer-freq`` N makes every N-th
+    (0, N, 2N, ...), a 0/1 list marks each layer, as megatron-core's block spec reads it."""
+    if getattr(args, "num_experts", None) is None:
+        return []
+    freq = getattr(args, "moe_layer_freq", 1)
+    if isinstance(freq, str):  # a namespace built by hand: Megatron-LM's spelling
+        from megatron.training.arguments.moe import moe_layer_freq
+
+        freq = moe_layer_freq(freq)
+    if isinstance(freq, int):
+        return [i for i in range(args.num_layers) if i % freq == 0]
+    return [i for i, moe in enumerate(freq) if moe]
 
 
 def tflops_per_gpu(args: argparse.Namespace, seconds_per_iteration: float,

@@ -1,44 +1,11 @@
 """Which fused kernels the run uses, decided once from what is installed.
 
-Why: megatron-core's ``TransformerConfig`` fusion switches each assume a package. Set blindly
-(``persist_layer_norm=True`` on CUDA), a CUDA machine without Apex could not even build the model
-(megatron-core's torch norm asserts), and ``masked_softmax_fusion=True`` without Megatron's fused
-softmax extensions failed at the first forward. Set blindly off, a run pays for what it could
-have had. :func:`resolve_fusions` is the one place these switches are decided, from three facts:
-the device, the attention implementation (:func:`~.layer_specs.resolve_attention`: the layer
-spec), and which packages import. :meth:`FusionPlan.summary` is the startup line that says what
-is fused and what falls back, and why.
-
-A flag the user gave explicitly that cannot be honoured (``--apply-rope-fusion`` without
-Transformer Engine, for instance) is an error naming the flag and the missing package; the
-``--no-*`` flags (Megatron-LM's) always turn a fusion off.
-
-What each switch needs (megatron-core 0.16.1):
-
-=============================  ==============================================================
-switch                         needs
-=============================  ==============================================================
-persist_layer_norm             CUDA, the local spec's Apex ``FusedLayerNorm`` and Apex's
-                               ``apex.contrib.layer_norm`` (TE's spec ignores it)
-masked_softmax_fusion          CUDA, megatron-core's ``DotProductAttention`` (local attention)
-                               and Megatron's ``scaled_masked_softmax_cuda`` /
-                               ``scaled_upper_triang_masked_softmax_cuda`` extensions
-bias_activation_fusion         CUDA and a bias or SwiGLU (megatron-core's jit-fused kernels)
-bias_dropout_fusion            CUDA (jit-fused)
-gradient_accumulation_fusion   CUDA, Apex's ``fused_weight_gradient_mlp_cuda`` under every
-                               spec (TE's linear layers fuse it themselves, but the GPT output
-                               layer is megatron-core's own ``ColumnParallelLinear``, whose
-                               constructor refuses the switch without that extension); and
-                               megatron-core's DDP (not the PaRO engine, which reads
-                               ``param.grad``)
-apply_rope_fusion              CUDA, rotary embeddings and Transformer Engine
-optimizer                      TE's FusedAdam, else Apex's, else torch's AdamW with
-                               ``fused=True`` on CUDA (megatron-core would use torch's default
-                               for-each AdamW)
-multi-tensor ops               TE's or Apex's ``multi_tensor_*``, else torch ``_foreach`` ops on
-                               CUDA (megatron-core's fallback loops per tensor and reads the
-                               grad norm back to the host); the CPU keeps megatron-core's own
-=============================  ==============================================================
+Why: each of megatron-core's ``TransformerConfig`` fusion switches assumes a package; set blindly
+on, a machine without it fails to build or at the first forward, set blindly off, a run pays for
+what it could have had. :func:`resolve_fusions` decides them from the device, the attention
+implementation and which packages import; :meth:`FusionPlan.summary` is the startup line. An
+explicit flag that cannot be honoured is an error naming the missing package; ``--no-*`` always
+turns a fusion off. See [Note: what each fusion needs] in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -138,7 +105,7 @@ def _trains_on_paro_engine(args: argparse.Namespace) -> bool:
 
 def resolve_fusions(args: argparse.Namespace, *, uses_te_spec: bool, local_attention: bool,
                     have: Callable[[str], bool] = module_importable) -> FusionPlan:
-    """The one decision of every fusion (see the module docstring's table).
+    """The one decision of every fusion (see [Note: what each fusion needs]).
 
     ``uses_te_spec`` / ``local_attention``: the layer spec and attention that
     :func:`~.layer_specs.resolve_attention` chose. ``have(module)`` says whether a module imports

@@ -244,16 +244,41 @@ def canonical_layer_key(rest: str) -> str:
 
 
 def gpt_layer_spec(args: argparse.Namespace, config: Any) -> Any:
-    """ModuleSpec (or TransformerBlockSubmodules) for GPTModel's ``transformer_layer_spec``."""
+    """ModuleSpec (or TransformerBlockSubmodules) for GPTModel's ``transformer_layer_spec``;
+    with ``--num-experts`` megatron-core's decoder block spec (MoE layers where
+    ``--moe-layer-freq`` puts them), each local layer with the same substitutions."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
 
     choice = attention_choice(args)
+    torch_norm = SequenceParallelTorchNorm if (
+        config.sequence_parallel or config.layernorm_zero_centered_gamma) else None
+    if getattr(args, "num_experts", None) is not None:
+        block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=choice.uses_te,
+                                                 normalization=args.normalization)
+        if choice.uses_te:
+            return block
+        layers = [_local_layer(layer, choice, torch_norm) for layer in block.layer_specs]
+        norm = (torch_norm if torch_norm is not None and block.layer_norm is WrappedTorchNorm
+                else block.layer_norm)
+        return dataclasses.replace(block, layer_specs=layers, layer_norm=norm)
     if choice.uses_te:
         return specs.get_gpt_layer_with_transformer_engine_spec()
     spec = specs.get_gpt_layer_local_spec(normalization=args.normalization)
+    layer = _local_layer(spec, choice, torch_norm)
+    if layer.submodules.input_layernorm is spec.submodules.input_layernorm:
+        return layer
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelTorchNorm)
+
+
+def _local_layer(spec: Any, choice: AttentionChoice, torch_norm: Any) -> Any:
+    """A local-spec layer with SDPA as its core attention (when chosen) and ``torch_norm`` for
+    megatron-core's torch norms (when given: sequence parallel or zero-centered)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
     if choice.impl.startswith("sdpa"):
         from megatron.training.model.sdpa_attention import sdpa_class
 
@@ -262,11 +287,7 @@ def gpt_layer_spec(args: argparse.Namespace, config: Any) -> Any:
             attn.submodules, core_attention=sdpa_class(choice.backend)))
         spec = dataclasses.replace(spec, submodules=dataclasses.replace(
             spec.submodules, self_attention=attn))
-    if not ((config.sequence_parallel or config.layernorm_zero_centered_gamma)
-            and spec.submodules.input_layernorm is WrappedTorchNorm):
+    if torch_norm is None or spec.submodules.input_layernorm is not WrappedTorchNorm:
         return spec
-    layer = dataclasses.replace(spec, submodules=dataclasses.replace(
-        spec.submodules, input_layernorm=SequenceParallelTorchNorm,
-        pre_mlp_layernorm=SequenceParallelTorchNorm))
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
-                                      layer_norm=SequenceParallelTorchNorm)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, input_layernorm=torch_norm, pre_mlp_layernorm=torch_norm))

@@ -1,56 +1,11 @@
 """Core attention on ``torch.nn.functional.scaled_dot_product_attention`` (SDPA).
 
-Why: megatron-core 0.16.1 has no fast attention without Transformer Engine. Its local spec's
-``DotProductAttention`` materializes the [b, np, sq, sk] score matrix and runs copy / masked_fill
-/ softmax / dropout on it as separate kernels (about 60% of the CUDA time of a 1.3B step on an
-H100). torch's SDPA dispatches to fused kernels instead -- flash, memory-efficient and cuDNN
-attention on GPU, a flash kernel (or the math fallback) on CPU -- which never store the score
-matrix.
-
-:class:`SDPAttention` is a drop-in for the ``core_attention`` submodule of megatron-core's local
-layer spec: the constructor signature of ``DotProductAttention`` (``SelfAttention`` calls it with
-keywords: config, layer_number, attn_mask_type, attention_type, cp_comm_type, softmax_scale,
-pg_collection; ``attention_dropout`` is accepted as there), the forward signature of its
-``CoreAttention`` protocol (query, key, value in [sq, b, np|ng, hn], attention_mask,
-attn_mask_type, attention_bias, packed_seq_params) and its output [sq, b, np * hn]. It has no
-parameters and no buffers, like ``DotProductAttention`` with the vanilla softmax, so the model's
-state dict is the same under either module.
-
-Semantics, each matching ``DotProductAttention``'s unfused (torch) path:
-
-* scale: ``softmax_scale`` (the argument, i.e. ``config.softmax_scale``) or 1/sqrt(head size).
-  ``apply_query_key_layer_scaling`` divides the scores by the layer number before the softmax
-  and multiplies them back inside it (an fp16 overflow guard); the product is the same scale,
-  and SDPA's kernels accumulate in fp32, so SDPA applies the product directly.
-* masks: megatron's boolean masks are True where attention is *not* allowed; SDPA's are True
-  where it is, so the mask is inverted. A causal mask type with no mask given is SDPA's
-  ``is_causal=True`` (the fast path the trainer takes: it passes no mask). A mask given with a
-  causal mask type is used as given (it already holds the causal part), as the unfused path
-  does. ``padding_causal`` combines the two. A query row with every key masked yields zeros
-  (torch's "safe softmax"); megatron's -10000 fill gives the mean of the values instead. Such
-  rows are padding whose loss is masked.
-* dropout: ``config.attention_dropout`` (or the ``attention_dropout`` argument) in training mode
-  only, drawn under the tensor-parallel RNG tracker's fork when sequence parallelism is off (as
-  ``DotProductAttention`` does; with sequence parallelism the transformer block already runs
-  under the fork). The same recipe as ``torch.nn.Dropout`` (zero with probability p, scale the
-  rest by 1/(1-p)), but the random stream is consumed differently: masks are not the same bits.
-* grouped-query attention: SDPA's ``enable_gqa=True`` where the kernel supports it (no copy of
-  the keys and values), else ``repeat_interleave`` as ``DotProductAttention`` does.
-* selective recompute (``--recompute-granularity selective``): megatron-core's
-  ``Attention._checkpointed_attention_forward`` wraps the call in ``tensor_parallel.checkpoint``,
-  which restores the CPU, CUDA and tracker RNG states before the recomputation, so the dropout
-  mask of the recomputed forward is the original one (tested).
-
-Refused with an error naming the flag: context parallelism (``--context-parallel-size`` > 1),
-packed sequences (THD, ``packed_seq_params``), an ``attention_bias``, sliding-window attention
-(``--window-size``) and the non-vanilla softmax types (``--softmax-type``) -- these need
-Transformer Engine's attention.
-
-Kernel choice: :class:`SDPAttention` lets torch pick (flash, then memory-efficient, then
-cuDNN where enabled, then math). Its subclasses :class:`SDPAttentionFlash` and
-:class:`SDPAttentionFused` restrict the choice to the flash kernel, or to the cuDNN and
-memory-efficient ("fused") kernels, for ``--attention-backend flash`` / ``fused`` without TE (see
-``megatron.training.model.layer_specs.resolve_attention``).
+Why: megatron-core 0.16.1's attention without Transformer Engine (``DotProductAttention``)
+materializes the score matrix and runs mask / softmax / dropout as separate kernels; SDPA's fused
+kernels never store it. :class:`SDPAttention` is a drop-in ``core_attention`` for the local spec
+(same signatures, no parameters, same state dict); :class:`SDPAttentionFlash` /
+:class:`SDPAttentionFused` restrict torch's kernel choice for ``--attention-backend flash`` /
+``fused``. See [Note: SDPA matches DotProductAttention] in docs/architecture.md.
 """
 
 from __future__ import annotations

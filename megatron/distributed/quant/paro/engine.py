@@ -20,7 +20,7 @@ Those modules never import this one; the engine builds each from what it needs (
 parameter groups). Every collective is counted in a :class:`.comm.CommCounter`, comparable with
 :func:`.cost.communication_volume`; peak memory is the PaRO formula plus about one bucket. With a
 QuantizationConfig SDP4Bit runs inside the PaRO groups through the model's
-:class:`~..runtime.QuantizationRuntime` (supported: :func:`quantization_support_error`).
+:class:`~..runtime.QuantizationRuntime` (supported: :func:`.strategy.quantization_support_error`).
 """
 
 from __future__ import annotations
@@ -38,46 +38,10 @@ from .grad_reduce import GradReduction
 from .hooks import MicroStepHooks
 from .layout import ShardGeometry, plan_buckets
 from .state import host_state_dict, load_host_state_dict
-from .strategy import Level, PaRoStrategy
+from .strategy import Level, PaRoStrategy, quantization_support_error
 from .transitions import LevelCollectives, bucket_key
 
-__all__ = ["ParoDataParallel", "quantization_support_error"]
-
-
-def quantization_support_error(strategy: str, quant_config: Any) -> Optional[str]:
-    """Why the engine cannot run ``strategy`` with these quantization flags, or None.
-
-    Supported (the model's :class:`~..runtime.QuantizationRuntime`, the same object megatron-core's
-    bucket groups use, runs SDP4Bit's collectives inside the PaRO groups):
-
-    * ``--quantized-gradients`` (TLq / TLq-HS, LoCo, ``--gradients-quantization-start-iteration``,
-      ``--gradient-alltoall-pipeline``, NaN/Inf skip): every gradient reduce-scatter -- intra and
-      inter (one hop) and global (two-level) -- so strategies whose optimizer states are
-      partitioned globally (os = G). Gradient all-reduces (os = N / I) have no quantized
-      collective.
-    * ``--quantized-weights``: the post-step parameter sync (qWD: difference to the last synced
-      weights; or 'direct'), on whatever hops it has (intra, inter or both). 'direct' mode also
-      quantizes the per-micro-step gathers in the cost model, which the engine does not do, so it
-      is refused when parameters are partitioned.
-
-    ``--overlap-grad-reduce`` runs the per-bucket gradient reduce-scatters on the communication
-    stages (:class:`ParoDataParallel`, ``grad_groups``); ``--overlap-param-gather`` (p = I / G)
-    the per-bucket parameter gathers, one bucket ahead (``param_groups``).
-    """
-    q = quant_config
-    if q is None or not q.enabled:
-        return None
-    s = PaRoStrategy.from_string(strategy)
-    what = f"--paro-strategy {s.name} (PaRO engine)"
-    if q.quantized_gradients and s.optim != Level.G:
-        return (f"{what} with --quantized-gradients: the gradient sync of a strategy with "
-                f"optimizer states at level {s.optim.name} is an all-reduce, which has no quantized "
-                f"collective; quantized gradients work with os = G (NIG, NGG, ING, IIG, IGG, GNG, "
-                f"GIG, GGG)")
-    if q.quantized_weights and q.weight_quantization_mode == "direct" and s.params != Level.N:
-        return (f"{what} with --weight-quantization-mode direct: the per-micro-step parameter "
-                f"gathers are not quantized by the engine; use diff (qWD)")
-    return None
+__all__ = ["ParoDataParallel"]
 
 
 class ParoDataParallel(torch.nn.Module):

@@ -10,7 +10,6 @@ validation), never from the trainer's ``args``; ``auto`` is returned as a new co
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -21,8 +20,7 @@ import torch
 from ..config import ParoConfig, QuantizationConfig
 
 __all__ = ["is_engine", "wrap_with_engine", "build_engine_optimizer", "resolve_auto_strategy",
-           "AutoStrategy", "reserved_bytes_for_auto", "activation_bytes_estimate",
-           "strategy_report"]
+           "AutoStrategy", "reserved_bytes_for_auto", "strategy_report"]
 
 
 def is_engine(chunk: Any) -> bool:
@@ -106,39 +104,6 @@ def _memory_for_auto(paro: ParoConfig) -> float:
     return float(t.item())
 
 
-def _keeps_attention_scores(args: argparse.Namespace) -> bool:
-    """Whether the attention kernel materialises the s x s scores: megatron-core's local kernel
-    (and an unknown one: assume it does), and Transformer Engine's unfused backend -- asked for
-    with ``--attention-backend unfused``, or TE's fallback for fp32, which its flash and fused
-    kernels do not take. SDPA and TE's flash / fused kernels do not."""
-    impl = getattr(args, "attention_impl", "local")
-    if impl in ("local", None):
-        return True
-    if impl == "transformer_engine":
-        half = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
-        return getattr(args, "attention_backend", None) == "unfused" or not half
-    return False
-
-
-def activation_bytes_estimate(args: argparse.Namespace) -> float:
-    """:func:`.cost.activation_memory` of one micro-batch of this run (its shape, precision,
-    attention kernel and recomputation flags): what the trainer passes to
-    :func:`resolve_auto_strategy` once the model (and its padded vocabulary) exists."""
-    from .cost import activation_memory
-
-    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 0
-    return activation_memory(
-        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        hidden_size=args.hidden_size, num_layers=args.num_layers,
-        num_attention_heads=args.num_attention_heads, vocab_size=vocab,
-        ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
-        gated_mlp=bool(getattr(args, "swiglu", False)),
-        bytes_per_value=2.0 if (args.bf16 or args.fp16) else 4.0,
-        attention_scores=_keeps_attention_scores(args),
-        recompute=getattr(args, "recompute_granularity", None),
-        recompute_num_layers=getattr(args, "recompute_num_layers", None) or 1)
-
-
 def reserved_bytes_for_auto(paro: ParoConfig, memory_bytes: float,
                             activation_bytes: float) -> Tuple[float, str]:
     """(bytes of ``memory_bytes`` that ``auto`` keeps free, how that was decided).
@@ -146,7 +111,7 @@ def reserved_bytes_for_auto(paro: ParoConfig, memory_bytes: float,
     ``--paro-reserved-memory-gb`` when given. Else, when the memory is the device's own (no
     ``--paro-gpu-memory-gb``): :data:`.cost.DEVICE_RESERVE_FRACTION` of it (CUDA context,
     NCCL buffers, workspaces, fragmentation) plus ``activation_bytes`` (one micro-batch's,
-    :func:`activation_bytes_estimate`), so the model states ``auto`` plans leave room for the first
+    :func:`..integration.activation_bytes_estimate`), so the model states ``auto`` plans leave room for the first
     forward. An explicit ``--paro-gpu-memory-gb`` already says what model states may fill.
     """
     from .cost import DEVICE_RESERVE_FRACTION

@@ -13,7 +13,7 @@ A strategy is the three letters in the order p, g, os (``NIG``, ``IIG``, ZeRO-1 
 27 combinations are effective; every rejection says why); :func:`check_trainable` says how the
 trainer runs one (NNN / NNG on megatron-core, the others on :mod:`.engine`). The rest of PaRO:
 the cost model and report in :mod:`.cost`, the PaRO-CC collectives in :mod:`.comm`, the
-flags in :mod:`.args`.
+flags in :mod:`..arguments`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 __all__ = [
     "Level", "PaRoStrategy", "VALID_STRATEGIES", "STRATEGY_ALIASES", "AUTO",
     "parse_paro_strategy", "as_strategy", "resolve_group_size", "MEGATRON_CORE_STRATEGIES",
-    "uses_engine", "check_trainable",
+    "uses_engine", "check_trainable", "quantization_support_error",
 ]
 
 AUTO = "auto"
@@ -234,3 +234,39 @@ def check_trainable(text: str, use_distributed_optimizer: bool) -> Union[PaRoStr
             "needs --use-distributed-optimizer" if needs
             else "replicates optimizer states: drop --use-distributed-optimizer"))
     return parsed
+
+
+def quantization_support_error(strategy: str, quant_config: Any) -> Optional[str]:
+    """Why the PaRO engine cannot run ``strategy`` with these quantization flags, or None.
+
+    Supported (the model's :class:`~..runtime.QuantizationRuntime`, the same object megatron-core's
+    bucket groups use, runs SDP4Bit's collectives inside the PaRO groups):
+
+    * ``--quantized-gradients`` (TLq / TLq-HS, LoCo, ``--gradients-quantization-start-iteration``,
+      ``--gradient-alltoall-pipeline``, NaN/Inf skip): every gradient reduce-scatter -- intra and
+      inter (one hop) and global (two-level) -- so strategies whose optimizer states are
+      partitioned globally (os = G). Gradient all-reduces (os = N / I) have no quantized
+      collective.
+    * ``--quantized-weights``: the post-step parameter sync (qWD: difference to the last synced
+      weights; or 'direct'), on whatever hops it has (intra, inter or both). 'direct' mode also
+      quantizes the per-micro-step gathers in the cost model, which the engine does not do, so it
+      is refused when parameters are partitioned.
+
+    ``--overlap-grad-reduce`` runs the per-bucket gradient reduce-scatters on the communication
+    stages (:class:`.engine.ParoDataParallel`, ``grad_groups``); ``--overlap-param-gather``
+    (p = I / G) the per-bucket parameter gathers, one bucket ahead (``param_groups``).
+    """
+    q = quant_config
+    if q is None or not q.enabled:
+        return None
+    s = PaRoStrategy.from_string(strategy)
+    what = f"--paro-strategy {s.name} (PaRO engine)"
+    if q.quantized_gradients and s.optim != Level.G:
+        return (f"{what} with --quantized-gradients: the gradient sync of a strategy with "
+                f"optimizer states at level {s.optim.name} is an all-reduce, which has no quantized "
+                f"collective; quantized gradients work with os = G (NIG, NGG, ING, IIG, IGG, GNG, "
+                f"GIG, GGG)")
+    if q.quantized_weights and q.weight_quantization_mode == "direct" and s.params != Level.N:
+        return (f"{what} with --weight-quantization-mode direct: the per-micro-step parameter "
+                f"gathers are not quantized by the engine; use diff (qWD)")
+    return None

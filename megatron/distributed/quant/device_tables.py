@@ -8,15 +8,23 @@ memory on the stream that first asks; an event makes every later caller's stream
 from __future__ import annotations
 
 import threading
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["slot_of"]
+__all__ = ["inverse_order", "slot_of"]
 
 _Entry = Tuple[torch.Tensor, Optional[torch.cuda.Event], torch.Tensor]
 _TABLES: Dict[Tuple[Tuple[int, ...], str], _Entry] = {}
 _LOCK = threading.Lock()   # stages of several ranks (bench/virtual_world.py) may ask at once
+
+
+def inverse_order(order: Sequence[int]) -> List[int]:
+    """``t[partition] = slot`` of ``order`` (``order[slot] = partition``), on the host."""
+    inverse = [0] * len(order)
+    for slot, part in enumerate(order):
+        inverse[int(part)] = slot
+    return inverse
 
 
 def slot_of(order: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -27,10 +35,7 @@ def slot_of(order: Sequence[int], device: torch.device) -> torch.Tensor:
     with _LOCK:
         entry = _TABLES.get(key)
         if entry is None:
-            inverse = [0] * len(key[0])
-            for slot, part in enumerate(key[0]):
-                inverse[part] = slot
-            host = torch.tensor(inverse, dtype=torch.int32)
+            host = torch.tensor(inverse_order(key[0]), dtype=torch.int32)
             if device.type == "cuda":
                 host = host.pin_memory()   # kept in the entry: the copy reads it asynchronously
                 table = host.to(device, non_blocking=True)

@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..device_tables import inverse_order
 from . import reference as _ref
 from .reference import NonFiniteError, QuantizedTensor
 
@@ -279,10 +280,7 @@ def quantize_partitions(x: torch.Tensor, num_partitions: int, partition_order: S
             x, num_partitions, order, bits, group_size, stochastic=stochastic,
             generator=generator, hadamard=hadamard, hadamard_block=hadamard_block,
             check_finite=check_finite)
-    slot_of = [0] * num_partitions
-    for j, part in enumerate(order):
-        slot_of[part] = j
-    slots = torch.tensor(slot_of, dtype=torch.int64)
+    slots = torch.tensor(inverse_order(order), dtype=torch.int64)
     gpp = f.numel() // (num_partitions * group_size)
     return _run_quantize(f.contiguous(), None, bits, group_size, stochastic, generator,
                          hadamard_block if hadamard else 0, check_finite, slots, max(gpp, 1))
@@ -409,10 +407,7 @@ def dequantize_partitions(q: QuantizedTensor, num_partitions: int,
     direct = (out is not None and _direct_target(out, (torch.float32,))
               and (sub is None or out.data_ptr() == sub.data_ptr() or not _ref._overlaps(out, sub)))
     target = out.view(-1) if direct else torch.empty(n, dtype=torch.float32)
-    slot_of = [0] * num_partitions
-    for j, part in enumerate(order):
-        slot_of[part] = j
-    slots = torch.tensor(slot_of, dtype=torch.int64)
+    slots = torch.tensor(inverse_order(order), dtype=torch.int64)
     _LIB.sdp4bit_dequant_parts(codes.data_ptr(), scales.data_ptr(), q.bits, q.group_size, n,
                                slots.data_ptr(), n // num_partitions,
                                hadamard_block if hadamard else 0, _ptr(sub), target.data_ptr())

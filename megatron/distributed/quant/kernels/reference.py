@@ -28,6 +28,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from ..device_tables import slot_of
+
 SUPPORTED_BITS = (2, 4, 8)  # the one definition: config.py (flag validation) imports it
 
 
@@ -455,10 +457,7 @@ def dequantize_partitions(q: QuantizedTensor, num_partitions: int,
     dequantized values is made."""
     order = _check_dequantize_partitions(q, num_partitions, partition_order, hadamard,
                                          hadamard_block, subtract_from, out)
-    slot = [0] * num_partitions
-    for j, part in enumerate(order):
-        slot[part] = j
-    idx = torch.tensor(slot, dtype=torch.long, device=q.codes.device)
+    idx = slot_of(order, q.codes.device)  # cached, no host copy per call
     codes = q.codes.reshape(num_partitions, -1).index_select(0, idx).reshape(-1)
     scales = q.scales.reshape(num_partitions, -1).index_select(0, idx).reshape(-1)
     y = dequantize(QuantizedTensor(codes, scales, q.bits, q.group_size, q.numel),

@@ -37,18 +37,8 @@ moe_model_args() {
 moe_recipe() {
     VARIANT=${VARIANT:-baseline}
     sdp4bit_variant_args "$VARIANT"
-    DEFAULT_DATA_PATH=data/redpajama/redpajama_llama2_text_document
-    DEFAULT_TOKENIZER_TYPE=HuggingFaceTokenizer
-    DEFAULT_TOKENIZER_MODEL=data/llama2-tokenizer
-    DEFAULT_VOCAB_SIZE=32000
-    recipe_data_args
-    recipe_common_args
-    MODEL_ARGS+=(
-        --normalization RMSNorm --swiglu --position-embedding-type rope --rotary-base 1000000
-        --group-query-attention --num-query-groups "$NUM_QUERY_GROUPS"
-        --untie-embeddings-and-output-weights --disable-bias-linear
-        --attention-dropout 0.0 --hidden-dropout 0.0
-    )
+    llama_recipe_args
+    MODEL_ARGS+=(--rotary-base 1000000 --group-query-attention --num-query-groups "$NUM_QUERY_GROUPS")
     moe_model_args
     RUN_DIR=${RUN_DIR:-runs/moe/mixtral-$MODEL_NAME-$VARIANT}
     recipe_output_args

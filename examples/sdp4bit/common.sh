@@ -230,6 +230,23 @@ sdp4bit_recipe() {
         "${OUTPUT_ARGS[@]}" ${QUANT_ARGS[@]+"${QUANT_ARGS[@]}"} "$@"
 }
 
+# llama_recipe_args : the Llama-2 data defaults (RedPajama, Llama-2 tokenizer, vocabulary 32000),
+# then DATA_ARGS, the common arguments and the Llama model flags (RMSNorm, SwiGLU, RoPE, untied
+# embeddings, no linear biases, no dropout) of the LoCo and MoE recipes.
+llama_recipe_args() {
+    DEFAULT_DATA_PATH=data/redpajama/redpajama_llama2_text_document
+    DEFAULT_TOKENIZER_TYPE=HuggingFaceTokenizer
+    DEFAULT_TOKENIZER_MODEL=data/llama2-tokenizer
+    DEFAULT_VOCAB_SIZE=32000
+    recipe_data_args
+    recipe_common_args
+    MODEL_ARGS+=(
+        --normalization RMSNorm --swiglu --position-embedding-type rope
+        --untie-embeddings-and-output-weights --disable-bias-linear
+        --attention-dropout 0.0 --hidden-dropout 0.0
+    )
+}
+
 # loco_recipe "$@" : Llama-2 style recipe of the LoCo PR; LOCO=1 (default) enables 4-bit
 # quantized gradients with LoCo error feedback, LOCO=0 is the full-precision baseline
 # (LOCO=0 QUANTIZED_GRADIENTS=1: 4-bit quantized gradients without error feedback).
@@ -248,17 +265,7 @@ loco_recipe() {
            fi ;;
         *) recipe_die "LOCO must be 1 or 0, got '$LOCO'" ;;
     esac
-    DEFAULT_DATA_PATH=data/redpajama/redpajama_llama2_text_document
-    DEFAULT_TOKENIZER_TYPE=HuggingFaceTokenizer
-    DEFAULT_TOKENIZER_MODEL=data/llama2-tokenizer
-    DEFAULT_VOCAB_SIZE=32000
-    recipe_data_args
-    recipe_common_args
-    MODEL_ARGS+=(
-        --normalization RMSNorm --swiglu --position-embedding-type rope
-        --untie-embeddings-and-output-weights --disable-bias-linear
-        --attention-dropout 0.0 --hidden-dropout 0.0
-    )
+    llama_recipe_args
     RUN_DIR=${RUN_DIR:-runs/loco/llama-$MODEL_NAME-$VARIANT}
     recipe_output_args
     echo "[recipe] LoCo Llama-$MODEL_NAME variant=$VARIANT quantization: ${QUANT_ARGS[*]:-(none)}" >&2

@@ -176,9 +176,11 @@ def scenarios(space: FlagSpace) -> List[Scenario]:
     collectives.weights.quantized_all_gather (qWD:
     ``quantize_difference`` + ``dequantize_add``; qW: ``quantize`` + ``dequantize`` into the
     param buffer, and the PaRO engine's sync_params through the runtime: fp32 optimizer-state
-    shard vs the param dtype). Every trainer call site passes ``check_finite=False`` (finiteness
-    is agreed on across ranks first); the public-API default ``check_finite=True``
-    (bench_quant.py, tests) is the last group. Sizes mimic a padded bucket (every count a multiple of 16), P = D*M = 32 ranks.
+    shard vs the param dtype). The trainer's first quantization of a payload (hop 1, the qWD and
+    qW sends) gets the runtime's per-step NaN/Inf counter (``nonfinite_counter``: the kernel's
+    fused ``CHECK``, agreed on across ranks once per step); its other quantizations pass
+    ``check_finite=False``; the public-API default ``check_finite=True`` (bench_quant.py, tests)
+    is the last group. Sizes mimic a padded bucket (every count a multiple of 16), P = D*M = 32 ranks.
     """
     import torch
 
@@ -194,6 +196,7 @@ def scenarios(space: FlagSpace) -> List[Scenario]:
     grad_gs = sorted(set(space.gs_intra) | set(space.gs_inter))   # hop 1 uses intra (D>1) or inter (D=1)
     r = SDP4BIT_RECIPE
     out: List[Scenario] = []
+    step_counter = torch.zeros(1, dtype=torch.int32)   # the runtime's per-step NaN/Inf flag
 
     def qt(numel: int, bits: int, gs: int) -> QuantizedTensor:
         return QuantizedTensor(torch.zeros(numel * bits // 8, dtype=torch.uint8),
@@ -218,7 +221,8 @@ def scenarios(space: FlagSpace) -> List[Scenario]:
                             T.quantize_partitions(torch.zeros(P * unit, dtype=dt), P,
                                                   list(reversed(range(P))), bits, gs, stochastic=sr,
                                                   generator=_typical_generator(T), hadamard=had,
-                                                  hadamard_block=hb, check_finite=False))
+                                                  hadamard_block=hb, check_finite=False,
+                                                  nonfinite_counter=step_counter))
     # -- TLq middle hop: dequantize S sources, fp32 sum, requantize to inter bits / group ----------
     middle = [(S, bi, gi, bo, go, sr) for S in SOURCE_COUNTS for bi in space.bits
               for gi in space.gs_intra for bo in space.bits for go in space.gs_inter
@@ -276,7 +280,7 @@ def scenarios(space: FlagSpace) -> List[Scenario]:
                         T.quantize_difference(torch.zeros(unit, dtype=a),
                                               torch.zeros(P * unit, dtype=b)[unit:2 * unit], bits, gs,
                                               stochastic=sr, generator=_typical_generator(T),
-                                              check_finite=False))
+                                              check_finite=False, nonfinite_counter=step_counter))
     for pdt in param_dtypes:
         for bits in space.bits:
             for gs in space.gs_weight:
@@ -287,7 +291,8 @@ def scenarios(space: FlagSpace) -> List[Scenario]:
                 for sr in (True, False):
                     add("qW send", False, lambda T, pdt=pdt, bits=bits, gs=gs, sr=sr:
                         T.quantize(torch.zeros(unit, dtype=pdt), bits, gs, stochastic=sr,
-                                   generator=_typical_generator(T), check_finite=False))
+                                   generator=_typical_generator(T), check_finite=False,
+                                   nonfinite_counter=step_counter))
                 add("qW recv", False, lambda T, pdt=pdt, bits=bits, gs=gs:
                     T.dequantize(qt(P * unit, bits, gs), out=torch.empty(P * unit, dtype=pdt)))
     # -- public-API default check_finite=True (not reached by the trainer) -------------------------

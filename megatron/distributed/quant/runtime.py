@@ -105,9 +105,10 @@ class QuantizationRuntime:
         self.buffer_numel: Dict[str, Optional[int]] = {}
         """Per buffer key: its elements (the layout the saved state belongs to)."""
         self._nonfinite_flag: Optional[torch.Tensor] = None
-        """Number of NaN/Inf inputs the quantized collectives of this step met on this rank,
-        counted on the device by the quantize kernels (int32); agreed and reset once per step by
-        :meth:`agree_nonfinite`, so no bucket waits for the host."""
+        """Positive when the quantized collectives of this step met a NaN/Inf on this rank
+        (the groups holding one, or the elements on the CPU backends), counted on the device by
+        the quantize kernels (int32); agreed and reset once per step by :meth:`agree_nonfinite`,
+        so no bucket waits for the host."""
         self.nonfinite_events = 0
         self.nonfinite_events_interval = 0
         self.timing = CommTiming(CommStreams("inline"))

@@ -168,8 +168,8 @@ def _count_nonfinite_into(counter: torch.Tensor, *tensors: torch.Tensor) -> None
 
 def _with_counter(x: torch.Tensor, counter: Optional[torch.Tensor], check_finite: bool,
                   *checked: torch.Tensor) -> dict:
-    """Keyword arguments for a backend's quantize: the Triton kernels count non-finite inputs
-    into ``counter`` in the same pass; the others get it counted here first."""
+    """Keyword arguments for a backend's quantize: the Triton kernels count the groups holding a
+    NaN/Inf into ``counter`` in the same pass; the others get the elements counted here first."""
     if counter is None:
         return {"check_finite": check_finite}
     if backend_for(x) == "triton":
@@ -186,8 +186,9 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, *, stochastic: bool = 
 
     Raises ValueError for unsupported bits / non-dividing group sizes / bad Hadamard blocks and
     :class:`NonFiniteError` if ``check_finite`` and ``x`` holds NaN/Inf. ``nonfinite_counter``
-    (an int32 device tensor) replaces that check: the number of non-finite inputs is added to it
-    on the device (fused into the kernel on CUDA) and nothing is read back -- the trainer's
+    (an int32 device tensor) replaces that check: a count that is positive exactly when ``x``
+    holds a NaN/Inf is added to it on the device (the groups holding one, fused into the Triton
+    kernel; the elements on the CPU backends) and nothing is read back -- the trainer's
     once-per-step agreement reads it.
     """
     return _impl(x).quantize(x, bits, group_size, stochastic=stochastic, generator=generator,
@@ -259,9 +260,9 @@ def quantize_difference(new: torch.Tensor, reference: torch.Tensor, bits: int, g
                         check_finite: bool = True,
                         nonfinite_counter: Optional[torch.Tensor] = None) -> QuantizedTensor:
     """qWD send side: quantize ``reference.dtype(new) - reference`` (subtraction in reference.dtype).
-    ``nonfinite_counter``: as in :func:`quantize`, for the *difference*: the Triton kernel counts
-    its non-finite elements; the other backends count the groups whose scale came out non-finite
-    (exactly the groups with a NaN/Inf difference). Counting ``new`` and ``reference`` missed a
+    ``nonfinite_counter``: as in :func:`quantize`, for the *difference*: every backend counts the
+    groups whose scale came out non-finite (exactly the groups with a NaN/Inf difference), the
+    Triton kernel in the same pass. Counting ``new`` and ``reference`` missed a
     difference that overflows the reference dtype (fp32 weights beyond fp16's range): NaN
     weights on every rank, and no skipped step."""
     if nonfinite_counter is None or backend_for(reference) == "triton":

@@ -17,14 +17,14 @@ bit-identical and stochastic rounding matches in distribution (Philox instead of
   stride 1, 2, 4, ..., each computing exactly ``(a + b, a - b)`` (as two-element sums, see
   ``_bfly_stage``).
 * The random stream is indexed by the *input* element index, so a permuted output layout does
-  not change which ``u`` an element gets.  Element i's ``u`` is output i % 4 of Philox(seed,
-  counter i // 4) (``tl.randint4x`` with :data:`PHILOX_ROUNDS`): all four outputs of each
-  Philox call are used.
+  not change which ``u`` an element gets.  Element i's ``u`` is 16 (15) bits of Philox(seed,
+  counter i // 8) (``tl.randint4x`` with :data:`PHILOX_ROUNDS`): each call serves eight elements
+  (:func:`_noise_tile`).
 
 The entry kernels (``_quantize_kernel``, ``_dsum_requant_kernel``, ``_dsum_kernel``,
 ``_dequant_parts_kernel``, ``_dequant_add_kernel``) are the jit functions no other jit function
-calls; the quantize kernel counts non-finite inputs into an int32 counter with ``atomic_add``
-(``CHECK``).
+calls; the quantize kernel adds the number of groups holding a NaN/Inf (their scale is NaN)
+into an int32 counter with ``atomic_add`` (``CHECK``).
 """
 
 from __future__ import annotations
@@ -37,9 +37,15 @@ PHILOX_ROUNDS = tl.constexpr(7)
 """Rounds of the Philox4x32 generator behind stochastic rounding. Philox4x32 passes TestU01's
 BigCrush from 7 rounds (Salmon et al., SC'11, "Crush-resistant"); Triton's default of 10 is a
 safety margin for general use. The rounds are the arithmetic that bounds the stochastic kernels
-(about 25 integer operations per element at 10 rounds, near the GPU's integer throughput at
-70 % of memory bandwidth), and rounding noise needs far less than BigCrush: 7 rounds cut them by
-30 %. The statistics tests (tests/test_triton_kernels.py) hold for this setting."""
+(42 instructions a call at 7 rounds on sm_90, shared by eight elements), and rounding noise
+needs far less than BigCrush. The statistics tests (tests/test_triton_kernels.py) hold for this
+setting."""
+
+
+THREAD_RUN = tl.constexpr(16)
+"""Consecutive elements a thread holds in the kernels' tiles on sm_80 / sm_90 (16 bytes of 8-bit
+codes, which the quantize kernel's layout anchor gives every bit width): butterfly stages of a
+wider stride pair two threads' elements (_bfly_stage). Only the instruction mix depends on it."""
 
 
 SOURCES_UNROLLED = tl.constexpr(8)
@@ -56,18 +62,24 @@ loop's body S // 8 times."""
 def _bfly_stage(x, R: tl.constexpr, HB: tl.constexpr, H: tl.constexpr):
     """One butterfly stage with stride H on x [R, HB]: (a, b) -> (a + b, a - b).
 
-    Both results are two-element sums over the pair axis of the reshaped tile (a + b, and
-    a + (-b), which IEEE defines as a - b: bit-identical to the reference's butterfly). A sum
-    over an axis stays in the tile's own layout (in registers, or one warp shuffle when the pair
-    is on two threads), where permute / split / join made Triton move the tile through shared
-    memory at every stage: for the recipe's 8-bit hop 1 on sm_90, 4 -> 1 layout conversions,
-    25 -> 1 barriers, 230 -> 70 shuffles, 122 -> 86 registers (bench/triton_aot.py)."""
+    Stages inside a thread's run of THREAD_RUN elements: both results are two-element sums over
+    the pair axis of the reshaped tile (a + b, and a + (-b), which IEEE defines as a - b:
+    bit-identical to the reference's butterfly), kept in registers in the tile's own layout
+    (permute / split / join made Triton move the tile through shared memory at every stage).
+    Wider stages pair elements of two threads: each takes its partner's value from one xor
+    reduction of the bit patterns (a ^ b ^ own: one shuffle) and adds it to its own or its
+    negated own value (b + a and a + (-b), the same sums), where two sums cost two shuffles."""
     if H < HB:
         y = tl.reshape(x, (R, HB // (2 * H), 2, H))
         half = tl.arange(0, 2)[None, None, :, None]
-        s = tl.sum(y, axis=2)                                  # a + b
-        d = tl.sum(tl.where(half == 0, y, -y), axis=2)         # a + (-b), exactly a - b
-        y = tl.where(half == 0, s[:, :, None, :], d[:, :, None, :])
+        if H >= THREAD_RUN:
+            bits = y.to(tl.uint32, bitcast=True)
+            other = (tl.xor_sum(bits, axis=2)[:, :, None, :] ^ bits).to(tl.float32, bitcast=True)
+            y = other + tl.where(half == 0, y, -y)
+        else:
+            s = tl.sum(y, axis=2)                                  # a + b
+            d = tl.sum(tl.where(half == 0, y, -y), axis=2)         # a + (-b), exactly a - b
+            y = tl.where(half == 0, s[:, :, None, :], d[:, :, None, :])
         x = tl.reshape(y, (R, HB))
     return x
 
@@ -108,30 +120,33 @@ def _round_to(x, DT: tl.constexpr):
 
 
 @triton.jit
-def _uniform_tile(seed, rand_base, R: tl.constexpr, GP: tl.constexpr, ALIGNED: tl.constexpr):
-    """Stochastic-rounding noise u in [0, 1) for a tile [R, GP] whose row r holds the random-stream
-    elements rand_base[r] + 0..GP-1 (int32).
+def _noise_tile(seed, rand_base, R: tl.constexpr, GP: tl.constexpr, ALIGNED: tl.constexpr,
+                NB: tl.constexpr):
+    """NB (15 or 16) random bits per element, int32 in [0, 2^NB), for a tile [R, GP] whose row r
+    holds the random-stream elements rand_base[r] + 0..GP-1 (int32).
 
-    Element i of the stream gets output i % 4 of the Philox call at counter i // 4: a pure
-    function of (seed, i), so pipeline chunks and permuted layouts draw the same u as the whole
-    call, with one Philox call per four elements (``tl.rand`` draws one per element and uses one
-    of its four outputs).  ALIGNED (every row base and GP multiples of 4): GP / 4 calls per row,
-    their outputs interleaved; else each element computes its own call and picks its lane."""
+    Element i of the stream gets the top NB bits of one 16-bit half of the Philox call at counter
+    i // 8: of its output (i % 8) // 2, the high half when i is even, the low half when odd. So
+    the bits are a pure function of (seed, i): pipeline chunks and permuted layouts draw the same
+    as the whole call, and one Philox call serves eight elements (its rounds are most of a
+    stochastic kernel's arithmetic). ALIGNED (every row base and GP multiples of 8): GP / 8 calls
+    per row, their halves interleaved; else each element computes its own call and picks its
+    bits."""
     if ALIGNED:
-        ctr = (rand_base // 4)[:, None] + tl.arange(0, GP // 4)[None, :]
+        ctr = (rand_base // 8)[:, None] + tl.arange(0, GP // 8)[None, :]
         r0, r1, r2, r3 = tl.randint4x(seed, ctr, PHILOX_ROUNDS)
-        # join(join(r0, r2), join(r1, r3))[k, q, p] = r_(2q + p), i.e. element 4k + 2q + p
-        r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (R, GP))
+        # join(join(a0, a2), join(a1, a3))[k, a, b] = a_(2a + b); the outer join picks the half:
+        # element 8k + 4a + 2b + c gets half c of r_(2a + b)
+        hi = tl.join(tl.join(r0 >> 16, r2 >> 16), tl.join(r1 >> 16, r3 >> 16))
+        lo = tl.join(tl.join(r0 & 0xFFFF, r2 & 0xFFFF), tl.join(r1 & 0xFFFF, r3 & 0xFFFF))
+        k = tl.reshape(tl.join(hi, lo), (R, GP))
     else:
         i = rand_base[:, None] + tl.arange(0, GP)[None, :]
-        r0, r1, r2, r3 = tl.randint4x(seed, i // 4, PHILOX_ROUNDS)
-        lane = i % 4
+        r0, r1, r2, r3 = tl.randint4x(seed, i // 8, PHILOX_ROUNDS)
+        lane = (i % 8) // 2
         r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
-    # the top 23 bits as the mantissa of a float in [1, 2), minus 1: u = k * 2^-23 exactly, k
-    # uniform on [0, 2^23); a shift, an or and a subtraction, where
-    # tl.random.uint_to_uniform_float takes five (with an int -> float conversion, a
-    # quarter-rate instruction)
-    return ((r >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+        k = tl.where(i % 2 == 0, r >> 16, r & 0xFFFF)
+    return k >> (16 - NB)
 
 
 @triton.jit
@@ -142,11 +157,27 @@ def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
+ROUNDING_MAGIC = tl.constexpr(12582912.0)
+"""1.5 * 2^23: a small integer n plus this is a float whose bit pattern ends in n's two's
+complement, so the codes come out of a float add (no float -> int conversion)."""
+
+
 @triton.jit
 def _quant_tile(x, rand_base, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr,
                 R: tl.constexpr, GP: tl.constexpr, ALIGNED: tl.constexpr):
-    """x fp32 [R, GP] (one group per row, padding = 0) -> (int32 codes [R, GP], fp32 scales [R]).
-    Row r's elements are random-stream elements rand_base[r] + 0.. (see _uniform_tile)."""
+    """x fp32 [R, GP] (one group per row, padding = 0) -> (int32 [R, GP] whose low bits are the
+    two's-complement codes, fp32 scales [R]). Row r's elements are random-stream elements
+    rand_base[r] + 0.. (see _noise_tile).
+
+    Stochastic: q = floor(v + (B + u)) - B with u = k * 2^-NB, which is floor(v + u) (up with
+    probability frac(v)) for v on the grid of the sum: B + u is the float with exponent byte of
+    B and the random bits as its low mantissa (one or), and B puts every sum v + B + u in one
+    binade whose spacing is u's (2- and 4-bit codes, |v| < 8: B = 192, spacing 2^-16; 8-bit,
+    |v| < 128: B = 384, 2^-15). The sum rounds v to that grid first, to nearest: symmetric,
+    except that a tie at an integer rounds up (to the even neighbour), a mean bias below 2^-21
+    of a quantization step for 2- and 4-bit codes and about 2^-18 for 8-bit ones
+    (tests/test_triton_kernels.py emulates it over every u). Round to nearest: floor(v) +
+    (frac(v) >= 0.5), the reference's exact rule."""
     amax = tl.reduce(tl.abs(x), 1, _max_nan)      # NaN groups -> amax = NaN -> scale NaN
     inv = tl.math.div_rn(tl.full(amax.shape, QMAX, tl.float32), amax)
     ok = (inv < float("inf")) & (inv > 0.0)     # amax 0/tiny -> inf, Inf -> 0, NaN -> NaN
@@ -155,17 +186,22 @@ def _quant_tile(x, rand_base, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr
     scale = tl.where(ok, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), inv_safe), bad)
     v = x * inv_safe[:, None]
     v = tl.where(ok[:, None], v, 0.0)
-    lo = tl.floor(v)
-    frac = v - lo
     if STOCHASTIC:
-        u = _uniform_tile(seed, rand_base, R, GP, ALIGNED)
-        q = lo + tl.where(u < frac, 1.0, 0.0)
+        if QMAX < 8:                            # 0x43400000 = 192.0, 0x43C00000 = 384.0
+            k = _noise_tile(seed, rand_base, R, GP, ALIGNED, 16)
+            t = tl.floor(v + (k | 0x43400000).to(tl.float32, bitcast=True)) + (ROUNDING_MAGIC
+                                                                                - 192.0)
+        else:
+            k = _noise_tile(seed, rand_base, R, GP, ALIGNED, 15)
+            t = tl.floor(v + (k | 0x43C00000).to(tl.float32, bitcast=True)) + (ROUNDING_MAGIC
+                                                                                - 384.0)
     else:
-        q = lo + tl.where(frac >= 0.5, 1.0, 0.0)
+        lo = tl.floor(v)
+        t = lo + tl.where(v - lo >= 0.5, ROUNDING_MAGIC + 1.0, ROUNDING_MAGIC)
     # |v| <= amax * RN(QMAX / amax) < QMAX + 1, so floor(v) >= -QMAX - 1: only the upper clamp
     # can bind (rounding up from QMAX); the reference's lower clamp never changes a code
-    q = tl.minimum(q, QMAX * 1.0)
-    return q.to(tl.int32), scale
+    t = tl.minimum(t, ROUNDING_MAGIC + QMAX)
+    return t.to(tl.int32, bitcast=True), scale
 
 
 @triton.jit
@@ -178,7 +214,8 @@ def _store_packed(codes_ptr, q, og, R: tl.constexpr, GS: tl.constexpr, GP: tl.co
         cols = tl.arange(0, GP)
         byte = q & 0xFF
     elif BITS == 4:
-        cols = tl.arange(0, GP // 2)
+        # 8-byte stores: what a thread holds of 16 codes (16-byte ones cost a relayout)
+        cols = tl.max_contiguous(tl.arange(0, GP // 2), 8)
         hi, lo = tl.split(tl.reshape(q, (R, GP // 2, 2)))
         byte = ((hi & 0xF) << 4) | (lo & 0xF)
     else:
@@ -236,9 +273,10 @@ def _load_deq_rows(codes_ptr, scales_ptr, first, gmask, R: tl.constexpr, GP: tl.
 # kernels
 # ------------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["seed"])  # a fresh seed per launch: never a new compile
-def _quantize_kernel(x_ptr, ref_ptr, codes_ptr, scales_ptr, slot_ptr, nonfinite_ptr, seed,
-                     num_groups, groups_per_part,
+# a fresh seed per launch: never a new compile; num_groups == 1 would fold the layout anchor away
+@triton.jit(do_not_specialize=["seed", "num_groups", "part_magic", "part_shift"])
+def _quantize_kernel(x_ptr, ref_ptr, codes_ptr, scales_ptr, slot_ptr, nonfinite_ptr, anchor_ptr,
+                     seed, num_groups, groups_per_part, part_magic, part_shift,
                      GS: tl.constexpr, GP: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
                      STOCHASTIC: tl.constexpr, HADAMARD: tl.constexpr, HB: tl.constexpr,
                      DIFF: tl.constexpr, PERMUTE: tl.constexpr, CHECK: tl.constexpr,
@@ -259,16 +297,31 @@ def _quantize_kernel(x_ptr, ref_ptr, codes_ptr, scales_ptr, slot_ptr, nonfinite_
         x = _round_to(xn - r.to(tl.float32), RT)     # subtraction rounded to the reference dtype
     else:
         x = x.to(tl.float32)
-    if CHECK:
-        bad = tl.sum(tl.where(m & ((x != x) | (tl.abs(x) == float("inf"))), 1, 0))
-        tl.atomic_add(nonfinite_ptr, bad)
     if HADAMARD:
         x = tl.reshape(_fwht(tl.reshape(x, (R * GP // HB, HB)), R * GP // HB, HB), (R, GP))
     q, scale = _quant_tile(x, (g * GS).to(tl.int32), seed, QMAX, STOCHASTIC, R, GP, ALIGNED)
+    if CHECK:
+        # groups whose absmax is NaN/Inf (scale NaN): a NaN/Inf input, or a transform or a
+        # difference that overflowed; per group row, where testing every element cost about 5
+        # instructions per element
+        tl.atomic_add(nonfinite_ptr, tl.sum(tl.where(gmask & (scale != scale), 1, 0)))
+    if BITS < 8:
+        # Layout anchor: Triton's coalescing gives the memory accesses of one tile shape the
+        # widest vector any of them takes, and a uint8 access of [R, GP] takes 16 elements per
+        # thread. The 8-bit codes' store is one; the 2- and 4-bit stores are narrower tiles, so
+        # without this store the fp32 tile keeps 4 elements per thread: 4x the rows per thread,
+        # each with its own divisions and absmax shuffles, and the Hadamard stages across
+        # threads. The store never runs (num_groups >= 0) and would write zeros to a scratch tile.
+        never = tl.zeros_like(offs) + num_groups < 0
+        tl.store(anchor_ptr + tl.arange(0, R)[:, None] * GP + e[None, :],
+                 tl.zeros([R, GP], dtype=tl.uint8), mask=never)
     if PERMUTE:
-        part = g // groups_per_part
+        # a row's part g // groups_per_part as (g * part_magic) >> part_shift (one wide multiply
+        # and a shift, exact for g < 2^30: triton_launch.division_magic), not a division per row
+        n = (pid * R + tl.arange(0, R)).to(tl.uint32)
+        part = ((n.to(tl.uint64) * part_magic.to(tl.uint64)) >> part_shift).to(tl.int32)
         slot = tl.load(slot_ptr + part, mask=gmask, other=0).to(tl.int64)
-        og = slot * groups_per_part + (g % groups_per_part)
+        og = slot * groups_per_part + (n.to(tl.int32) - part * groups_per_part)
     else:
         og = g
     tl.store(scales_ptr + og, scale, mask=gmask)

@@ -8,10 +8,10 @@ rounding seed, the output buffers, and the NaN/Inf counter.
 
 The stochastic rounding seed is drawn from the caller's ``torch.Generator`` with
 ``torch.randint`` (so the generator is consumed deterministically). NaN/Inf detection is fused:
-the quantize kernels count non-finite inputs into an int32 counter with ``atomic_add``.  The
-trainer passes its own device counter (``nonfinite_counter``), read once per step; a call
-without one reads a private counter back and raises :class:`NonFiniteError` (one small sync: for
-direct callers and tests).
+the quantize kernels count the groups holding a NaN/Inf into an int32 counter with
+``atomic_add``. The trainer passes its own device counter (``nonfinite_counter``), read once per
+step; a call without one reads a private counter back and raises :class:`NonFiniteError` (one
+small sync: for direct callers and tests).
 
 The entry kernels are module globals here, looked up at every launch: ``bench/triton_aot.py``
 swaps them for recorders to capture each launch's specialisation.
@@ -46,14 +46,12 @@ def _rows_for(gp: int) -> int:
     return max(1, _TILE // gp)
 
 
-def _quantize_warps(bits: int, stochastic: bool, x: torch.Tensor) -> int:
-    """Warps of a quantize program (4096-element tile). 8 for stochastic 2-bit codes from fp32
-    input: at 4 warps (32 elements per thread) Philox plus packing four codes per byte took
-    134-140 registers per thread on sm_90, over bench/triton_aot.py's budget of 128 (a 128 cap
-    spills on the Hadamard variants; 8 warps for bf16 input spill 4 B where 4 warps fit in 94).
-    4 otherwise. The values do not depend on it (a group's absmax is exact in any order); the
-    cost model puts 8 warps about 5 % below 4 for these issue-bound kernels."""
-    return 8 if bits == 2 and stochastic and x.dtype == torch.float32 else 4
+QUANTIZE_WARPS = 4
+"""Warps of a quantize program (a 4096-element tile: 32 elements per thread). Every bit width,
+input dtype and Hadamard variant fits in 58-88 registers at 4 warps on sm_90 since the 2- and
+4-bit tiles take the 8-bit tile's layout (the layout anchor in _quantize_kernel); 2-bit codes
+once needed 8 warps (134-140 registers at 4). The values do not depend on it (a group's absmax
+is exact in any order)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -61,10 +59,25 @@ def _quantize_warps(bits: int, stochastic: bool, x: torch.Tensor) -> int:
 # ------------------------------------------------------------------------------------------------
 
 def _noise_rows_aligned(*sizes: int) -> bool:
-    """Whether every tile row starts the random stream at a multiple of 4 and spans whole Philox
-    calls (group size, padded group size and the noise index's part geometry all multiples of 4):
-    then triton_device._uniform_tile draws one Philox call per four elements."""
-    return all(v % 4 == 0 for v in sizes)
+    """Whether every tile row starts the random stream at a multiple of 8 and spans whole Philox
+    calls (group size, padded group size and the noise index's part geometry all multiples of 8):
+    then triton_device._noise_tile draws one Philox call per eight elements."""
+    return all(v % 8 == 0 for v in sizes)
+
+
+PERMUTE_MAX_GROUPS = 1 << 30
+"""Groups a permuting quantize call may hold: its kernel finds a group's partition with
+:func:`division_magic`, exact below 2^30 groups (1.4e11 elements at groups of 128)."""
+
+
+def division_magic(d: int) -> Tuple[int, int]:
+    """(m, p) with n // d == (n * m) >> p for every 0 <= n < 2^30 and m < 2^31 (Granlund and
+    Montgomery's division by an invariant integer: p = 30 + ceil(log2 d), m = ceil(2^p / d),
+    whose error m * d - 2^p < d <= 2^(p - 30) keeps the floor exact)."""
+    if d < 1:
+        raise ValueError(f"division_magic: divisor must be >= 1, got {d}")
+    p = 30 + (d - 1).bit_length()
+    return -(-(1 << p) // d), p
 
 
 def _seed(stochastic: bool, generator: Optional[torch.Generator]) -> int:
@@ -76,9 +89,9 @@ def _launch_quantize(x: torch.Tensor, ref: Optional[torch.Tensor], bits: int, gr
                      hadamard_block: int, check_finite: bool, slots: Optional[torch.Tensor],
                      groups_per_part: int, what: str,
                      nonfinite_counter: Optional[torch.Tensor] = None) -> QuantizedTensor:
-    """``nonfinite_counter`` (int32, on the device): the kernel adds the number of non-finite
-    inputs into it with its fused atomic count and nothing is read back (the caller agrees on it
-    once per step); else with ``check_finite`` the count is read back here (one host sync) and
+    """``nonfinite_counter`` (int32, on the device): the kernel adds the number of groups holding
+    a NaN/Inf into it with its fused atomic count and nothing is read back (the caller agrees on
+    it once per step); else with ``check_finite`` the count is read back here (one host sync) and
     raises."""
     numel = x.numel()
     ng = numel // group_size
@@ -96,23 +109,29 @@ def _launch_quantize(x: torch.Tensor, ref: Optional[torch.Tensor], bits: int, gr
     gp = _next_pow2(group_size)
     rows = _rows_for(gp)
     seed = _seed(stochastic, generator)
+    gpp = max(groups_per_part, 1)
+    if slots is not None and ng >= PERMUTE_MAX_GROUPS:
+        raise ValueError(f"{what}: {numel} elements in groups of {group_size} are {ng} groups; "
+                         f"a permuting quantize takes fewer than {PERMUTE_MAX_GROUPS} (split the "
+                         f"call)")
+    magic, shift = division_magic(gpp)
     if ng > 0:
         _quantize_kernel[(triton.cdiv(ng, rows),)](
             x, ref if ref is not None else x, codes, scales,
             slots if slots is not None else _unused_i32(x.device),
             counter if counter is not None else _unused_i32(x.device),
-            seed, ng, max(groups_per_part, 1),
+            _anchor_tile(x.device, rows * gp), seed, ng, gpp, magic, shift,
             GS=group_size, GP=gp, R=rows, BITS=bits, STOCHASTIC=bool(stochastic),
             HADAMARD=bool(hadamard), HB=hadamard_block if hadamard else 1,
             DIFF=ref is not None, PERMUTE=slots is not None, CHECK=counter is not None,
             ALIGNED=_noise_rows_aligned(group_size, gp),
-            num_warps=_quantize_warps(bits, stochastic, x), enable_fp_fusion=False)
+            num_warps=QUANTIZE_WARPS, enable_fp_fusion=False)
     if check_finite and nonfinite_counter is None:
         bad = int(counter.item())
         if bad:
             raise NonFiniteError(
-                f"{what}: input has {bad} non-finite (NaN/Inf) value(s) out of {numel}; "
-                f"refusing to quantize (skip this step)")
+                f"{what}: input has non-finite (NaN/Inf) values in {bad} of its {ng} groups of "
+                f"{group_size}; refusing to quantize (skip this step)")
     return QuantizedTensor(codes, scales, bits, group_size, numel)
 
 
@@ -156,6 +175,7 @@ def quantize_partitions(x: torch.Tensor, num_partitions: int, partition_order: S
 
 
 _UNUSED_I32: Dict[str, torch.Tensor] = {}
+_ANCHOR_TILE: Dict[str, torch.Tensor] = {}
 
 
 def _unused_i32(device: torch.device) -> torch.Tensor:
@@ -164,6 +184,17 @@ def _unused_i32(device: torch.device) -> torch.Tensor:
     t = _UNUSED_I32.get(str(device))
     if t is None:
         t = _UNUSED_I32[str(device)] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
+
+
+def _anchor_tile(device: torch.device, numel: int) -> torch.Tensor:
+    """The quantize kernel's layout-anchor target: its never-executed store of a uint8 tile (one
+    program's ``numel`` elements) points here, so even a store that ran would touch nothing
+    else. One per device, grown to the largest tile asked for."""
+    t = _ANCHOR_TILE.get(str(device))
+    if t is None or t.numel() < numel:
+        t = _ANCHOR_TILE[str(device)] = torch.zeros(max(numel, _TILE), dtype=torch.uint8,
+                                                    device=device)
     return t
 
 

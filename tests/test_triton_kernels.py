@@ -172,12 +172,15 @@ def test_dequantize_sum_bit_exact(hadamard: bool) -> None:
         assert torch.equal(buf_a[::2], torch.full((n,), 7.0, dtype=dt, device=DEV))
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16, torch.float32])
-def test_weight_diff_ops_bit_exact(dt: torch.dtype) -> None:
+def test_weight_diff_ops_bit_exact(dt: torch.dtype, bits: int) -> None:
+    """qWD send and receive against the reference; the receive loads group rows for 2-byte
+    weights and elements for fp32 ones (triton_launch._dequant_add_rows)."""
     ref = _randn(2048, seed=5).to(dt)
     new = ref.float() + 1e-2 * _randn(2048, seed=6)
-    a = K.quantize_difference(new, ref, 4, 512, stochastic=False)
-    b = R.quantize_difference(new, ref, 4, 512, stochastic=False)
+    a = K.quantize_difference(new, ref, bits, 512, stochastic=False)
+    b = R.quantize_difference(new, ref, bits, 512, stochastic=False)
     assert _same(a, b)
     expect = R.dequantize_add(b, ref)
     assert torch.equal(K.dequantize_add(a, ref), expect)
@@ -187,7 +190,7 @@ def test_weight_diff_ops_bit_exact(dt: torch.dtype) -> None:
     # out overlapping the reference one element further on (over more than one program's
     # tile, so one program's writes land where the next still reads): through a temporary
     big_ref = _randn(3 * 4096, seed=7).to(dt)
-    big = K.quantize_difference(big_ref.float() + 1e-2, big_ref, 4, 512, stochastic=False)
+    big = K.quantize_difference(big_ref.float() + 1e-2, big_ref, bits, 512, stochastic=False)
     buf = torch.cat([big_ref, big_ref[:1]])
     shifted = K.dequantize_add(big, buf[:-1], out=buf[1:])
     assert shifted.data_ptr() == buf[1:].data_ptr()

@@ -476,14 +476,26 @@ def _dequant_parts_kernel(codes_ptr, scales_ptr, slot_ptr, sub_ptr, out_ptr, n, 
 
 @triton.jit
 def _dequant_add_kernel(codes_ptr, scales_ptr, ref_ptr, out_ptr, n,
-                        GS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """out = dt(dt(code*scale) + ref) with dt = ref dtype (out may alias ref)."""
+                        GS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                        ROWS: tl.constexpr):
+    """out = dt(dt(code*scale) + ref) with dt = ref dtype (out may alias ref). ROWS (GS a power of
+    two dividing BLOCK): the block is BLOCK // GS whole groups, each group's packed bytes loaded
+    once as a run and its scale once (_load_deq_rows); else every element loads its own byte and
+    scale."""
     pid = tl.program_id(0)
-    idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = idx < n
     RT: tl.constexpr = ref_ptr.dtype.element_ty
-    d = _round_to(_load_deq(codes_ptr, scales_ptr, idx, m, BITS, GS), RT)
+    if ROWS:
+        RB: tl.constexpr = BLOCK // GS
+        first = (pid.to(tl.int64) * RB + tl.arange(0, RB)) * GS
+        gmask = first < n                       # n is a multiple of GS: rows are whole or out
+        idx = first[:, None] + tl.arange(0, GS)[None, :]
+        m = gmask[:, None] & (idx < n)
+        d = _load_deq_rows(codes_ptr, scales_ptr, first, gmask, RB, GS, GS, BITS, GS)
+    else:
+        idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = idx < n
+        d = _load_deq(codes_ptr, scales_ptr, idx, m, BITS, GS)
+    d = _round_to(d, RT)
     r = tl.load(ref_ptr + idx, mask=m, other=0.0).to(tl.float32)
     y = _round_to(d + r, RT)
     tl.store(out_ptr + idx, y.to(RT), mask=m)
-

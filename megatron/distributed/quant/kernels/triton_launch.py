@@ -346,6 +346,15 @@ def dequantize_partitions(q: QuantizedTensor, num_partitions: int,
     return out
 
 
+def _dequant_add_rows(group_size: int, block: int, reference: torch.Tensor) -> bool:
+    """Whether the qWD receive loads whole groups as rows (one run of packed bytes and one scale
+    per group): for 2-byte weights (bf16 / fp16), whose per-element byte and scale loads made it
+    issue bound (bf16 4-bit groups of 2048: 73 -> 78 % of copy bandwidth modelled on sm_90). fp32
+    weights stay per element: memory bound there already (99 %), and rows of 8-bit codes spill
+    20 B on sm_90."""
+    return _pow2(group_size) and block % group_size == 0 and reference.element_size() == 2
+
+
 def dequantize_add(q: QuantizedTensor, reference: torch.Tensor, *,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Triton version of :func:`reference.dequantize_add`; ``out`` may alias ``reference``."""
@@ -370,7 +379,7 @@ def dequantize_add(q: QuantizedTensor, reference: torch.Tensor, *,
     if n > 0:
         _dequant_add_kernel[(triton.cdiv(n, block),)](
             codes, scales, r, target, n, GS=q.group_size, BITS=q.bits, BLOCK=block,
-            enable_fp_fusion=False)
+            ROWS=_dequant_add_rows(q.group_size, block, r), enable_fp_fusion=False)
     if out is None:
         return target.view(reference.shape)
     if not direct:

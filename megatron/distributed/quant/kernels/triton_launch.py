@@ -118,9 +118,9 @@ def _launch_quantize(x: torch.Tensor, ref: Optional[torch.Tensor], bits: int, gr
     if ng > 0:
         _quantize_kernel[(triton.cdiv(ng, rows),)](
             x, ref if ref is not None else x, codes, scales,
-            slots if slots is not None else _unused_i32(x.device),
-            counter if counter is not None else _unused_i32(x.device),
-            _anchor_tile(x.device, rows * gp), seed, ng, gpp, magic, shift,
+            slots if slots is not None else _placeholder(x.device, torch.int32, 1),
+            counter if counter is not None else _placeholder(x.device, torch.int32, 1),
+            _placeholder(x.device, torch.uint8, rows * gp), seed, ng, gpp, magic, shift,
             GS=group_size, GP=gp, R=rows, BITS=bits, STOCHASTIC=bool(stochastic),
             HADAMARD=bool(hadamard), HB=hadamard_block if hadamard else 1,
             DIFF=ref is not None, PERMUTE=slots is not None, CHECK=counter is not None,
@@ -174,27 +174,19 @@ def quantize_partitions(x: torch.Tensor, num_partitions: int, partition_order: S
                             nonfinite_counter)
 
 
-_UNUSED_I32: Dict[str, torch.Tensor] = {}
-_ANCHOR_TILE: Dict[str, torch.Tensor] = {}
+_PLACEHOLDERS: Dict[Tuple[str, torch.dtype], torch.Tensor] = {}
 
 
-def _unused_i32(device: torch.device) -> torch.Tensor:
-    """An int32 placeholder for a pointer argument the launch does not read (no slot table, no
-    count): one per device, so no allocation per call and the same specialisation as before."""
-    t = _UNUSED_I32.get(str(device))
-    if t is None:
-        t = _UNUSED_I32[str(device)] = torch.zeros(1, dtype=torch.int32, device=device)
-    return t
-
-
-def _anchor_tile(device: torch.device, numel: int) -> torch.Tensor:
-    """The quantize kernel's layout-anchor target: its never-executed store of a uint8 tile (one
-    program's ``numel`` elements) points here, so even a store that ran would touch nothing
-    else. One per device, grown to the largest tile asked for."""
-    t = _ANCHOR_TILE.get(str(device))
+def _placeholder(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """A zero tensor for a pointer argument the launch never reads or writes: no slot table and
+    no count (int32, one element), or the target of the quantize kernel's never-executed layout
+    anchor store (uint8, one program's tile, so even a store that ran would touch nothing else).
+    One per device and dtype, grown to the largest size asked for: no allocation per call, and
+    the same specialisation every time."""
+    key = (str(device), dtype)
+    t = _PLACEHOLDERS.get(key)
     if t is None or t.numel() < numel:
-        t = _ANCHOR_TILE[str(device)] = torch.zeros(max(numel, _TILE), dtype=torch.uint8,
-                                                    device=device)
+        t = _PLACEHOLDERS[key] = torch.zeros(numel, dtype=dtype, device=device)
     return t
 
 

@@ -109,15 +109,15 @@ def test_quick_picks_the_sdp4bit_recipe_specialisations(quick: Dict[str, object]
 def test_recipe_hop1_butterfly_moves_no_data_through_shared_memory(quick: Dict[str, object]) -> None:
     """The 32-point Hadamard butterfly of the recipe's hop 1, written as two-element sums over
     the reshaped tile, compiles to warp shuffles with one layout conversion and one barrier per
-    tile (measured with triton 3.9 on both targets: 1 / 1 / 70). Written with permute / split /
-    join it had 4 conversions, 25 barriers and 230 shuffles on sm_90 (docs/performance.md); a
-    count back above these bounds means a kernel or Triton change brought that data movement
-    back."""
+    tile (measured with triton 3.9 on both targets: 1 / 1 / 38, the NaN/Inf check included since
+    its row flags take the scale store's layout). Written with permute / split / join it had 4
+    conversions, 25 barriers and 230 shuffles on sm_90 (docs/performance.md); a count back above
+    these bounds means a kernel or Triton change brought that data movement back."""
     for r in quick["rows1"]:
         if r["kernel"] == "_quantize_kernel":
             where = f"{r['target']} {r['specialisation']}"
-            assert r["layout_conversions"] <= 2 and r["barriers"] <= 4, (where, r)
-            assert r["shuffles"] <= 120, (where, r)
+            assert r["layout_conversions"] <= 1 and r["barriers"] <= 2, (where, r)
+            assert r["shuffles"] <= 80, (where, r)
 
 
 def test_table_and_summary_printed(quick: Dict[str, object]) -> None:
@@ -226,3 +226,28 @@ def test_bad_target_is_a_usage_error() -> None:
     res = _run("--targets", "sm_6x", "--list")
     assert res.returncode == 2
     assert "--targets: 'sm_6x' is not a CUDA arch" in res.stderr
+
+
+def test_gpu_build_rounds_bf16_with_the_hardware_cast(tmp_path) -> None:
+    """triton_device.NATIVE_BF16_CAST: compiled for a GPU, the qWD receive (bf16 weights) rounds
+    with the hardware's round-to-nearest-even conversion (F2FP.BF16 in the sm_90 SASS), not the
+    bit manipulation the interpreter runs in the rest of the suite (its own cast truncates): 272
+    instructions with triton 3.9, 696 with the bit manipulation (which keeps the final casts, so
+    the count is what tells them apart). The CUDA run of tests/test_triton_kernels.py checks the
+    values bit for bit."""
+    script = (
+        "import sys, tempfile\n"
+        f"sys.path[:0] = [{str(REPO / 'bench')!r}, {str(REPO)!r}]\n"
+        "import triton_aot as A, kernel_cost_model as K\n"
+        "sp = next(s for s in A.build_specs([90], False) if s.kernel == '_dequant_add_kernel'\n"
+        "          and 'ref:bf16' in A.label(s))\n"
+        "with tempfile.TemporaryDirectory() as d:\n"
+        "    rec, cubin = A.compile_spec(sp, d)\n"
+        "ops = [i.op for i in K.parse_sass(K.disassemble(cubin), sp.kernel)]\n"
+        "print(sum(o.startswith('F2FP.BF16') for o in ops), len(ops))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "QUANT_KERNELS")}
+    res = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    casts, total = map(int, res.stdout.split()[-2:])
+    assert casts > 0 and total < 400, res.stdout

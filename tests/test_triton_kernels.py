@@ -124,6 +124,13 @@ def test_permuting_quantize_refuses_more_groups_than_its_division_covers(monkeyp
     monkeypatch.setattr(T, "PERMUTE_MAX_GROUPS", 8)
     with pytest.raises(ValueError, match="quantize_partitions: .* 16 groups; a permuting quantize"):
         T.quantize_partitions(_randn(2 * 1024, seed=1), 2, [1, 0], 4, 128)
+    # dequantize_partitions takes its per-element path (an int64 division) instead: same values
+    q = R.quantize(_randn(2 * 1024, seed=1), 4, 128, stochastic=False)
+    sub = _randn(2 * 1024, seed=2)
+    for had in (False, True):
+        assert torch.equal(T.dequantize_partitions(q, 2, [1, 0], hadamard=had, subtract_from=sub),
+                           R.dequantize_partitions(q, 2, [1, 0], hadamard=had,
+                                                   subtract_from=sub))
 
 
 def test_dequantize_sum_requantize_bit_exact() -> None:
@@ -422,7 +429,7 @@ def _noise_probe_kernel(base_ptr, out_ptr, seed, R: tl.constexpr, GP: tl.constex
 
 def _noise(row_bases, gp: int, seed: int, aligned: bool, rows: int = 8) -> torch.Tensor:
     """u [len(row_bases), gp]: row r holds the noise of stream elements row_bases[r] + 0..gp-1."""
-    base = torch.tensor(row_bases, dtype=torch.int32, device=DEV)
+    base = torch.tensor(row_bases, dtype=torch.int64, device=DEV)
     assert base.numel() % rows == 0
     out = torch.empty(base.numel(), gp, dtype=torch.float32, device=DEV)
     _noise_probe_kernel[(base.numel() // rows,)](base, out, seed, R=rows, GP=gp, ALIGNED=aligned)
@@ -448,13 +455,24 @@ def test_noise_is_a_pure_function_of_seed_and_element_index() -> None:
     assert torch.equal(_noise([p * gp for p in perm], gp, seed=77, aligned=True),
                        whole.view(16, gp)[perm])
     assert not torch.equal(_noise([0] * 8, gp, seed=78, aligned=True)[0], whole[:gp])
+    # past 2^31, 2^32 and 2^35 elements (one call of a whole multi-billion-parameter bucket): the
+    # int64 index does not wrap (an int32 one repeated base 0 at 2^32), and from 2^35 the
+    # Philox counter's high word carries the upper bits; both paths still agree
+    far = [2 ** 31, 2 ** 32, 2 ** 35, 2 ** 36, 2 ** 35 + 8, 2 ** 36 + 8, 2 ** 40, 2 ** 40 + 64]
+    u_far = _noise(far, gp, seed=77, aligned=True)
+    assert torch.equal(u_far, _noise(far, gp, seed=77, aligned=False))
+    near = _noise([8 * r for r in range(8)], gp, seed=77, aligned=True)
+    for r in range(len(far)):
+        assert not torch.equal(u_far[r], near[0]), far[r]
+    assert not torch.equal(u_far[2], u_far[3]) and not torch.equal(u_far[2], u_far[6])
 
 
 @pytest.mark.parametrize("qmax, base, noise_bits, bound", [(7, 192.0, 16, 2.0 ** -21),
                                                          (127, 384.0, 15, 2.0 ** -17.5)])
 def test_stochastic_rounding_in_the_float_pipe_is_nearly_unbiased(qmax, base, noise_bits,
                                                                    bound) -> None:
-    """_quant_tile's stochastic rounding, floor(v + (base + u)) - base in fp32 with u = k 2^-NB,
+    """_quant_tile's stochastic rounding, floor(RN(v + (base + u))) - base with u = k 2^-NB (the
+    kernel's fma(x, inv, base + u) rounds the exact sum once, as this fp32 add of an fp32 v does),
     emulated over every k for 3000 values of v (full fp32 mantissas, both signs): the mean code
     minus v (in quantization steps) stays below ``bound`` on each sign, where base 128 for 4-bit
     codes gave -3.6e-6 (2^-18) for negative v (the sum crossed a binade) and every single v stays
@@ -472,6 +490,110 @@ def test_stochastic_rounding_in_the_float_pipe_is_nearly_unbiased(qmax, base, no
     assert float(bias.abs().max()) <= 2.0 ** -noise_bits
     for side in (v < 0, v >= 0):
         assert abs(float(bias[side].mean())) < bound, float(bias[side].mean())
+
+
+def _code_of_word(w: torch.Tensor, bits: int, stochastic: bool = True) -> torch.Tensor:
+    """The code _store_packed takes from a code word (fp32 bit pattern), as a signed integer:
+    stochastic, bits 16.. for 2- and 4-bit codes and bits 15.. minus 128 for 8-bit ones; round to
+    nearest, bits 0.."""
+    b = w.float().view(torch.int32).long()
+    if not stochastic:
+        c = b & ((1 << bits) - 1)
+    elif bits == 8:
+        c = ((b >> 15) + 128) & 0xFF
+    else:
+        c = (b >> 16) & ((1 << bits) - 1)
+    return torch.where(c >= 1 << (bits - 1), c - (1 << bits), c)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_code_words_hold_the_codes_and_never_pass_qmax(bits: int) -> None:
+    """_quant_tile's code words without a clamp: for every noise value k and products x * inv
+    up to the largest any group can reach in magnitude, qmax (1 + 2^-24) (its absmax times
+    RN(qmax / absmax)), and a little beyond, the word's bits hold floor(word) - base (the
+    stochastic code, emulated as the kernel's single rounding of the exact sum), that code is
+    never above qmax nor below -qmax - 1, and the absmax element's code is qmax for every k. Round
+    to nearest: the words 1.5 2^23 + q of every code q."""
+    qmax = (1 << (bits - 1)) - 1
+    pattern, nb = (J.SR_BASE_NARROW, 16) if bits < 8 else (J.SR_BASE_WIDE, 15)
+    base = float(torch.tensor([int(pattern)], dtype=torch.int32).view(torch.float32))
+    assert base == (192.0 if bits < 8 else 384.0)
+    f = base + torch.arange(2 ** nb, dtype=torch.float64) * 2.0 ** -nb
+    edge = qmax * (1 + torch.tensor([0.0, 2.0 ** -24, 2.0 ** -23], dtype=torch.float64))
+    v = torch.cat([edge, -edge, torch.linspace(-qmax, qmax, 301, dtype=torch.float64)])
+    words = (v[:, None] + f[None, :]).float()               # one rounding of the exact sum
+    codes = _code_of_word(words, bits)
+    assert torch.equal(codes, (torch.floor(words.double()) - base).long())
+    assert int(codes.max()) <= qmax and int(codes.min()) >= -qmax - 1
+    assert bool((codes[:3] == qmax).all())
+    ints = torch.arange(-qmax - 1, qmax + 1, dtype=torch.float64)
+    assert torch.equal(_code_of_word((ints + 1.5 * 2 ** 23).float(), bits, False), ints.long())
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_absmax_element_stays_at_qmax_under_stochastic_rounding(bits: int) -> None:
+    """The kernel's own edge: groups whose absmax a has a * RN(qmax / a) > qmax exactly (the
+    kernel's fma sees the exact product) keep the absmax element at qmax and -a at -qmax or
+    -qmax - 1 under every noise draw: a code past qmax would wrap to the most negative one."""
+    qmax = (1 << (bits - 1)) - 1
+    rng = random.Random(bits)
+    amax = []
+    while len(amax) < 16:
+        a = torch.tensor(1 + rng.random(), dtype=torch.float32)
+        inv = torch.tensor(float(qmax), dtype=torch.float32) / a         # RN, as div_rn
+        if a.double() * inv.double() > qmax:
+            amax.append(float(a))
+    x = (_randn(16 * 128, seed=bits) * 0.3).clamp(-0.9, 0.9)
+    x.view(16, 128)[:, 0] = torch.tensor(amax, device=DEV)
+    x.view(16, 128)[:, 1] = -torch.tensor(amax, device=DEV)
+    for seed in range(4):
+        c = K.unpack(K.quantize(x, bits, 128, generator=_gen(seed)).codes, bits,
+                     x.numel()).view(16, 128).cpu()
+        assert bool((c[:, 0] == qmax).all()), (seed, c[:, 0])
+        assert bool(((c[:, 1] == -qmax) | (c[:, 1] == -qmax - 1)).all()), (seed, c[:, 1])
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_zero_and_nonfinite_groups_get_zero_codes(bits: int, monkeypatch) -> None:
+    """A group that is all zero or holds a NaN/Inf gets zero codes, as in the reference (its
+    scale, 0 or NaN, carries the information), on every path: round to nearest, stochastic, with
+    the Hadamard transform, permuted, and the middle hop's requantization of a NaN group. The
+    code buffers start as 0xFF bytes, so a row the kernel's zero store skipped would show (a NaN
+    word happens to decode to 0 on the interpreter's NaN, not on the GPU's)."""
+    empty = torch.empty
+
+    def filled(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(0xFF) if t.dtype == torch.uint8 else t
+
+    monkeypatch.setattr(torch, "empty", filled)
+    x = _randn(6 * 128, seed=20 + bits)
+    x[128:256] = 0.0
+    x[300] = float("nan")
+    x[600] = -float("inf")
+
+    def zero(q: K.QuantizedTensor, g: int) -> bool:
+        return bool((K.unpack(q.codes, bits, q.numel).view(-1, 128)[g] == 0).all())
+
+    for stochastic in (False, True):
+        for had in (False, True):
+            q = K.quantize(x, bits, 128, stochastic=stochastic, generator=_gen(1), hadamard=had,
+                           check_finite=False)
+            assert all(zero(q, g) for g in (1, 2, 4)), (stochastic, had)
+            r = R.quantize(x, bits, 128, stochastic=stochastic, generator=_gen(1), hadamard=had,
+                           check_finite=False)
+            assert torch.equal(q.scales.nan_to_num(-1.0), r.scales.nan_to_num(-1.0))
+            if not stochastic:
+                assert _same(K.QuantizedTensor(q.codes, q.scales.nan_to_num(-1.0), bits, 128,
+                                               q.numel),
+                             K.QuantizedTensor(r.codes, r.scales.nan_to_num(-1.0), bits, 128,
+                                               r.numel))
+    p = K.quantize_partitions(x, 2, [1, 0], bits, 128, check_finite=False, generator=_gen(2))
+    assert all(zero(p, g) for g in (4, 5, 1))        # slot 1 first: groups 3-5 move to 0-2
+    q8 = R.quantize(x, 8, 128, stochastic=False, check_finite=False)
+    m = K.dequantize_sum_requantize(q8, 2, bits, generator=_gen(3))
+    # output group 1 sums input groups 1 and 4 (zero, -Inf), group 2 groups 2 and 5 (NaN)
+    assert zero(m, 1) and zero(m, 2) and bool(torch.isnan(m.scales[1:]).all())
 
 
 def _corr(a: torch.Tensor, b: torch.Tensor) -> float:

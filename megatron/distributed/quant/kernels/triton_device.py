@@ -10,16 +10,17 @@ bit-identical and stochastic rounding matches in distribution (Philox instead of
 * ``qmax / amax`` and ``1 / inv`` use ``div_rn`` (Triton's ``/`` is an approximate division on
   NVIDIA GPUs); the launchers pass ``enable_fp_fusion=False`` so ``acc + code*scale`` is not
   contracted into an FMA (torch does not fuse either).
-* fp32 -> bf16 rounding is done by bit manipulation (round-to-nearest-even), because the Triton
-  CPU interpreter's own bf16 cast truncates; the final cast of an exactly representable value is
-  then exact on every backend.
+* fp32 -> bf16 rounding is round-to-nearest-even: the GPU's cast, and under the Triton CPU
+  interpreter (whose cast truncates) the same rounding by bit manipulation
+  (:data:`NATIVE_BF16_CAST`); the final cast of an exactly representable value is then exact
+  on every backend.
 * The 2^k-point Hadamard transform is the same butterfly as ``reference._fwht_rows``: stages with
   stride 1, 2, 4, ..., each computing exactly ``(a + b, a - b)`` (as two-element sums, see
   ``_bfly_stage``).
 * The random stream is indexed by the *input* element index, so a permuted output layout does
   not change which ``u`` an element gets.  Element i's ``u`` is 16 (15) bits of Philox(seed,
-  counter i // 8) (``tl.randint4x`` with :data:`PHILOX_ROUNDS`): each call serves eight elements
-  (:func:`_noise_tile`).
+  counter i // 8) (:func:`_philox_at`, :data:`PHILOX_ROUNDS` rounds): each call serves eight
+  elements (:func:`_noise_tile`).
 
 The entry kernels (``_quantize_kernel``, ``_dsum_requant_kernel``, ``_dsum_kernel``,
 ``_dequant_parts_kernel``, ``_dequant_add_kernel``) are the jit functions no other jit function
@@ -29,9 +30,26 @@ into an int32 counter with ``atomic_add`` (``CHECK``).
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
+
+def _interpreted() -> bool:
+    """Whether Triton runs this module's functions in its CPU interpreter: its own switch, read
+    when the functions are decorated (TRITON_INTERPRET)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+NATIVE_BF16_CAST = tl.constexpr(not _interpreted())
+"""Round fp32 to bf16 with the GPU's cast (one round-to-nearest-even ``cvt`` per element). The
+Triton CPU interpreter's cast truncates, so there ``_round_bf16`` rounds by bit manipulation,
+the same values in five instructions an element (most of the qWD receive's arithmetic on a GPU:
+78 against 98 % of copy bandwidth modelled for bf16 weights)."""
 
 PHILOX_ROUNDS = tl.constexpr(7)
 """Rounds of the Philox4x32 generator behind stochastic rounding. Philox4x32 passes TestU01's
@@ -67,15 +85,16 @@ def _bfly_stage(x, R: tl.constexpr, HB: tl.constexpr, H: tl.constexpr):
     bit-identical to the reference's butterfly), kept in registers in the tile's own layout
     (permute / split / join made Triton move the tile through shared memory at every stage).
     Wider stages pair elements of two threads: each takes its partner's value from one xor
-    reduction of the bit patterns (a ^ b ^ own: one shuffle) and adds it to its own or its
-    negated own value (b + a and a + (-b), the same sums), where two sums cost two shuffles."""
+    reduction of the bit patterns (a ^ b ^ own: one shuffle) and adds its own value times +1 or
+    -1 in one fma (b + a and a + (-b), the same sums: the product is exact), where two sums cost
+    two shuffles."""
     if H < HB:
         y = tl.reshape(x, (R, HB // (2 * H), 2, H))
         half = tl.arange(0, 2)[None, None, :, None]
         if H >= THREAD_RUN:
             bits = y.to(tl.uint32, bitcast=True)
             other = (tl.xor_sum(bits, axis=2)[:, :, None, :] ^ bits).to(tl.float32, bitcast=True)
-            y = other + tl.where(half == 0, y, -y)
+            y = tl.fma(y, tl.where(half == 0, 1.0, -1.0), other)
         else:
             s = tl.sum(y, axis=2)                                  # a + b
             d = tl.sum(tl.where(half == 0, y, -y), axis=2)         # a + (-b), exactly a - b
@@ -103,6 +122,8 @@ def _fwht(x, R: tl.constexpr, HB: tl.constexpr):
 @triton.jit
 def _round_bf16(x):
     """fp32 -> nearest-even bf16 value, returned as fp32 (NaN passes through)."""
+    if NATIVE_BF16_CAST:
+        return x.to(tl.bfloat16).to(tl.float32)
     b = x.to(tl.uint32, bitcast=True)
     r = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
     y = r.to(tl.float32, bitcast=True)
@@ -120,10 +141,23 @@ def _round_to(x, DT: tl.constexpr):
 
 
 @triton.jit
+def _philox_at(seed, ctr):
+    """Philox4x32 (:data:`PHILOX_ROUNDS`) at the 64-bit counter ctr (int64 >= 0): its low and
+    high words as the first two counter words, four uint32 outputs. Spelled out rather than
+    ``tl.randint4x`` of an int64 offset: that is this in Triton 3.9, but Philox4x64 with uint64
+    outputs in the Tritons before triton-lang/triton#6832."""
+    lo = ctr.to(tl.uint32)
+    zero = lo * 0
+    return tl.philox(seed, lo, (ctr >> 32).to(tl.uint32), zero, zero, PHILOX_ROUNDS)
+
+
+@triton.jit
 def _noise_tile(seed, rand_base, R: tl.constexpr, GP: tl.constexpr, ALIGNED: tl.constexpr,
                 NB: tl.constexpr):
-    """NB (15 or 16) random bits per element, int32 in [0, 2^NB), for a tile [R, GP] whose row r
-    holds the random-stream elements rand_base[r] + 0..GP-1 (int32).
+    """NB (15 or 16) random bits per element, uint32 in [0, 2^NB), for a tile [R, GP] whose row r
+    holds the random-stream elements rand_base[r] + 0..GP-1 (int64: Philox's 64-bit counter
+    i // 8, its high word non-zero from 2^35 elements, so no call repeats its noise; the int32
+    index this replaces wrapped past 2^31 elements).
 
     Element i of the stream gets the top NB bits of one 16-bit half of the Philox call at counter
     i // 8: of its output (i % 8) // 2, the high half when i is even, the low half when odd. So
@@ -134,7 +168,7 @@ def _noise_tile(seed, rand_base, R: tl.constexpr, GP: tl.constexpr, ALIGNED: tl.
     bits."""
     if ALIGNED:
         ctr = (rand_base // 8)[:, None] + tl.arange(0, GP // 8)[None, :]
-        r0, r1, r2, r3 = tl.randint4x(seed, ctr, PHILOX_ROUNDS)
+        r0, r1, r2, r3 = _philox_at(seed, ctr)
         # join(join(a0, a2), join(a1, a3))[k, a, b] = a_(2a + b); the outer join picks the half:
         # element 8k + 4a + 2b + c gets half c of r_(2a + b)
         hi = tl.join(tl.join(r0 >> 16, r2 >> 16), tl.join(r1 >> 16, r3 >> 16))
@@ -142,7 +176,7 @@ def _noise_tile(seed, rand_base, R: tl.constexpr, GP: tl.constexpr, ALIGNED: tl.
         k = tl.reshape(tl.join(hi, lo), (R, GP))
     else:
         i = rand_base[:, None] + tl.arange(0, GP)[None, :]
-        r0, r1, r2, r3 = tl.randint4x(seed, i // 8, PHILOX_ROUNDS)
+        r0, r1, r2, r3 = _philox_at(seed, i // 8)
         lane = (i % 8) // 2
         r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
         k = tl.where(i % 2 == 0, r >> 16, r & 0xFFFF)
@@ -159,73 +193,93 @@ def _max_nan(a, b):
 
 ROUNDING_MAGIC = tl.constexpr(12582912.0)
 """1.5 * 2^23: a small integer n plus this is a float whose bit pattern ends in n's two's
-complement, so the codes come out of a float add (no float -> int conversion)."""
+complement (round to nearest's code words: the codes come out of a float add, no float -> int
+conversion)."""
+
+SR_BASE_NARROW = tl.constexpr(0x43400000)
+"""Bit pattern of stochastic rounding's base for 2- and 4-bit codes, 192.0: base + v + u with
+|v| < 8 and 0 <= u < 1 lies in [128, 256), where the float spacing is 2^-16 and bits 16.. of the
+pattern hold the integer part minus 128, that is the code plus 64 (a multiple of 16 and of 4)."""
+
+SR_BASE_WIDE = tl.constexpr(0x43C00000)
+"""Bit pattern of stochastic rounding's base for 8-bit codes, 384.0: base + v + u with |v| < 128
+lies in [256, 512), spacing 2^-15, bits 15.. of the pattern = the code plus 128 (mod 256)."""
 
 
 @triton.jit
 def _quant_tile(x, rand_base, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr,
                 R: tl.constexpr, GP: tl.constexpr, ALIGNED: tl.constexpr):
-    """x fp32 [R, GP] (one group per row, padding = 0) -> (int32 [R, GP] whose low bits are the
-    two's-complement codes, fp32 scales [R]). Row r's elements are random-stream elements
-    rand_base[r] + 0.. (see _noise_tile).
+    """x fp32 [R, GP] (one group per row, padding = 0) -> (int32 [R, GP] code words, fp32 scales
+    [R], ok [R]: the row's codes are valid; False for a zero or non-finite group, whose codes
+    _store_packed writes as 0). Row r's elements are random-stream elements rand_base[r] + 0..
+    (see _noise_tile).
 
-    Stochastic: q = floor(v + (B + u)) - B with u = k * 2^-NB, which is floor(v + u) (up with
-    probability frac(v)) for v on the grid of the sum: B + u is the float with exponent byte of
-    B and the random bits as its low mantissa (one or), and B puts every sum v + B + u in one
-    binade whose spacing is u's (2- and 4-bit codes, |v| < 8: B = 192, spacing 2^-16; 8-bit,
-    |v| < 128: B = 384, 2^-15). The sum rounds v to that grid first, to nearest: symmetric,
-    except that a tie at an integer rounds up (to the even neighbour), a mean bias below 2^-21
-    of a quantization step for 2- and 4-bit codes and about 2^-18 for 8-bit ones
+    A code word is the bit pattern of a float that holds the code where _store_packed takes it:
+    ROUNDING_MAGIC + q (round to nearest: bits 0..) or an SR base + q + a fraction (stochastic:
+    bits 16.. for 2 and 4 bits, bits 15.. plus 128 for 8). No clamp: |x * inv| <= amax *
+    RN(QMAX / amax) <= QMAX (1 + 2^-24) < QMAX + 2^-17, so q <= QMAX under either rounding, and
+    q >= -QMAX - 1 (tests/test_triton_kernels.py checks both at the edge, and every word).
+
+    Stochastic: the word is fma(x, inv, base + u), u = k 2^-NB (base + u: the base's exponent with
+    the random bits as its low mantissa, one or): the exact x * inv + base + u rounded once to the
+    2^-NB grid, whose integer part is floor(v + u), up with probability frac(v) for v on that
+    grid; to nearest, a tie at an integer rounds up (to the even neighbour), a mean bias below
+    2^-21 of a quantization step for 2- and 4-bit codes and about 2^-18 for 8-bit ones
     (tests/test_triton_kernels.py emulates it over every u). Round to nearest: floor(v) +
-    (frac(v) >= 0.5), the reference's exact rule."""
+    (frac(v) >= 0.5) with v = RN(x * inv), the reference's exact rule."""
     amax = tl.reduce(tl.abs(x), 1, _max_nan)      # NaN groups -> amax = NaN -> scale NaN
     inv = tl.math.div_rn(tl.full(amax.shape, QMAX, tl.float32), amax)
     ok = (inv < float("inf")) & (inv > 0.0)     # amax 0/tiny -> inf, Inf -> 0, NaN -> NaN
     inv_safe = tl.where(ok, inv, 0.0)
     bad = tl.where(amax < float("inf"), 0.0, float("nan"))
     scale = tl.where(ok, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), inv_safe), bad)
-    v = x * inv_safe[:, None]
-    v = tl.where(ok[:, None], v, 0.0)
     if STOCHASTIC:
-        if QMAX < 8:                            # 0x43400000 = 192.0, 0x43C00000 = 384.0
-            k = _noise_tile(seed, rand_base, R, GP, ALIGNED, 16)
-            t = tl.floor(v + (k | 0x43400000).to(tl.float32, bitcast=True)) + (ROUNDING_MAGIC
-                                                                                - 192.0)
+        if QMAX < 8:
+            k = _noise_tile(seed, rand_base, R, GP, ALIGNED, 16) | SR_BASE_NARROW
         else:
-            k = _noise_tile(seed, rand_base, R, GP, ALIGNED, 15)
-            t = tl.floor(v + (k | 0x43C00000).to(tl.float32, bitcast=True)) + (ROUNDING_MAGIC
-                                                                                - 384.0)
+            k = _noise_tile(seed, rand_base, R, GP, ALIGNED, 15) | SR_BASE_WIDE
+        w = tl.fma(x, inv_safe[:, None], k.to(tl.float32, bitcast=True))
     else:
+        v = x * inv_safe[:, None]
         lo = tl.floor(v)
-        t = lo + tl.where(v - lo >= 0.5, ROUNDING_MAGIC + 1.0, ROUNDING_MAGIC)
-    # |v| <= amax * RN(QMAX / amax) < QMAX + 1, so floor(v) >= -QMAX - 1: only the upper clamp
-    # can bind (rounding up from QMAX); the reference's lower clamp never changes a code
-    t = tl.minimum(t, ROUNDING_MAGIC + QMAX)
-    return t.to(tl.int32, bitcast=True), scale
+        w = lo + tl.where(v - lo >= 0.5, ROUNDING_MAGIC + 1.0, ROUNDING_MAGIC)
+    return w.to(tl.int32, bitcast=True), scale, ok
 
 
 @triton.jit
-def _store_packed(codes_ptr, q, og, R: tl.constexpr, GS: tl.constexpr, GP: tl.constexpr,
-                  BITS: tl.constexpr, gmask):
-    """Pack int32 codes q [R, GP] (MSB-first) and store group rows at output group index og [R]."""
+def _store_packed(codes_ptr, w, og, R: tl.constexpr, GS: tl.constexpr, GP: tl.constexpr,
+                  BITS: tl.constexpr, STOCHASTIC: tl.constexpr, gmask, ok):
+    """Pack _quant_tile's code words w [R, GP] (MSB-first) and store group rows at output group
+    index og [R]; rows not ok get zero codes (a second, predicated store of zeros: a NaN input's
+    word is NaN's, and a select per byte would cost an instruction each)."""
     BPG: tl.constexpr = GS * BITS // 8               # bytes per group
+    if STOCHASTIC:
+        SH: tl.constexpr = 16 if BITS < 8 else 15
+    else:
+        SH: tl.constexpr = 0
     base = og.to(tl.int64) * BPG
     if BITS == 8:
         cols = tl.arange(0, GP)
-        byte = q & 0xFF
+        if STOCHASTIC:
+            byte = (w >> SH) + 128                  # bits 15..22 hold code + 128 (mod 256)
+        else:
+            byte = w
     elif BITS == 4:
         # 8-byte stores: what a thread holds of 16 codes (16-byte ones cost a relayout)
         cols = tl.max_contiguous(tl.arange(0, GP // 2), 8)
-        hi, lo = tl.split(tl.reshape(q, (R, GP // 2, 2)))
-        byte = ((hi & 0xF) << 4) | (lo & 0xF)
+        hi, lo = tl.split(tl.reshape(w, (R, GP // 2, 2)))
+        byte = (((hi >> SH) & 0xF) << 4) | ((lo >> SH) & 0xF)
     else:
-        cols = tl.arange(0, GP // 4)
-        ev, od = tl.split(tl.reshape(q, (R, GP // 4, 2, 2)))   # [R, GP/4, 2]: 4i+2k, 4i+2k+1
+        cols = tl.max_contiguous(tl.arange(0, GP // 4), 4)     # 4-byte stores, as 4-bit's 8
+        ev, od = tl.split(tl.reshape(w, (R, GP // 4, 2, 2)))   # [R, GP/4, 2]: 4i+2k, 4i+2k+1
         e0, e2 = tl.split(ev)
         e1, e3 = tl.split(od)
-        byte = ((e0 & 3) << 6) | ((e1 & 3) << 4) | ((e2 & 3) << 2) | (e3 & 3)
+        byte = ((((e0 >> SH) & 3) << 6) | (((e1 >> SH) & 3) << 4) | (((e2 >> SH) & 3) << 2)
+                | ((e3 >> SH) & 3))
     m = gmask[:, None] & (cols[None, :] < BPG)
-    tl.store(codes_ptr + base[:, None] + cols[None, :], byte.to(tl.uint8), mask=m)
+    ptrs = codes_ptr + base[:, None] + cols[None, :]
+    tl.store(ptrs, byte.to(tl.uint8), mask=m & ok[:, None])
+    tl.store(ptrs, tl.zeros_like(byte).to(tl.uint8), mask=m & ~ok[:, None])
 
 
 @triton.jit
@@ -280,7 +334,7 @@ def _quantize_kernel(x_ptr, ref_ptr, codes_ptr, scales_ptr, slot_ptr, nonfinite_
                      GS: tl.constexpr, GP: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
                      STOCHASTIC: tl.constexpr, HADAMARD: tl.constexpr, HB: tl.constexpr,
                      DIFF: tl.constexpr, PERMUTE: tl.constexpr, CHECK: tl.constexpr,
-                     ALIGNED: tl.constexpr):
+                     ALIGNED: tl.constexpr, FULL: tl.constexpr):
     """[new - ref ->] [FWHT ->] absmax -> round -> pack -> store at (permuted) group slot."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     pid = tl.program_id(0)
@@ -289,9 +343,15 @@ def _quantize_kernel(x_ptr, ref_ptr, codes_ptr, scales_ptr, slot_ptr, nonfinite_
     e = tl.arange(0, GP)
     m = gmask[:, None] & (e[None, :] < GS)
     offs = g[:, None] * GS + e[None, :]
-    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    if FULL:        # whole tiles of whole groups: no mask, so no zero fill before the loads
+        x = tl.load(x_ptr + offs)
+    else:
+        x = tl.load(x_ptr + offs, mask=m, other=0.0)
     if DIFF:
-        r = tl.load(ref_ptr + offs, mask=m, other=0.0)
+        if FULL:
+            r = tl.load(ref_ptr + offs)
+        else:
+            r = tl.load(ref_ptr + offs, mask=m, other=0.0)
         RT: tl.constexpr = ref_ptr.dtype.element_ty
         xn = _round_to(x.to(tl.float32), RT)        # new cast to the reference dtype
         x = _round_to(xn - r.to(tl.float32), RT)     # subtraction rounded to the reference dtype
@@ -299,12 +359,7 @@ def _quantize_kernel(x_ptr, ref_ptr, codes_ptr, scales_ptr, slot_ptr, nonfinite_
         x = x.to(tl.float32)
     if HADAMARD:
         x = tl.reshape(_fwht(tl.reshape(x, (R * GP // HB, HB)), R * GP // HB, HB), (R, GP))
-    q, scale = _quant_tile(x, (g * GS).to(tl.int32), seed, QMAX, STOCHASTIC, R, GP, ALIGNED)
-    if CHECK:
-        # groups whose absmax is NaN/Inf (scale NaN): a NaN/Inf input, or a transform or a
-        # difference that overflowed; per group row, where testing every element cost about 5
-        # instructions per element
-        tl.atomic_add(nonfinite_ptr, tl.sum(tl.where(gmask & (scale != scale), 1, 0)))
+    q, scale, ok = _quant_tile(x, g * GS, seed, QMAX, STOCHASTIC, R, GP, ALIGNED)
     if BITS < 8:
         # Layout anchor: Triton's coalescing gives the memory accesses of one tile shape the
         # widest vector any of them takes, and a uint8 access of [R, GP] takes 16 elements per
@@ -325,7 +380,15 @@ def _quantize_kernel(x_ptr, ref_ptr, codes_ptr, scales_ptr, slot_ptr, nonfinite_
     else:
         og = g
     tl.store(scales_ptr + og, scale, mask=gmask)
-    _store_packed(codes_ptr, q, og, R, GS, GP, BITS, gmask)
+    if CHECK:
+        # groups whose absmax is NaN/Inf (scale NaN): a NaN/Inf input, or a transform or a
+        # difference that overflowed; per group row (testing every element cost about 5
+        # instructions per element), one relaxed atomic per such row: none in a clean step,
+        # where summing the rows first cost a cross-warp reduction in every program. Its
+        # pointers follow the scale store's (og * 0), so the rows reach it in that layout.
+        tl.atomic_add(nonfinite_ptr + og * 0, tl.full([R], 1, tl.int32),
+                      mask=gmask & (scale != scale), sem="relaxed")
+    _store_packed(codes_ptr, q, og, R, GS, GP, BITS, STOCHASTIC, gmask, ok)
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed per launch: never a new compile
@@ -361,9 +424,9 @@ def _dsum_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, s
                                   GS_IN)
         src = src + n
     noise_base = (first // part_len) * part_stride + base + first % part_len
-    q, scale = _quant_tile(acc, noise_base.to(tl.int32), seed, QMAX, STOCHASTIC, R, GP, ALIGNED)
+    q, scale, ok = _quant_tile(acc, noise_base, seed, QMAX, STOCHASTIC, R, GP, ALIGNED)
     tl.store(out_scales_ptr + g, scale, mask=gmask)
-    _store_packed(out_codes_ptr, q, g, R, GS, GP, BITS, gmask)
+    _store_packed(out_codes_ptr, q, g, R, GS, GP, BITS, STOCHASTIC, gmask, ok)
 
 
 @triton.jit
@@ -427,8 +490,9 @@ def _dsum_kernel(codes_ptr, scales_ptr, out_ptr, out_stride, scale, n, S: tl.con
     tl.store(out_ptr + idx * out_stride, acc.to(OT), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["part_magic", "part_shift"])
 def _dequant_parts_kernel(codes_ptr, scales_ptr, slot_ptr, sub_ptr, out_ptr, n, part_len,
+                          part_magic, part_shift,
                           GS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
                           HADAMARD: tl.constexpr, HB: tl.constexpr, SUB: tl.constexpr,
                           ROWS: tl.constexpr):
@@ -438,8 +502,11 @@ def _dequant_parts_kernel(codes_ptr, scales_ptr, slot_ptr, sub_ptr, out_ptr, n, 
     the operations of _dsum_kernel at S = 1 (``0 + code*scale``) then one subtraction, so
     bit-identical to dequantizing slot by slot and subtracting. part_len is a multiple of GS and
     HB: a group or Hadamard block never straddles two partitions. ROWS (GS a power of two dividing
-    BLOCK): one slot lookup, packed-byte run and scale per group row; else per element. out may
-    be sub itself (each element is read before it is written, by the same program)."""
+    BLOCK): one slot lookup, packed-byte run and scale per group row, the row's partition by
+    multiply and shift (part_magic, part_shift: triton_launch.division_magic of the groups per
+    partition, exact below 2^30 groups; a 64-bit division routine per row made sm_90 spill
+    around its call); else per element. out may be sub itself (each element is read before it
+    is written, by the same program)."""
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * BLOCK             # the program's first element: int64 once,
     left = n - base                             # int32 offsets below it (BLOCK elements)
@@ -448,8 +515,10 @@ def _dequant_parts_kernel(codes_ptr, scales_ptr, slot_ptr, sub_ptr, out_ptr, n, 
         loc = tl.arange(0, RB)[:, None] * GS + tl.arange(0, GS)[None, :]
         first = base + tl.arange(0, RB) * GS
         gmask = first < n
-        slot = tl.load(slot_ptr + first // part_len, mask=gmask, other=0).to(tl.int64)
-        src = slot * part_len + first % part_len
+        row = (pid * RB + tl.arange(0, RB)).to(tl.uint32)
+        part = ((row.to(tl.uint64) * part_magic.to(tl.uint64)) >> part_shift).to(tl.int64)
+        slot = tl.load(slot_ptr + part, mask=gmask, other=0).to(tl.int64)
+        src = slot * part_len + (first - part * part_len)
         acc = tl.zeros((RB, GS), dtype=tl.float32)
         acc = acc + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, RB, GS, GS, BITS, GS)
         if HADAMARD:

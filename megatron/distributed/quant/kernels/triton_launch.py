@@ -48,7 +48,7 @@ def _rows_for(gp: int) -> int:
 
 QUANTIZE_WARPS = 4
 """Warps of a quantize program (a 4096-element tile: 32 elements per thread). Every bit width,
-input dtype and Hadamard variant fits in 58-88 registers at 4 warps on sm_90 since the 2- and
+input dtype and Hadamard variant fits in 56-80 registers at 4 warps on sm_90 since the 2- and
 4-bit tiles take the 8-bit tile's layout (the layout anchor in _quantize_kernel); 2-bit codes
 once needed 8 warps (134-140 registers at 4). The values do not depend on it (a group's absmax
 is exact in any order)."""
@@ -67,7 +67,8 @@ def _noise_rows_aligned(*sizes: int) -> bool:
 
 PERMUTE_MAX_GROUPS = 1 << 30
 """Groups a permuting quantize call may hold: its kernel finds a group's partition with
-:func:`division_magic`, exact below 2^30 groups (1.4e11 elements at groups of 128)."""
+:func:`division_magic`, exact below 2^30 groups (1.4e11 elements at groups of 128). A
+dequantize_partitions call of more groups takes its per-element path."""
 
 
 def division_magic(d: int) -> Tuple[int, int]:
@@ -124,7 +125,7 @@ def _launch_quantize(x: torch.Tensor, ref: Optional[torch.Tensor], bits: int, gr
             GS=group_size, GP=gp, R=rows, BITS=bits, STOCHASTIC=bool(stochastic),
             HADAMARD=bool(hadamard), HB=hadamard_block if hadamard else 1,
             DIFF=ref is not None, PERMUTE=slots is not None, CHECK=counter is not None,
-            ALIGNED=_noise_rows_aligned(group_size, gp),
+            ALIGNED=_noise_rows_aligned(group_size, gp), FULL=gp == group_size and ng % rows == 0,
             num_warps=QUANTIZE_WARPS, enable_fp_fusion=False)
     if check_finite and nonfinite_counter is None:
         bad = int(counter.item())
@@ -324,13 +325,18 @@ def dequantize_partitions(q: QuantizedTensor, num_partitions: int,
               and (sub is None or out.data_ptr() == sub.data_ptr() or not _ref._overlaps(out, sub)))
     target = out.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=dev)
     block = max(_TILE, hadamard_block if hadamard else 1)
+    ng = n // q.group_size
+    # whole group rows, their partition by division_magic (exact below PERMUTE_MAX_GROUPS);
+    # larger calls take the per-element path, which divides in int64
+    rows = _pow2(q.group_size) and block % q.group_size == 0 and ng < PERMUTE_MAX_GROUPS
+    magic, shift = division_magic(max(ng // num_partitions, 1))
     if n > 0:
         codes, scales = _operands(q)
         _dequant_parts_kernel[(triton.cdiv(n, block),)](
             codes, scales, slot_of(order, dev), sub if sub is not None else target, target, n,
-            n // num_partitions, GS=q.group_size, BITS=q.bits, BLOCK=block,
+            n // num_partitions, magic, shift, GS=q.group_size, BITS=q.bits, BLOCK=block,
             HADAMARD=bool(hadamard), HB=hadamard_block if hadamard else 1, SUB=sub is not None,
-            ROWS=_pow2(q.group_size) and block % q.group_size == 0, enable_fp_fusion=False)
+            ROWS=rows, enable_fp_fusion=False)
     if out is None:
         return target
     if not direct:

@@ -184,6 +184,14 @@ def _noise_tile(seed, rand_base, R: tl.constexpr, GP: tl.constexpr, ALIGNED: tl.
 
 
 @triton.jit
+def _part_of(row, part_magic, part_shift):
+    """A group row's partition row // groups_per_part as (row * part_magic) >> part_shift: one
+    wide multiply and a shift, exact for 0 <= row < 2^30 (triton_launch.division_magic), where a
+    division per row is a call into a 64-bit division routine."""
+    return (row.to(tl.uint32).to(tl.uint64) * part_magic.to(tl.uint64)) >> part_shift
+
+
+@triton.jit
 def _max_nan(a, b):
     """``max`` that returns NaN when either operand is NaN (one ``max.NaN`` instruction): the
     group absmax of a group holding a NaN is NaN, as torch's ``amax``, without first replacing
@@ -371,12 +379,10 @@ def _quantize_kernel(x_ptr, ref_ptr, codes_ptr, scales_ptr, slot_ptr, nonfinite_
         tl.store(anchor_ptr + tl.arange(0, R)[:, None] * GP + e[None, :],
                  tl.zeros([R, GP], dtype=tl.uint8), mask=never)
     if PERMUTE:
-        # a row's part g // groups_per_part as (g * part_magic) >> part_shift (one wide multiply
-        # and a shift, exact for g < 2^30: triton_launch.division_magic), not a division per row
-        n = (pid * R + tl.arange(0, R)).to(tl.uint32)
-        part = ((n.to(tl.uint64) * part_magic.to(tl.uint64)) >> part_shift).to(tl.int32)
+        n = pid * R + tl.arange(0, R)
+        part = _part_of(n, part_magic, part_shift).to(tl.int32)
         slot = tl.load(slot_ptr + part, mask=gmask, other=0).to(tl.int64)
-        og = slot * groups_per_part + (n.to(tl.int32) - part * groups_per_part)
+        og = slot * groups_per_part + (n - part * groups_per_part)
     else:
         og = g
     tl.store(scales_ptr + og, scale, mask=gmask)
@@ -515,8 +521,7 @@ def _dequant_parts_kernel(codes_ptr, scales_ptr, slot_ptr, sub_ptr, out_ptr, n, 
         loc = tl.arange(0, RB)[:, None] * GS + tl.arange(0, GS)[None, :]
         first = base + tl.arange(0, RB) * GS
         gmask = first < n
-        row = (pid * RB + tl.arange(0, RB)).to(tl.uint32)
-        part = ((row.to(tl.uint64) * part_magic.to(tl.uint64)) >> part_shift).to(tl.int64)
+        part = _part_of(pid * RB + tl.arange(0, RB), part_magic, part_shift).to(tl.int64)
         slot = tl.load(slot_ptr + part, mask=gmask, other=0).to(tl.int64)
         src = slot * part_len + (first - part * part_len)
         acc = tl.zeros((RB, GS), dtype=tl.float32)

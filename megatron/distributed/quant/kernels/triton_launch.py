@@ -42,6 +42,12 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _group_rows(group_size: int, block: int) -> bool:
+    """Whether a block of ``block`` elements is whole groups, which the dequantizing kernels
+    then load as rows (one run of packed bytes and one scale per group, ``ROWS``)."""
+    return _pow2(group_size) and block % group_size == 0
+
+
 def _rows_for(gp: int) -> int:
     return max(1, _TILE // gp)
 
@@ -238,7 +244,7 @@ def _launch_dsum(q: QuantizedTensor, num_sources: int, n: int, out1d: torch.Tens
             codes, scales, out1d, out1d.stride(0) if out1d.numel() > 1 else 1, float(scale),
             n, S=num_sources, GS=q.group_size, BITS=q.bits, BLOCK=block, HADAMARD=bool(hadamard),
             HB=hadamard_block if hadamard else 1, HAS_SCALE=float(scale) != 1.0,
-            ROWS=_pow2(q.group_size) and block % q.group_size == 0, enable_fp_fusion=False)
+            ROWS=_group_rows(q.group_size, block), enable_fp_fusion=False)
 
 
 def _dsum_into(q: QuantizedTensor, num_sources: int, n: int, out: Optional[torch.Tensor],
@@ -328,7 +334,7 @@ def dequantize_partitions(q: QuantizedTensor, num_partitions: int,
     ng = n // q.group_size
     # whole group rows, their partition by division_magic (exact below PERMUTE_MAX_GROUPS);
     # larger calls take the per-element path, which divides in int64
-    rows = _pow2(q.group_size) and block % q.group_size == 0 and ng < PERMUTE_MAX_GROUPS
+    rows = _group_rows(q.group_size, block) and ng < PERMUTE_MAX_GROUPS
     magic, shift = division_magic(max(ng // num_partitions, 1))
     if n > 0:
         codes, scales = _operands(q)
@@ -350,7 +356,7 @@ def _dequant_add_rows(group_size: int, block: int, reference: torch.Tensor) -> b
     issue bound (bf16 4-bit groups of 2048: 73 -> 78 % of copy bandwidth modelled on sm_90). fp32
     weights stay per element: memory bound there already (99 %), and rows of 8-bit codes spill
     20 B on sm_90."""
-    return _pow2(group_size) and block % group_size == 0 and reference.element_size() == 2
+    return _group_rows(group_size, block) and reference.element_size() == 2
 
 
 def dequantize_add(q: QuantizedTensor, reference: torch.Tensor, *,

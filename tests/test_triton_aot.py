@@ -228,26 +228,90 @@ def test_bad_target_is_a_usage_error() -> None:
     assert "--targets: 'sm_6x' is not a CUDA arch" in res.stderr
 
 
-def test_gpu_build_rounds_bf16_with_the_hardware_cast(tmp_path) -> None:
+def _gpu_build(select: str, report: str) -> List[int]:
+    """Compile, for sm_90 and outside the interpreter, the first triton_aot specialisation ``sp``
+    for which ``select`` holds; ``report`` prints integers from its parsed SASS ``ins``."""
+    script = (
+        "import sys, tempfile, collections\n"
+        f"sys.path[:0] = [{str(REPO / 'bench')!r}, {str(REPO)!r}]\n"
+        "import triton_aot as A, kernel_cost_model as K\n"
+        f"sp = next(sp for sp in A.build_specs([90], False) if {select})\n"
+        "with tempfile.TemporaryDirectory() as d:\n"
+        "    rec, cubin = A.compile_spec(sp, d)\n"
+        "ins = K.parse_sass(K.disassemble(cubin), sp.kernel)\n"
+        "ops = collections.Counter(i.op.split('.')[0] for i in ins)\n"
+        f"{report}\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "QUANT_KERNELS")}
+    res = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    return [int(v) for v in res.stdout.split("\n")[-2].split()]
+
+
+def test_gpu_build_rounds_bf16_with_the_hardware_cast() -> None:
     """triton_device.NATIVE_BF16_CAST: compiled for a GPU, the qWD receive (bf16 weights) rounds
     with the hardware's round-to-nearest-even conversion (F2FP.BF16 in the sm_90 SASS), not the
     bit manipulation the interpreter runs in the rest of the suite (its own cast truncates): 272
     instructions with triton 3.9, 696 with the bit manipulation (which keeps the final casts, so
     the count is what tells them apart). The CUDA run of tests/test_triton_kernels.py checks the
     values bit for bit."""
+    casts, total = _gpu_build(
+        "sp.kernel == '_dequant_add_kernel' and 'ref:bf16' in A.label(sp)",
+        "print(sum(i.op.startswith('F2FP.BF16') for i in ins), len(ins))")
+    assert casts > 0 and total < 400, (casts, total)
+
+
+def test_gpu_build_decodes_4_bit_words_in_four_instructions_an_element() -> None:
+    """triton_device._field_dequant (NATIVE_LOP3): compiled for a GPU, the middle hop at S = 8
+    from 4-bit codes decodes each code with one LOP3 (truth table 0x6a, (a & b) ^ c) and one
+    FADD, then the product and the sum (FMUL, FADD: no fused multiply-add, as the reference
+    rounds) -- no shift, sign extension or int -> float conversion per element (I2FP, SGXT, 6.7
+    instructions a code before). 32 output elements a thread, so 8 x 32 codes. The interpreter
+    runs the plain-Python form of the same constants in the rest of the suite; the CUDA run of
+    tests/test_triton_kernels.py checks the values bit for bit."""
+    lut, fmul, fadd, i2fp, total = _gpu_build(
+        "sp.kernel == '_dsum_requant_kernel' and A.label(sp).startswith("
+        "'S=8 GS_IN=128 BITS_IN=4 GS=128 R=32 BITS=4 STOCHASTIC')",
+        "print(sum(i.op.startswith('LOP3') and i.operands.rstrip().endswith('0x6a, !PT')"
+        " for i in ins), ops['FMUL'], ops['FADD'], ops['I2FP'], len(ins))")
+    codes = 8 * 32
+    assert lut >= codes and fmul >= codes and fadd >= 2 * codes, (lut, fmul, fadd)
+    assert i2fp == 0 and total < 6 * codes + 600, (i2fp, total)
+
+
+def test_summing_kernels_compile_when_a_slot_is_one_element() -> None:
+    """A slot of one element (8-bit codes in groups of 1: ``dequantize`` of one element,
+    ``dequantize_sum`` of S elements) makes the JIT specialise ``n == 1`` into a compile-time
+    constant, which the row paths' int64 slot steps must take (``tl.cast``; ``n.to`` failed to
+    compile). The interpreter passes ``n`` as a tensor, so only a GPU build shows it."""
     script = (
-        "import sys, tempfile\n"
+        "import sys, tempfile, torch\n"
         f"sys.path[:0] = [{str(REPO / 'bench')!r}, {str(REPO)!r}]\n"
-        "import triton_aot as A, kernel_cost_model as K\n"
-        "sp = next(s for s in A.build_specs([90], False) if s.kernel == '_dequant_add_kernel'\n"
-        "          and 'ref:bf16' in A.label(s))\n"
+        "import triton_aot as A\n"
+        "from megatron.distributed.quant.kernels import reference as R\n"
+        "T = A.kernels_module()\n"
+        "calls = [lambda: T.dequantize(R.quantize(torch.ones(1), 8, 1, stochastic=False)),\n"
+        "         lambda: T.dequantize_sum(R.quantize(torch.ones(4), 8, 1, stochastic=False), 4),\n"
+        "         lambda: T.dequantize_sum_requantize(\n"
+        "             R.quantize(torch.ones(4), 8, 1, stochastic=False), 4, 8, stochastic=False)]\n"
+        "sc = [A.Scenario('one-element slots', False, lambda T: [c() for c in calls])]\n"
+        "sink = []\n"
+        "names = ('_dsum_kernel', '_dsum_requant_kernel')\n"
+        "fns = {n: getattr(T, n) for n in names}\n"
+        "for n in names:\n"
+        "    setattr(T, n, A._Recorder(n, fns[n], sink, sc))\n"
+        "sc[0].run(T)\n"
+        "compiled = 0\n"
         "with tempfile.TemporaryDirectory() as d:\n"
-        "    rec, cubin = A.compile_spec(sp, d)\n"
-        "ops = [i.op for i in K.parse_sass(K.disassemble(cubin), sp.kernel)]\n"
-        "print(sum(o.startswith('F2FP.BF16') for o in ops), len(ops))\n")
+        "    for launch in sink:\n"
+        "        spec = A.specialise(launch, 90)\n"
+        "        assert spec.constexpr_by_name.get('n') == 1, spec.constexpr_by_name\n"
+        "        A.compile_spec(spec, d)       # raises on a failed compile\n"
+        "        compiled += 1\n"
+        "print(len(sink), compiled)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "QUANT_KERNELS")}
     res = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    casts, total = map(int, res.stdout.split()[-2:])
-    assert casts > 0 and total < 400, res.stdout
+    launches, compiled = map(int, res.stdout.split()[-2:])
+    assert launches == 3 and compiled == 3, res.stdout

@@ -221,6 +221,29 @@ def test_strided_codes_and_wide_scales_are_read_as_the_reference_reads_them() ->
     assert torch.equal(K.dequantize_add(odd, ref), R.dequantize_add(q, ref))
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_codes_at_an_odd_byte_offset_decode_as_the_reference_decodes_them(bits: int) -> None:
+    """The dequantizing kernels read 2- and 4-bit rows as int32 words (``_word_rows``): a
+    contiguous codes view that starts off a 4-byte boundary is read from an aligned copy
+    (``triton_launch._operands``); both give the reference's values."""
+    q = R.quantize(_randn(4 * 1024, seed=10), bits, 128, stochastic=False)
+    buf = torch.zeros(q.codes.numel() + 1, dtype=torch.uint8, device=DEV)
+    buf[1:] = q.codes
+    shifted = K.QuantizedTensor(buf[1:], q.scales, bits, 128, q.numel)
+    assert shifted.codes.is_contiguous() and shifted.codes.data_ptr() % 4 != 0
+    codes, _ = T._operands(shifted)
+    assert codes.data_ptr() % 4 == 0 and torch.equal(codes, q.codes)
+    assert torch.equal(K.dequantize_sum(shifted, 4), R.dequantize_sum(q, 4))
+    assert _same(K.dequantize_sum_requantize(shifted, 4, 4, stochastic=False),
+                 R.dequantize_sum_requantize(q, 4, 4, stochastic=False))
+    assert torch.equal(K.dequantize_partitions(shifted, 4, [2, 0, 3, 1]),
+                       R.dequantize_partitions(q, 4, [2, 0, 3, 1]))
+    ref = _randn(4 * 1024, seed=11).to(torch.bfloat16)
+    assert torch.equal(K.dequantize_add(shifted, ref), R.dequantize_add(q, ref))
+    aligned = K.QuantizedTensor(q.codes, q.scales, bits, 128, q.numel)
+    assert T._operands(aligned)[0].data_ptr() == q.codes.data_ptr()     # no copy
+
+
 def test_stochastic_rounding_probability() -> None:
     # every group: one element at amax (v = 7 exactly) and the others at v = 2.3 or -4.7 (frac 0.3
     # above the floor), so each

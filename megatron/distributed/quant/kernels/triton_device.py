@@ -51,6 +51,12 @@ Triton CPU interpreter's cast truncates, so there ``_round_bf16`` rounds by bit 
 the same values in five instructions an element (most of the qWD receive's arithmetic on a GPU:
 78 against 98 % of copy bandwidth modelled for bf16 weights)."""
 
+NATIVE_LOP3 = tl.constexpr(not _interpreted())
+"""Write the 2- and 4-bit code decoder's and-xor as one PTX ``lop3`` (_field_dequant): ptxas
+emits ``(w & m) ^ k`` with two immediates as two ``LOP3``, an extra instruction per element. NVIDIA
+PTX (the backend targets NVIDIA GPUs); the Triton CPU interpreter runs no inline PTX, so there
+the same operation is plain Python."""
+
 PHILOX_ROUNDS = tl.constexpr(7)
 """Rounds of the Philox4x32 generator behind stochastic rounding. Philox4x32 passes TestU01's
 BigCrush from 7 rounds (Salmon et al., SC'11, "Crush-resistant"); Triton's default of 10 is a
@@ -305,30 +311,130 @@ def _load_deq(codes_ptr, scales_ptr, idx, mask, BITS: tl.constexpr, GS: tl.const
 
 
 @triton.jit
-def _load_deq_rows(codes_ptr, scales_ptr, first, gmask, R: tl.constexpr, GP: tl.constexpr,
-                   GS: tl.constexpr, BITS: tl.constexpr, GS_SCALE: tl.constexpr):
-    """Dequantize R rows of GS elements -> fp32 [R, GP]: row r starts at flat index first[r]
-    (int64, a multiple of GS) and lies inside one scale group of GS_SCALE elements (GS_SCALE a
-    multiple of GS).  Same values as _load_deq, but each row's packed bytes are loaded once as a
-    contiguous run (4- and 2-bit codes are split in registers instead of every element loading
-    its own byte) and there is one scale load per row."""
+def _field_dequant(acc, word, scale, P: tl.constexpr, BITS: tl.constexpr, ADD: tl.constexpr):
+    """[acc +] code * scale for the signed BITS-wide code at bit P of int32 words (P + BITS <=
+    23), with the reference's roundings (a product, then a sum: no fused multiply-add).
+
+    The code becomes a float exactly in two instructions (no shift, sign extension or int ->
+    float conversion): the field with its sign bit flipped (code + 2^(BITS-1), unsigned) is the
+    low mantissa of a float whose exponent K = 23 - P gives bit P the weight 1, so that float is
+    2^K + code + 2^(BITS-1) and subtracting the constant is exact. On a GPU the steps are one
+    inline PTX block (NATIVE_LOP3): ptxas makes the and-xor one LOP3 only there, and the sum
+    inside it keeps each slot's values from living until every slot is decoded (a summing
+    kernel's slots are unrolled)."""
+    K: tl.constexpr = 23 - P
     SIGN: tl.constexpr = 1 << (BITS - 1)
+    MASK: tl.constexpr = ((1 << BITS) - 1) << P
+    FLIP: tl.constexpr = (SIGN << P) | ((K + 127) << 23)
+    OFFSET: tl.constexpr = float((1 << K) + SIGN)
+    if NATIVE_LOP3:     # lop3 truth table 0x6a: (a & b) ^ c
+        mask = tl.full(word.shape, MASK, tl.int32)
+        flip = tl.full(word.shape, FLIP, tl.int32)
+        offset = tl.full(word.shape, OFFSET, tl.float32)
+        if ADD:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $2, $4, $5, 0x6a; sub.rn.f32 t, t, $6; "
+                "mul.rn.f32 t, t, $3; add.rn.f32 $0, $1, t; }", "=r,r,r,r,r,r,r",
+                [acc, word, scale, mask, flip, offset], dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $1, $3, $4, 0x6a; sub.rn.f32 t, t, $5; "
+                "mul.rn.f32 $0, t, $2; }", "=r,r,r,r,r,r",
+                [word, scale, mask, flip, offset], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        d = (((word & MASK) ^ FLIP).to(tl.float32, bitcast=True) - OFFSET) * scale
+        if ADD:
+            out = acc + d
+        else:
+            out = d
+    return out
+
+
+@triton.jit
+def _word_pair(t, w, h, s, P: tl.constexpr, BITS: tl.constexpr, ADD: tl.constexpr):
+    """t [..., 2]: the elements of the field at bit P of w (index 0) and of h (index 1), both
+    [acc +] dequantized (_field_dequant)."""
+    a, b = tl.split(t)
+    return tl.join(_field_dequant(a, w, s, P, BITS, ADD), _field_dequant(b, h, s, P, BITS, ADD))
+
+
+@triton.jit
+def _word_quad(t, w, h, s, P0: tl.constexpr, P1: tl.constexpr, BITS: tl.constexpr,
+               ADD: tl.constexpr):
+    """t [..., 2, 2]: _word_pair of the fields at bits P0 (index 0 of the last axis) and P1."""
+    a, b = tl.split(t)
+    return tl.join(_word_pair(a, w, h, s, P0, BITS, ADD), _word_pair(b, w, h, s, P1, BITS, ADD))
+
+
+@triton.jit
+def _word_rows(acc, codes_ptr, scales_ptr, first, gmask, R: tl.constexpr, GP: tl.constexpr,
+               BITS: tl.constexpr, GS_SCALE: tl.constexpr, ADD: tl.constexpr):
+    """[acc +] R rows of GP 2- or 4-bit codes dequantized -> fp32 [R, GP], the packed rows read
+    as int32 words: row r starts at flat index first[r] (a whole number of words; codes_ptr
+    4-byte aligned, triton_launch._operands) inside one scale group of GS_SCALE elements.
+
+    In a little-endian word byte j holds the codes of elements PER j .. PER j + PER - 1 from its
+    most significant bits down (MSB-first packing); the upper two bytes are read from the word
+    shifted right by 16 (h), as the lower two. acc is split along the element order and the
+    results joined back (a join's new axis is the last): 4-bit element 4x + 2y + z of a word is
+    [.., x, y, z], the field at bit 8y + 4 - 4z of w (x = 0) or h (x = 1); 2-bit element
+    8a + 4b + 2c + d is [.., a, b, c, d], at bit 8b + 6 - 4c - 2d of w (a = 0) or h (a = 1)."""
     PER: tl.constexpr = 8 // BITS
-    eb = tl.arange(0, GP // PER)
-    mb = gmask[:, None] & (eb[None, :] < GS // PER)
-    byte = tl.load(codes_ptr + (first // PER)[:, None] + eb[None, :], mask=mb,
-                   other=0).to(tl.int32)
-    if BITS == 8:
-        c = byte
-    elif BITS == 4:                             # element 2i in the high nibble
-        c = tl.reshape(tl.join(byte >> 4, byte & 0xF), (R, GP))
-    else:                                       # element 4i in the highest two bits
-        # join(join(c0, c2), join(c1, c3))[i, q, p] = c_(2q + p): element 4i + 2q + p
-        c = tl.reshape(tl.join(tl.join(byte >> 6, (byte >> 2) & 3),
-                               tl.join((byte >> 4) & 3, byte & 3)), (R, GP))
-    c = (c ^ SIGN) - SIGN
-    s = tl.load(scales_ptr + first // GS_SCALE, mask=gmask, other=0.0)
-    return c.to(tl.float32) * s[:, None]
+    W: tl.constexpr = GP * BITS // 32
+    wptr = codes_ptr.to(tl.pointer_type(tl.int32))
+    w = tl.load(wptr + (first // (4 * PER))[:, None] + tl.arange(0, W)[None, :],
+                mask=gmask[:, None], other=0)
+    h = w >> 16
+    s = tl.load(scales_ptr + first // GS_SCALE, mask=gmask, other=0.0)[:, None]
+    if BITS == 4:
+        z0, z1 = tl.split(tl.reshape(acc, (R, W, 2, 2, 2)))
+        c = tl.join(_word_quad(z0, w, h, s, 4, 12, 4, ADD), _word_quad(z1, w, h, s, 0, 8, 4, ADD))
+    else:
+        d0, d1 = tl.split(tl.reshape(acc, (R, W, 2, 2, 2, 2)))
+        c00, c01 = tl.split(d0)
+        c10, c11 = tl.split(d1)
+        c = tl.join(tl.join(_word_quad(c00, w, h, s, 6, 14, 2, ADD),
+                            _word_quad(c01, w, h, s, 2, 10, 2, ADD)),
+                    tl.join(_word_quad(c10, w, h, s, 4, 12, 2, ADD),
+                            _word_quad(c11, w, h, s, 0, 8, 2, ADD)))
+    return tl.reshape(c, (R, GP))
+
+
+@triton.jit
+def _load_deq_rows(acc, codes_ptr, scales_ptr, first, gmask, R: tl.constexpr, GP: tl.constexpr,
+                   GS: tl.constexpr, BITS: tl.constexpr, GS_SCALE: tl.constexpr,
+                   ADD: tl.constexpr):
+    """[acc +] R rows of GS elements dequantized -> fp32 [R, GP]: row r starts at flat index
+    first[r] (int64, a multiple of GS) and lies inside one scale group of GS_SCALE elements
+    (GS_SCALE a multiple of GS).  Same values as _load_deq, but each row's packed bytes are
+    loaded once as a contiguous run (4- and 2-bit codes are split in registers instead of every
+    element loading its own byte; as int32 words when a row is whole words, _word_rows) and
+    there is one scale load per row."""
+    if BITS < 8 and GP == GS and (GS * BITS) % 32 == 0:
+        out = _word_rows(acc, codes_ptr, scales_ptr, first, gmask, R, GP, BITS, GS_SCALE, ADD)
+    else:
+        SIGN: tl.constexpr = 1 << (BITS - 1)
+        PER: tl.constexpr = 8 // BITS
+        eb = tl.arange(0, GP // PER)
+        mb = gmask[:, None] & (eb[None, :] < GS // PER)
+        byte = tl.load(codes_ptr + (first // PER)[:, None] + eb[None, :], mask=mb,
+                       other=0).to(tl.int32)
+        if BITS == 8:
+            c = byte
+        elif BITS == 4:                             # element 2i in the high nibble
+            c = tl.reshape(tl.join(byte >> 4, byte & 0xF), (R, GP))
+        else:                                       # element 4i in the highest two bits
+            # join(join(c0, c2), join(c1, c3))[i, q, p] = c_(2q + p): element 4i + 2q + p
+            c = tl.reshape(tl.join(tl.join(byte >> 6, (byte >> 2) & 3),
+                                   tl.join((byte >> 4) & 3, byte & 3)), (R, GP))
+        c = (c ^ SIGN) - SIGN
+        s = tl.load(scales_ptr + first // GS_SCALE, mask=gmask, other=0.0)
+        d = c.to(tl.float32) * s[:, None]
+        if ADD:
+            out = acc + d
+        else:
+            out = d
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -409,9 +515,10 @@ def _dsum_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, s
     i % part_len of the whole call (reference.NoiseIndex; part_len = n, base = 0: identity).
     S is a compile-time constant so the S source loads are unrolled and issued together (a
     runtime loop holding one slot at a time leaves a thread 1/S of the bytes in flight, which
-    bench/kernel_cost_model.py models slower at S = 8). ROWS (GS_IN a multiple of GS, GP == GS): each tile row lies in
-    one input group, so its packed bytes load as one run and its scale once; else every element
-    loads its own byte and scale (far more registers: it spills at S = 8 on sm_90)."""
+    bench/kernel_cost_model.py models slower at S = 8). ROWS (GS_IN a multiple of GS, GP ==
+    GS): each tile row lies in one input group, so its packed bytes load as one run and its scale
+    once; else every element loads its own byte and scale (far more registers: it spills at S = 8
+    on sm_90)."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     pid = tl.program_id(0)
     g = pid.to(tl.int64) * R + tl.arange(0, R)
@@ -420,15 +527,21 @@ def _dsum_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, s
     m = gmask[:, None] & (e[None, :] < GS)
     acc = tl.zeros((R, GP), dtype=tl.float32)
     first = g * GS                              # a row never straddles a part (NoiseIndex.check)
-    src = first                                 # int64 running offset: no int32 overflow
-    for _s in tl.static_range(S):
-        if ROWS:                                # a row lies in one input group: a scale per row
-            acc = acc + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, R, GP, GS, BITS_IN,
-                                       GS_IN)
-        else:
+    if ROWS:        # a row lies in one input group: a scale per row; slot s's rows at the same
+        # offsets from slot bases s n elements on (int64: no int32 overflow; a cast, as n == 1
+        # is a compile-time constant), so the rows' offsets are computed once and a slot adds a
+        # scalar to each base pointer
+        n64 = tl.cast(n, tl.int64)
+        for _s in tl.static_range(S):
+            acc = _load_deq_rows(acc, codes_ptr + _s * (n64 * BITS_IN // 8),
+                                 scales_ptr + _s * (n64 // GS_IN), first, gmask, R, GP, GS,
+                                 BITS_IN, GS_IN, True)
+    else:
+        src = first                             # int64 running offset: no int32 overflow
+        for _s in tl.static_range(S):
             acc = acc + _load_deq(codes_ptr, scales_ptr, src[:, None] + e[None, :], m, BITS_IN,
                                   GS_IN)
-        src = src + n
+            src = src + n
     noise_base = (first // part_len) * part_stride + base + first % part_len
     q, scale, ok = _quant_tile(acc, noise_base, seed, QMAX, STOCHASTIC, R, GP, ALIGNED)
     tl.store(out_scales_ptr + g, scale, mask=gmask)
@@ -454,22 +567,28 @@ def _dsum_kernel(codes_ptr, scales_ptr, out_ptr, out_stride, scale, n, S: tl.con
         first = (pid.to(tl.int64) * RB + tl.arange(0, RB)) * GS
         gmask = first < n                       # n is a multiple of GS: rows are whole or out
         acc2 = tl.zeros((RB, GS), dtype=tl.float32)
-        src = first                             # int64 running offset: no int32 overflow
+        # slot s's rows lie s n elements on: the base pointers advance by a scalar per slot,
+        # the rows' offsets from them are computed once (int64 steps: no int32 overflow; a
+        # cast, as n == 1 is a compile-time constant)
+        cstep = tl.cast(n, tl.int64) * BITS // 8
+        sstep = tl.cast(n, tl.int64) // GS
+        cp = codes_ptr
+        sp = scales_ptr
         if S > SOURCES_UNROLLED:                # chunks of 8 slots, then the rest, in order
             for _c in range(S // SOURCES_UNROLLED):
                 for _s in tl.static_range(SOURCES_UNROLLED):
-                    acc2 = acc2 + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, RB, GS, GS,
-                                                 BITS, GS)
-                    src = src + n
+                    acc2 = _load_deq_rows(acc2, cp, sp, first, gmask, RB, GS, GS, BITS, GS, True)
+                    cp = cp + cstep
+                    sp = sp + sstep
             for _s in tl.static_range(S - S // SOURCES_UNROLLED * SOURCES_UNROLLED):
-                acc2 = acc2 + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, RB, GS, GS,
-                                             BITS, GS)
-                src = src + n
+                acc2 = _load_deq_rows(acc2, cp, sp, first, gmask, RB, GS, GS, BITS, GS, True)
+                cp = cp + cstep
+                sp = sp + sstep
         else:
             for _s in tl.static_range(S):
-                acc2 = acc2 + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, RB, GS, GS,
-                                             BITS, GS)
-                src = src + n
+                acc2 = _load_deq_rows(acc2, cp, sp, first, gmask, RB, GS, GS, BITS, GS, True)
+                cp = cp + cstep
+                sp = sp + sstep
         acc = tl.reshape(acc2, (BLOCK,))
     else:
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -525,7 +644,7 @@ def _dequant_parts_kernel(codes_ptr, scales_ptr, slot_ptr, sub_ptr, out_ptr, n, 
         slot = tl.load(slot_ptr + part, mask=gmask, other=0).to(tl.int64)
         src = slot * part_len + (first - part * part_len)
         acc = tl.zeros((RB, GS), dtype=tl.float32)
-        acc = acc + _load_deq_rows(codes_ptr, scales_ptr, src, gmask, RB, GS, GS, BITS, GS)
+        acc = _load_deq_rows(acc, codes_ptr, scales_ptr, src, gmask, RB, GS, GS, BITS, GS, True)
         if HADAMARD:
             acc = tl.reshape(_fwht(tl.reshape(acc, (BLOCK // HB, HB)), BLOCK // HB, HB),
                              (RB, GS))
@@ -564,7 +683,8 @@ def _dequant_add_kernel(codes_ptr, scales_ptr, ref_ptr, out_ptr, n,
         gmask = first < n                       # n is a multiple of GS: rows are whole or out
         idx = first[:, None] + tl.arange(0, GS)[None, :]
         m = gmask[:, None] & (idx < n)
-        d = _load_deq_rows(codes_ptr, scales_ptr, first, gmask, RB, GS, GS, BITS, GS)
+        d = _load_deq_rows(tl.zeros((RB, GS), dtype=tl.float32), codes_ptr, scales_ptr, first,
+                           gmask, RB, GS, GS, BITS, GS, False)
     else:
         idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = idx < n

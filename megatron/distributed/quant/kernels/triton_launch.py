@@ -231,8 +231,14 @@ def _out_1d(out: torch.Tensor, numel: int, what: str) -> Optional[torch.Tensor]:
 def _operands(q: QuantizedTensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(codes, fp32 scales) as the kernels read them: contiguous buffers. ``validate`` checks
     dtypes and sizes only, and a strided view read as a raw buffer would decode garbage (the
-    other backends make both contiguous too). No copy when they already are."""
-    return q.codes.contiguous(), q.scales.to(torch.float32).contiguous()
+    other backends make both contiguous too). The codes start 4-byte aligned: the dequantizing
+    kernels read 2- and 4-bit rows as int32 words (triton_device._word_rows); a view at an odd
+    offset (never one of the trainer's buffers, whose groups are whole words) is copied. No copy
+    when they already are both."""
+    codes = q.codes.contiguous()
+    if codes.data_ptr() % 4:
+        codes = codes.clone()
+    return codes, q.scales.to(torch.float32).contiguous()
 
 
 def _launch_dsum(q: QuantizedTensor, num_sources: int, n: int, out1d: torch.Tensor,

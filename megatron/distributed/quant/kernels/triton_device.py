@@ -437,6 +437,16 @@ def _load_deq_rows(acc, codes_ptr, scales_ptr, first, gmask, R: tl.constexpr, GP
     return out
 
 
+@triton.jit
+def _slot_steps(n, BITS: tl.constexpr, GS_SCALE: tl.constexpr):
+    """(code bytes, scales) from one slot of n elements to the next, int64 (no int32 overflow; a
+    cast, as the JIT makes n == 1 a compile-time constant). The summing kernels advance their
+    codes and scales base pointers by these per slot, so a row's offsets from the bases are
+    computed once."""
+    n64 = tl.cast(n, tl.int64)
+    return n64 * BITS // 8, n64 // GS_SCALE
+
+
 # ------------------------------------------------------------------------------------------------
 # kernels
 # ------------------------------------------------------------------------------------------------
@@ -527,15 +537,11 @@ def _dsum_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, s
     m = gmask[:, None] & (e[None, :] < GS)
     acc = tl.zeros((R, GP), dtype=tl.float32)
     first = g * GS                              # a row never straddles a part (NoiseIndex.check)
-    if ROWS:        # a row lies in one input group: a scale per row; slot s's rows at the same
-        # offsets from slot bases s n elements on (int64: no int32 overflow; a cast, as n == 1
-        # is a compile-time constant), so the rows' offsets are computed once and a slot adds a
-        # scalar to each base pointer
-        n64 = tl.cast(n, tl.int64)
+    if ROWS:                                    # a row lies in one input group: a scale per row
+        cstep, sstep = _slot_steps(n, BITS_IN, GS_IN)
         for _s in tl.static_range(S):
-            acc = _load_deq_rows(acc, codes_ptr + _s * (n64 * BITS_IN // 8),
-                                 scales_ptr + _s * (n64 // GS_IN), first, gmask, R, GP, GS,
-                                 BITS_IN, GS_IN, True)
+            acc = _load_deq_rows(acc, codes_ptr + _s * cstep, scales_ptr + _s * sstep, first,
+                                 gmask, R, GP, GS, BITS_IN, GS_IN, True)
     else:
         src = first                             # int64 running offset: no int32 overflow
         for _s in tl.static_range(S):
@@ -567,11 +573,7 @@ def _dsum_kernel(codes_ptr, scales_ptr, out_ptr, out_stride, scale, n, S: tl.con
         first = (pid.to(tl.int64) * RB + tl.arange(0, RB)) * GS
         gmask = first < n                       # n is a multiple of GS: rows are whole or out
         acc2 = tl.zeros((RB, GS), dtype=tl.float32)
-        # slot s's rows lie s n elements on: the base pointers advance by a scalar per slot,
-        # the rows' offsets from them are computed once (int64 steps: no int32 overflow; a
-        # cast, as n == 1 is a compile-time constant)
-        cstep = tl.cast(n, tl.int64) * BITS // 8
-        sstep = tl.cast(n, tl.int64) // GS
+        cstep, sstep = _slot_steps(n, BITS, GS)
         cp = codes_ptr
         sp = scales_ptr
         if S > SOURCES_UNROLLED:                # chunks of 8 slots, then the rest, in order

@@ -262,7 +262,7 @@ def test_gpu_build_rounds_bf16_with_the_hardware_cast() -> None:
 
 
 def test_gpu_build_decodes_4_bit_words_in_four_instructions_an_element() -> None:
-    """triton_device._field_dequant (NATIVE_LOP3): compiled for a GPU, the middle hop at S = 8
+    """triton_device._field_dequant (INLINE_PTX): compiled for a GPU, the middle hop at S = 8
     from 4-bit codes decodes each code with one LOP3 (truth table 0x6a, (a & b) ^ c) and one
     FADD, then the product and the sum (FMUL, FADD: no fused multiply-add, as the reference
     rounds) -- no shift, sign extension or int -> float conversion per element (I2FP, SGXT, 6.7
@@ -277,6 +277,23 @@ def test_gpu_build_decodes_4_bit_words_in_four_instructions_an_element() -> None
     codes = 8 * 32
     assert lut >= codes and fmul >= codes and fadd >= 2 * codes, (lut, fmul, fadd)
     assert i2fp == 0 and total < 6 * codes + 600, (i2fp, total)
+
+
+def test_gpu_build_rounds_to_nearest_in_two_adds_and_packs_codes_by_permutes() -> None:
+    """triton_device._round_half_up_word and codes_word_ptx (INLINE_PTX): compiled for a GPU, the
+    round-to-nearest quantize to 4 bits rounds each element with two round-down adds (FADD.RM)
+    and no FRND (floor, difference, compare, select and add before), and packs each 8 codes with
+    six PRMT and one bit select (LOP3 0xe2) into a word. 32 elements a thread. The emulations in
+    tests/test_triton_kernels.py check the values of both sequences."""
+    frnd, fadd_rm, select, prmt = _gpu_build(
+        "sp.kernel == '_quantize_kernel' and A.label(sp) == "
+        "'x:fp32 GS=128 R=32 BITS=4 PERMUTE CHECK ALIGNED FULL'",
+        "print(ops['FRND'], sum(i.op.startswith('FADD.RM') for i in ins),"
+        " sum(i.op.startswith('LOP3') and i.operands.rstrip().endswith('0xe2, !PT') for i in ins),"
+        " ops['PRMT'])")
+    codes = 32
+    assert frnd == 0 and fadd_rm >= 2 * codes, (frnd, fadd_rm)
+    assert select >= codes // 8 and prmt >= 6 * codes // 8, (select, prmt)
 
 
 def test_summing_kernels_compile_when_a_slot_is_one_element() -> None:

@@ -12,6 +12,8 @@ import importlib
 import math
 import os
 import random
+import struct
+from fractions import Fraction
 
 import pytest
 import torch
@@ -446,7 +448,7 @@ def _noise_probe_kernel(base_ptr, out_ptr, seed, R: tl.constexpr, GP: tl.constex
     elements per program."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     base = tl.load(base_ptr + rows)
-    u = J._noise_tile(seed, base, R, GP, ALIGNED, 16).to(tl.float32) * (1.0 / 65536)
+    u = J._noise_tile(seed, base, R, GP, ALIGNED, 16, 0).to(tl.float32) * (1.0 / 65536)
     tl.store(out_ptr + rows[:, None] * GP + tl.arange(0, GP)[None, :], u)
 
 
@@ -551,6 +553,107 @@ def test_code_words_hold_the_codes_and_never_pass_qmax(bits: int) -> None:
     assert bool((codes[:3] == qmax).all())
     ints = torch.arange(-qmax - 1, qmax + 1, dtype=torch.float64)
     assert torch.equal(_code_of_word((ints + 1.5 * 2 ** 23).float(), bits, False), ints.long())
+
+
+def _f32_add_round_down(a: float, b: float) -> float:
+    """fp32 a + b rounded toward -inf (PTX ``add.rm.f32``, subnormals kept), exactly: the sum as a
+    fraction, then the largest fp32 not above it."""
+    exact = Fraction(a) + Fraction(b)
+    c = torch.tensor(float(exact), dtype=torch.float32)     # a neighbour of the answer
+    down, up = torch.tensor(-math.inf), torch.tensor(math.inf)
+    while Fraction(float(c)) > exact:
+        c = torch.nextafter(c, down)
+    while Fraction(float(torch.nextafter(c, up))) <= exact:
+        c = torch.nextafter(c, up)
+    return float(c)
+
+
+def test_round_to_nearest_as_two_round_down_adds_is_the_references_rule() -> None:
+    """The GPU build's round to nearest (triton_device.ROUND_HALF_UP_PTX under INLINE_PTX, which
+    the interpreter does not run): its PTX text, rd(rd(v + 0.5) + 1.5 2^23) emulated exactly, is
+    the code word 1.5 2^23 + q of the reference's q = floor(v) + (v - floor(v) >= 0.5), for
+    every tie k + 1/2 of the 8-bit range and its fp32 neighbours, tiny and subnormal values of
+    both signs (where the reference's v - floor(v) is inexact), +-0 and random fp32 values; the
+    word's low 8 bits hold every q an 8-bit code can be."""
+    magic = 1.5 * 2 ** 23
+    ties = torch.arange(-129, 129, dtype=torch.float32) + 0.5
+    up, down = torch.tensor(math.inf), torch.tensor(-math.inf)
+    tiny = torch.tensor([2.0 ** -149, 1e-40, 2.0 ** -126, 2.0 ** -30, 2.0 ** -26, 2.0 ** -25,
+                         2.0 ** -24, 0.25, 0.5 - 2.0 ** -26, 0.5, 1.0 - 2.0 ** -25, 0.0])
+    rng = torch.Generator().manual_seed(3)
+    v = torch.cat([ties, torch.nextafter(ties, up), torch.nextafter(ties, down), tiny, -tiny,
+                   (torch.rand(600, generator=rng) * 2 - 1) * 130,
+                   (torch.rand(200, generator=rng) * 2 - 1) * 2]).float()
+    want = R._round(v, stochastic=False, generator=None)
+    words = torch.tensor([_f32(_run_ptx(J.ROUND_HALF_UP_PTX.value, [_f32_bits(x)]))
+                          for x in v.tolist()], dtype=torch.float32)
+    assert torch.equal(words.double() - magic, want.double())
+    fits = (want >= -128) & (want <= 127)                   # v reaches at most qmax (1 + 2^-24)
+    assert torch.equal(_code_of_word(words[fits], 8, stochastic=False), want[fits].long())
+
+
+def _f32(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def _f32_bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def _run_ptx(text: str, inputs: list) -> int:
+    """Emulate an inline asm block of ``prmt.b32`` (default mode), ``shl.b32``, ``lop3.b32`` and
+    ``add.rm.f32`` on 32-bit patterns; ``$k`` is inputs[k - 1], ``$0`` the result, ``0fXXXXXXXX``
+    an fp32 immediate."""
+    regs = {f"${k + 1}": v & 0xFFFFFFFF for k, v in enumerate(inputs)}
+
+    def val(op: str) -> int:
+        if op in regs:
+            return regs[op]
+        return int(op[2:], 16) if op.startswith("0f") else int(op, 0)
+
+    for stmt in text.strip("{} ").split(";"):
+        stmt = stmt.strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        opcode, rest = stmt.split(None, 1)
+        ops = [o.strip() for o in rest.split(",")]
+        if opcode == "prmt.b32":
+            pool, sel = val(ops[1]) | (val(ops[2]) << 32), val(ops[3])
+            assert sel & 0x8888 == 0, "no emulation of prmt's sign-replicating selectors"
+            out = sum(((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif opcode == "add.rm.f32":
+            out = _f32_bits(_f32_add_round_down(_f32(val(ops[1])), _f32(val(ops[2]))))
+        elif opcode == "shl.b32":
+            out = (val(ops[1]) << val(ops[2])) & 0xFFFFFFFF
+        elif opcode == "lop3.b32":
+            a, b, c, lut = (val(o) for o in ops[1:5])
+            out = sum(((lut >> (((a >> i) & 1) * 4 + ((b >> i) & 1) * 2 + ((c >> i) & 1))) & 1) << i
+                      for i in range(32))
+        else:
+            raise AssertionError(f"no emulation of {opcode}")
+        regs[ops[0]] = out
+    return regs["$0"]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_gpu_code_packing_ptx_packs_as_the_reference(bits: int, stochastic: bool) -> None:
+    """The GPU build's packing of 2- and 4-bit codes into words (triton_device.codes_word_ptx, run
+    under INLINE_PTX, which the interpreter does not run), emulated instruction by instruction:
+    for code words that hold random codes where _quant_tile puts them (bits 16.. stochastic, 0..
+    to nearest) and random bits everywhere else, the word is the reference's packed bytes of
+    those codes read little-endian."""
+    per_word = 32 // bits
+    shift = 16 if stochastic else 0
+    text = J.codes_word_ptx(bits, shift // 8)
+    rng = random.Random(bits * 10 + stochastic)
+    qmax = (1 << (bits - 1)) - 1
+    for _ in range(300):
+        codes = [rng.randint(-qmax - 1, qmax) for _ in range(per_word)]
+        words = [(rng.getrandbits(32) & ~(((1 << bits) - 1) << shift))
+                 | ((c & ((1 << bits) - 1)) << shift) for c in codes]
+        packed = R.pack(torch.tensor(codes, dtype=torch.int8), bits)
+        assert _run_ptx(text, words) == int.from_bytes(bytes(packed.tolist()), "little"), codes
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

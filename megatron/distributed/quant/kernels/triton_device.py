@@ -51,11 +51,14 @@ Triton CPU interpreter's cast truncates, so there ``_round_bf16`` rounds by bit 
 the same values in five instructions an element (most of the qWD receive's arithmetic on a GPU:
 78 against 98 % of copy bandwidth modelled for bf16 weights)."""
 
-NATIVE_LOP3 = tl.constexpr(not _interpreted())
-"""Write the 2- and 4-bit code decoder's and-xor as one PTX ``lop3`` (_field_dequant): ptxas
-emits ``(w & m) ^ k`` with two immediates as two ``LOP3``, an extra instruction per element. NVIDIA
+INLINE_PTX = tl.constexpr(not _interpreted())
+"""Write a few steps as inline PTX where ptxas would not pick the instructions: the 2- and 4-bit
+code decoder's and-xor as one ``lop3`` (_field_dequant; ptxas emits ``(w & m) ^ k`` with two
+immediates as two ``LOP3``), the noise's low halves or'd into the rounding base in one ``lop3``
+(_low_bits), round to nearest as two round-down adds (_round_half_up_word; Triton has no
+directed-rounding add) and the 2- and 4-bit packing as byte permutes (codes_word_ptx). NVIDIA
 PTX (the backend targets NVIDIA GPUs); the Triton CPU interpreter runs no inline PTX, so there
-the same operation is plain Python."""
+the same values come from plain Python."""
 
 PHILOX_ROUNDS = tl.constexpr(7)
 """Rounds of the Philox4x32 generator behind stochastic rounding. Philox4x32 passes TestU01's
@@ -76,6 +79,51 @@ SOURCES_UNROLLED = tl.constexpr(8)
 """Slots a summing kernel loads in one unrolled run: every slot of the middle hop (S <= 8 GPUs
 per node), chunks of 8 for a final hop over more nodes. bench/kernel_cost_model.py counts a
 loop's body S // 8 times."""
+
+
+def codes_word_ptx(bits: int, byte: int) -> str:
+    """PTX (an inline asm block) that packs the 2- or 4-bit codes of 32 // bits code words into
+    one int32 ``$0``: operand ``$(1 + i)`` is element i's word, its code in the low bits of its
+    byte ``byte``; out byte j holds elements 8 j / bits .. from its most significant bits down
+    (MSB-first, byte 0 first: the reference's packing).
+
+    For each position m in a byte, three ``prmt`` gather the code bytes of elements m, per + m,
+    2 per + m and 3 per + m (per = 8 // bits codes a byte) into one word g_m; every g_m but the
+    last is shifted left to its bits, and each after the first is merged into g_0 by a bit select
+    (``lop3`` 0xe2: (a & mask) | (c & ~mask)) that keeps the bits above its own. 8 instructions
+    for 8 4-bit codes, 18 for 16 2-bit ones.
+    tests/test_triton_kernels.py runs this text through an emulator of the three instructions."""
+    per = 8 // bits
+    lo = ((4 + byte) << 4) | byte              # [a.byte, b.byte, -, -]
+    hi = ((4 + byte) << 12) | (byte << 8)      # [-, -, a.byte, b.byte]
+    lines = [".reg .b32 p, q, " + ", ".join(f"g{m}" for m in range(per)) + ";"]
+    for m in range(per):
+        a, b, c, d = (1 + m + per * j for j in range(4))
+        lines += [f"prmt.b32 p, ${a}, ${b}, {lo};", f"prmt.b32 q, ${c}, ${d}, {hi};",
+                  f"prmt.b32 g{m}, p, q, 0x7610;"]
+    lines.append(f"shl.b32 g0, g0, {(per - 1) * bits};")
+    for m in range(1, per):
+        shift = (per - 1 - m) * bits
+        if shift:
+            lines.append(f"shl.b32 g{m}, g{m}, {shift};")
+        keep = ((0xFF << ((per - m) * bits)) & 0xFF) * 0x01010101
+        dst = "$0" if m == per - 1 else "g0"
+        lines.append(f"lop3.b32 {dst}, g0, {keep:#x}, g{m}, 0xe2;")
+    return "{ " + " ".join(lines) + " }"
+
+
+NIBBLES_PTX_RN = tl.constexpr(codes_word_ptx(4, 0))
+"""codes_word_ptx for 4-bit round-to-nearest code words (the code in bits 0..)."""
+NIBBLES_PTX_SR = tl.constexpr(codes_word_ptx(4, 2))
+"""codes_word_ptx for 4-bit stochastic code words (the code in bits 16..)."""
+CRUMBS_PTX_RN = tl.constexpr(codes_word_ptx(2, 0))
+"""codes_word_ptx for 2-bit round-to-nearest code words."""
+CRUMBS_PTX_SR = tl.constexpr(codes_word_ptx(2, 2))
+"""codes_word_ptx for 2-bit stochastic code words."""
+
+ROUND_HALF_UP_PTX = tl.constexpr(
+    "{ .reg .f32 t; add.rm.f32 t, $1, 0f3F000000; add.rm.f32 $0, t, 0f4B400000; }")
+"""PTX of _round_half_up_word: rd(rd(v + 0.5) + 1.5 2^23), the code word of floor(v + 0.5)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -159,11 +207,12 @@ def _philox_at(seed, ctr):
 
 @triton.jit
 def _noise_tile(seed, rand_base, R: tl.constexpr, GP: tl.constexpr, ALIGNED: tl.constexpr,
-                NB: tl.constexpr):
-    """NB (15 or 16) random bits per element, uint32 in [0, 2^NB), for a tile [R, GP] whose row r
-    holds the random-stream elements rand_base[r] + 0..GP-1 (int64: Philox's 64-bit counter
-    i // 8, its high word non-zero from 2^35 elements, so no call repeats its noise; the int32
-    index this replaces wrapped past 2^31 elements).
+                NB: tl.constexpr, BASE: tl.constexpr):
+    """NB (15 or 16) random bits per element, uint32 in [0, 2^NB), or'd into the bit pattern BASE
+    (0: the bits alone; a stochastic-rounding base, whose low NB bits are 0), for a tile [R, GP]
+    whose row r holds the random-stream elements rand_base[r] + 0..GP-1 (int64: Philox's 64-bit
+    counter i // 8, its high word non-zero from 2^35 elements, so no call repeats its noise; the
+    int32 index this replaces wrapped past 2^31 elements).
 
     Element i of the stream gets the top NB bits of one 16-bit half of the Philox call at counter
     i // 8: of its output (i % 8) // 2, the high half when i is even, the low half when odd. So
@@ -177,16 +226,40 @@ def _noise_tile(seed, rand_base, R: tl.constexpr, GP: tl.constexpr, ALIGNED: tl.
         r0, r1, r2, r3 = _philox_at(seed, ctr)
         # join(join(a0, a2), join(a1, a3))[k, a, b] = a_(2a + b); the outer join picks the half:
         # element 8k + 4a + 2b + c gets half c of r_(2a + b)
-        hi = tl.join(tl.join(r0 >> 16, r2 >> 16), tl.join(r1 >> 16, r3 >> 16))
-        lo = tl.join(tl.join(r0 & 0xFFFF, r2 & 0xFFFF), tl.join(r1 & 0xFFFF, r3 & 0xFFFF))
+        hi = tl.join(tl.join(_high_bits(r0, NB, BASE), _high_bits(r2, NB, BASE)),
+                     tl.join(_high_bits(r1, NB, BASE), _high_bits(r3, NB, BASE)))
+        lo = tl.join(tl.join(_low_bits(r0, NB, BASE), _low_bits(r2, NB, BASE)),
+                     tl.join(_low_bits(r1, NB, BASE), _low_bits(r3, NB, BASE)))
         k = tl.reshape(tl.join(hi, lo), (R, GP))
     else:
         i = rand_base[:, None] + tl.arange(0, GP)[None, :]
         r0, r1, r2, r3 = _philox_at(seed, i // 8)
         lane = (i % 8) // 2
         r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
-        k = tl.where(i % 2 == 0, r >> 16, r & 0xFFFF)
-    return k >> (16 - NB)
+        k = tl.where(i % 2 == 0, _high_bits(r, NB, BASE), _low_bits(r, NB, BASE))
+    return k
+
+
+@triton.jit
+def _high_bits(r, NB: tl.constexpr, BASE: tl.constexpr):
+    """The top NB bits of r's high half, or'd into BASE (ptxas: one shift-and-add, LEA.HI)."""
+    return (r >> (32 - NB)) | BASE
+
+
+@triton.jit
+def _low_bits(r, NB: tl.constexpr, BASE: tl.constexpr):
+    """The top NB bits of r's low half, or'd into BASE: ``(r' & m) | BASE`` with r' = r >> (16 -
+    NB). On a GPU with BASE in a register (INLINE_PTX): one ``lop3`` (truth table 0xea, (a & b) |
+    c), where ptxas spends a LOP3 per immediate."""
+    MASK: tl.constexpr = (1 << NB) - 1
+    if 16 - NB > 0:
+        r = r >> (16 - NB)
+    if INLINE_PTX and BASE != 0:
+        return tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, $2, $3, 0xea;", "=r,r,r,r",
+            [r, tl.full(r.shape, MASK, tl.uint32), tl.full(r.shape, BASE, tl.uint32)],
+            dtype=tl.uint32, is_pure=True, pack=1)
+    return (r & MASK) | BASE
 
 
 @triton.jit
@@ -221,6 +294,24 @@ lies in [256, 512), spacing 2^-15, bits 15.. of the pattern = the code plus 128 
 
 
 @triton.jit
+def _round_half_up_word(v):
+    """Round to nearest's code word for fp32 v (|v| < 2^22): ROUNDING_MAGIC + floor(v + 0.5), the
+    reference's floor(v) + (v - floor(v) >= 0.5) (frac(v) is exact for |v| >= 1/2 and rounds to
+    >= 0.5 exactly when the true one is, below).
+
+    On a GPU two round-down adds (ROUND_HALF_UP_PTX): rd(v + 0.5) has the floor of v + 0.5, as
+    integers are floats and rounding down is monotone, and rd(y + ROUNDING_MAGIC), on the integer
+    grid of [2^23, 2^24), is ROUNDING_MAGIC + floor(y). Three instructions with the product,
+    against floor, difference, compare, select and add (tests/test_triton_kernels.py emulates the
+    PTX text over ties, their neighbours and tiny negatives)."""
+    if INLINE_PTX:
+        return tl.inline_asm_elementwise(ROUND_HALF_UP_PTX, "=r,r", [v], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    lo = tl.floor(v)
+    return lo + tl.where(v - lo >= 0.5, ROUNDING_MAGIC + 1.0, ROUNDING_MAGIC)
+
+
+@triton.jit
 def _quant_tile(x, rand_base, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr,
                 R: tl.constexpr, GP: tl.constexpr, ALIGNED: tl.constexpr):
     """x fp32 [R, GP] (one group per row, padding = 0) -> (int32 [R, GP] code words, fp32 scales
@@ -249,15 +340,100 @@ def _quant_tile(x, rand_base, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr
     scale = tl.where(ok, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), inv_safe), bad)
     if STOCHASTIC:
         if QMAX < 8:
-            k = _noise_tile(seed, rand_base, R, GP, ALIGNED, 16) | SR_BASE_NARROW
+            k = _noise_tile(seed, rand_base, R, GP, ALIGNED, 16, SR_BASE_NARROW)
         else:
-            k = _noise_tile(seed, rand_base, R, GP, ALIGNED, 15) | SR_BASE_WIDE
+            k = _noise_tile(seed, rand_base, R, GP, ALIGNED, 15, SR_BASE_WIDE)
         w = tl.fma(x, inv_safe[:, None], k.to(tl.float32, bitcast=True))
     else:
-        v = x * inv_safe[:, None]
-        lo = tl.floor(v)
-        w = lo + tl.where(v - lo >= 0.5, ROUNDING_MAGIC + 1.0, ROUNDING_MAGIC)
+        w = _round_half_up_word(x * inv_safe[:, None])
     return w.to(tl.int32, bitcast=True), scale, ok
+
+
+@triton.jit
+def _byte_of(t, SH: tl.constexpr):
+    """Byte SH // 8 of the code words t as the low byte of a uint32 (its low bits hold the code)."""
+    return (t.to(tl.uint32, bitcast=True) >> SH) & 0xFF
+
+
+@triton.jit
+def _split8(t):
+    """t [.., 2, 2, 2] -> its eight slices [..] in the order of 4x + 2y + z for t[.., x, y, z]."""
+    z0, z1 = tl.split(t)
+    y0z0, y1z0 = tl.split(z0)
+    y0z1, y1z1 = tl.split(z1)
+    e0, e4 = tl.split(y0z0)
+    e2, e6 = tl.split(y1z0)
+    e1, e5 = tl.split(y0z1)
+    e3, e7 = tl.split(y1z1)
+    return e0, e1, e2, e3, e4, e5, e6, e7
+
+
+@triton.jit
+def _pack_nibbles(t, SH: tl.constexpr):
+    """t [.., 2, 2, 2]: the code words of eight consecutive elements, element 4x + 2y + z at
+    [.., x, y, z], each code in the word's bits SH.. (_quant_tile) -> int32 [..]: their 4-bit
+    codes, byte j = code(2j) << 4 | code(2j + 1) (MSB-first, little-endian: byte 0 first).
+    On a GPU (INLINE_PTX) 8 instructions (codes_word_ptx), where shifting, masking and or-ing
+    each code and assembling the bytes took about 2.5 an element."""
+    e0, e1, e2, e3, e4, e5, e6, e7 = _split8(t)
+    if INLINE_PTX:
+        if SH == 0:
+            PTX: tl.constexpr = NIBBLES_PTX_RN
+        else:
+            PTX: tl.constexpr = NIBBLES_PTX_SR
+        word = tl.inline_asm_elementwise(PTX, "=r,r,r,r,r,r,r,r,r",
+                                         [e0, e1, e2, e3, e4, e5, e6, e7], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        word = (_nibble_byte(e0, e1, SH) | (_nibble_byte(e2, e3, SH) << 8)
+                | (_nibble_byte(e4, e5, SH) << 16) | (_nibble_byte(e6, e7, SH) << 24))
+        word = word.to(tl.int32, bitcast=True)
+    return word
+
+
+@triton.jit
+def _nibble_byte(t0, t1, SH: tl.constexpr):
+    """The 4-bit codes of two code words as one byte, t0's in the high nibble (MSB-first)."""
+    return ((_byte_of(t0, SH) & 0xF) << 4) | (_byte_of(t1, SH) & 0xF)
+
+
+@triton.jit
+def _crumb_byte(t0, t1, t2, t3, SH: tl.constexpr):
+    """The 2-bit codes of four code words as one byte, t0's in the top bits (MSB-first)."""
+    return (((_byte_of(t0, SH) & 3) << 6) | ((_byte_of(t1, SH) & 3) << 4)
+            | ((_byte_of(t2, SH) & 3) << 2) | (_byte_of(t3, SH) & 3))
+
+
+@triton.jit
+def _pack_crumbs(t, SH: tl.constexpr):
+    """t [.., 2, 2, 2, 2]: the code words of 16 consecutive elements, element 8a + 4b + 2c + d at
+    [.., a, b, c, d] -> int32 [..]: their 2-bit codes, byte j = elements 4j .. 4j + 3 from the
+    most significant bits down. On a GPU (INLINE_PTX) 18 instructions (codes_word_ptx), where the
+    per-code shifts, masks and ors and the byte assembly took about 2 an element."""
+    f0, f1, f2, f3, f4, f5, f6, f7 = _split8(t)     # [.., 2]: elements 8a + k, a = 0, 1
+    e0, e8 = tl.split(f0)
+    e1, e9 = tl.split(f1)
+    e2, e10 = tl.split(f2)
+    e3, e11 = tl.split(f3)
+    e4, e12 = tl.split(f4)
+    e5, e13 = tl.split(f5)
+    e6, e14 = tl.split(f6)
+    e7, e15 = tl.split(f7)
+    if INLINE_PTX:
+        if SH == 0:
+            PTX: tl.constexpr = CRUMBS_PTX_RN
+        else:
+            PTX: tl.constexpr = CRUMBS_PTX_SR
+        word = tl.inline_asm_elementwise(
+            PTX, "=r," + ",".join(["r"] * 16),
+            [e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15],
+            dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        word = (_crumb_byte(e0, e1, e2, e3, SH) | (_crumb_byte(e4, e5, e6, e7, SH) << 8)
+                | (_crumb_byte(e8, e9, e10, e11, SH) << 16)
+                | (_crumb_byte(e12, e13, e14, e15, SH) << 24))
+        word = word.to(tl.int32, bitcast=True)
+    return word
 
 
 @triton.jit
@@ -265,35 +441,51 @@ def _store_packed(codes_ptr, w, og, R: tl.constexpr, GS: tl.constexpr, GP: tl.co
                   BITS: tl.constexpr, STOCHASTIC: tl.constexpr, gmask, ok):
     """Pack _quant_tile's code words w [R, GP] (MSB-first) and store group rows at output group
     index og [R]; rows not ok get zero codes (a second, predicated store of zeros: a NaN input's
-    word is NaN's, and a select per byte would cost an instruction each)."""
+    word is NaN's, and a select per byte would cost an instruction each). 2- and 4-bit groups of
+    whole words are packed and stored as int32 words (_pack_nibbles, _pack_crumbs), other group
+    sizes and 8-bit codes byte by byte (packing 8-bit stochastic words the same way saved only 0.3
+    instructions an element in the model: ptxas gathers those bytes well itself)."""
     BPG: tl.constexpr = GS * BITS // 8               # bytes per group
     if STOCHASTIC:
         SH: tl.constexpr = 16 if BITS < 8 else 15
     else:
         SH: tl.constexpr = 0
     base = og.to(tl.int64) * BPG
-    if BITS == 8:
-        cols = tl.arange(0, GP)
-        if STOCHASTIC:
-            byte = (w >> SH) + 128                  # bits 15..22 hold code + 128 (mod 256)
+    if BITS < 8 and (GS * BITS) % 32 == 0:
+        # whole words per group (the codes buffers are fresh allocations: 4-byte aligned)
+        PW: tl.constexpr = 32 // BITS               # codes per word
+        if BITS == 4:
+            word = _pack_nibbles(tl.reshape(w, (R, GP // PW, 2, 2, 2)), SH)
+            cols = tl.max_contiguous(tl.arange(0, GP // PW), 2)   # a thread's 8 bytes
         else:
-            byte = w
-    elif BITS == 4:
-        # 8-byte stores: what a thread holds of 16 codes (16-byte ones cost a relayout)
-        cols = tl.max_contiguous(tl.arange(0, GP // 2), 8)
-        hi, lo = tl.split(tl.reshape(w, (R, GP // 2, 2)))
-        byte = (((hi >> SH) & 0xF) << 4) | ((lo >> SH) & 0xF)
+            word = _pack_crumbs(tl.reshape(w, (R, GP // PW, 2, 2, 2, 2)), SH)
+            cols = tl.max_contiguous(tl.arange(0, GP // PW), 1)   # a thread's 4 bytes
+        m = gmask[:, None] & (cols[None, :] < BPG // 4)
+        ptrs = codes_ptr.to(tl.pointer_type(tl.int32)) + (base // 4)[:, None] + cols[None, :]
+        tl.store(ptrs, word, mask=m & ok[:, None])
+        tl.store(ptrs, tl.zeros_like(word), mask=m & ~ok[:, None])
     else:
-        cols = tl.max_contiguous(tl.arange(0, GP // 4), 4)     # 4-byte stores, as 4-bit's 8
-        ev, od = tl.split(tl.reshape(w, (R, GP // 4, 2, 2)))   # [R, GP/4, 2]: 4i+2k, 4i+2k+1
-        e0, e2 = tl.split(ev)
-        e1, e3 = tl.split(od)
-        byte = ((((e0 >> SH) & 3) << 6) | (((e1 >> SH) & 3) << 4) | (((e2 >> SH) & 3) << 2)
-                | ((e3 >> SH) & 3))
-    m = gmask[:, None] & (cols[None, :] < BPG)
-    ptrs = codes_ptr + base[:, None] + cols[None, :]
-    tl.store(ptrs, byte.to(tl.uint8), mask=m & ok[:, None])
-    tl.store(ptrs, tl.zeros_like(byte).to(tl.uint8), mask=m & ~ok[:, None])
+        if BITS == 8:
+            cols = tl.arange(0, GP)
+            if STOCHASTIC:
+                byte = (w >> SH) + 128              # bits 15..22 hold code + 128 (mod 256)
+            else:
+                byte = w
+        elif BITS == 4:
+            cols = tl.max_contiguous(tl.arange(0, GP // 2), 8)
+            hi, lo = tl.split(tl.reshape(w, (R, GP // 2, 2)))
+            byte = (((hi >> SH) & 0xF) << 4) | ((lo >> SH) & 0xF)
+        else:
+            cols = tl.max_contiguous(tl.arange(0, GP // 4), 4)
+            ev, od = tl.split(tl.reshape(w, (R, GP // 4, 2, 2)))   # [R, GP/4, 2]: 4i+2k, +1
+            e0, e2 = tl.split(ev)
+            e1, e3 = tl.split(od)
+            byte = ((((e0 >> SH) & 3) << 6) | (((e1 >> SH) & 3) << 4)
+                    | (((e2 >> SH) & 3) << 2) | ((e3 >> SH) & 3))
+        m = gmask[:, None] & (cols[None, :] < BPG)
+        ptrs = codes_ptr + base[:, None] + cols[None, :]
+        tl.store(ptrs, byte.to(tl.uint8), mask=m & ok[:, None])
+        tl.store(ptrs, tl.zeros_like(byte).to(tl.uint8), mask=m & ~ok[:, None])
 
 
 @triton.jit
@@ -319,7 +511,7 @@ def _field_dequant(acc, word, scale, P: tl.constexpr, BITS: tl.constexpr, ADD: t
     float conversion): the field with its sign bit flipped (code + 2^(BITS-1), unsigned) is the
     low mantissa of a float whose exponent K = 23 - P gives bit P the weight 1, so that float is
     2^K + code + 2^(BITS-1) and subtracting the constant is exact. On a GPU the steps are one
-    inline PTX block (NATIVE_LOP3): ptxas makes the and-xor one LOP3 only there, and the sum
+    inline PTX block (INLINE_PTX): ptxas makes the and-xor one LOP3 only there, and the sum
     inside it keeps each slot's values from living until every slot is decoded (a summing
     kernel's slots are unrolled)."""
     K: tl.constexpr = 23 - P
@@ -327,7 +519,7 @@ def _field_dequant(acc, word, scale, P: tl.constexpr, BITS: tl.constexpr, ADD: t
     MASK: tl.constexpr = ((1 << BITS) - 1) << P
     FLIP: tl.constexpr = (SIGN << P) | ((K + 127) << 23)
     OFFSET: tl.constexpr = float((1 << K) + SIGN)
-    if NATIVE_LOP3:     # lop3 truth table 0x6a: (a & b) ^ c
+    if INLINE_PTX:     # lop3 truth table 0x6a: (a & b) ^ c
         mask = tl.full(word.shape, MASK, tl.int32)
         flip = tl.full(word.shape, FLIP, tl.int32)
         offset = tl.full(word.shape, OFFSET, tl.float32)

@@ -102,6 +102,7 @@ def _launch_quantize(x: torch.Tensor, ref: Optional[torch.Tensor], bits: int, gr
     raises."""
     numel = x.numel()
     ng = numel // group_size
+    # a fresh allocation, 4-byte aligned: triton_device._store_packed writes whole int32 words
     codes = torch.empty(numel * bits // 8, dtype=torch.uint8, device=x.device)
     scales = torch.empty(ng, dtype=torch.float32, device=x.device)
     if nonfinite_counter is not None:
@@ -301,6 +302,7 @@ def dequantize_sum_requantize(q: QuantizedTensor, num_sources: int, bits_out: in
                                     noise_index.base))
     ng = n // gs
     dev = q.codes.device
+    # a fresh allocation, 4-byte aligned: triton_device._store_packed writes whole int32 words
     codes = torch.empty(n * bits_out // 8, dtype=torch.uint8, device=dev)
     scales = torch.empty(ng, dtype=torch.float32, device=dev)
     gp = _next_pow2(gs)

@@ -265,8 +265,9 @@ def test_gpu_build_decodes_4_bit_words_in_four_instructions_an_element() -> None
     """triton_device._field_dequant (INLINE_PTX): compiled for a GPU, the middle hop at S = 8
     from 4-bit codes decodes each code with one LOP3 (truth table 0x6a, (a & b) ^ c) and one
     FADD, then the product and the sum (FMUL, FADD: no fused multiply-add, as the reference
-    rounds) -- no shift, sign extension or int -> float conversion per element (I2FP, SGXT, 6.7
-    instructions a code before). 32 output elements a thread, so 8 x 32 codes. The interpreter
+    rounds; slot 0's products start the sum, so 7 sums an output element) -- no shift, sign
+    extension or int -> float conversion per element (I2FP, SGXT, 6.7 instructions a code
+    before). 32 output elements a thread, so 8 x 32 codes. The interpreter
     runs the plain-Python form of the same constants in the rest of the suite; the CUDA run of
     tests/test_triton_kernels.py checks the values bit for bit."""
     lut, fmul, fadd, i2fp, total = _gpu_build(
@@ -274,8 +275,9 @@ def test_gpu_build_decodes_4_bit_words_in_four_instructions_an_element() -> None
         "'S=8 GS_IN=128 BITS_IN=4 GS=128 R=32 BITS=4 STOCHASTIC')",
         "print(sum(i.op.startswith('LOP3') and i.operands.rstrip().endswith('0x6a, !PT')"
         " for i in ins), ops['FMUL'], ops['FADD'], ops['I2FP'], len(ins))")
-    codes = 8 * 32
-    assert lut >= codes and fmul >= codes and fadd >= 2 * codes, (lut, fmul, fadd)
+    codes, outputs = 8 * 32, 32
+    assert lut >= codes and fmul >= codes, (lut, fmul)
+    assert 2 * codes - outputs <= fadd < 2 * codes, fadd
     assert i2fp == 0 and total < 6 * codes + 600, (i2fp, total)
 
 
@@ -294,6 +296,38 @@ def test_gpu_build_rounds_to_nearest_in_two_adds_and_packs_codes_by_permutes() -
     codes = 32
     assert frnd == 0 and fadd_rm >= 2 * codes, (frnd, fadd_rm)
     assert select >= codes // 8 and prmt >= 6 * codes // 8, (select, prmt)
+
+
+def test_gpu_build_multiplies_philox_words_wide() -> None:
+    """triton_device._mulhilo (INLINE_PTX): compiled for a GPU, each Philox round's two products
+    are two IMAD.WIDE.U32 by the round constants, and no IMAD.HI (tl.philox's umulhi and separate
+    low multiply took four instructions). The 4-bit stochastic quantize of 32 elements a thread
+    makes four Philox calls of 7 rounds: at least two wide multiplies in each round after the
+    first (ptxas may form the first round's products of consecutive counters by additions). The
+    CUDA and interpreted runs of tests/test_triton_kernels.py compare the words with
+    tl.philox's."""
+    wide, high = _gpu_build(
+        "sp.kernel == '_quantize_kernel' and A.label(sp) == "
+        "'x:fp32 GS=128 R=32 BITS=4 STOCHASTIC PERMUTE CHECK ALIGNED FULL'",
+        "rc = ('-0x2daee0ad', '-0x326172a9')\n"
+        "by = lambda p: sum(i.op.startswith(p) and any(c in i.operands for c in rc) for i in ins)\n"
+        "print(by('IMAD.WIDE.U32'), by('IMAD.HI'))")
+    calls, rounds = 4, 7
+    assert high == 0 and wide >= calls * 2 * (rounds - 1), (wide, high)
+
+
+def test_gpu_build_widens_bf16_pairs_from_their_word() -> None:
+    """triton_device._to_f32 (INLINE_PTX): compiled for a GPU, the quantize kernel widens its bf16
+    input two elements a word, the high one by one mask (LOP3 with 0xffff0000) and no byte
+    permute (PRMT 0x7632, which ptxas put before the shift of every high half). 32 elements a
+    thread, 16 high halves. The CUDA run of tests/test_triton_kernels.py checks the values (bf16
+    input, round to nearest, bit for bit)."""
+    masks, permutes = _gpu_build(
+        "sp.kernel == '_quantize_kernel' and A.label(sp) == "
+        "'x:bf16 GS=128 R=32 BITS=4 PERMUTE CHECK ALIGNED FULL'",
+        "print(sum(i.op.startswith('LOP3') and '0xffff0000' in i.operands for i in ins),"
+        " sum(i.op.startswith('PRMT') and '0x7632' in i.operands for i in ins))")
+    assert permutes == 0 and masks >= 16, (masks, permutes)
 
 
 def test_summing_kernels_compile_when_a_slot_is_one_element() -> None:

@@ -492,6 +492,51 @@ def test_noise_is_a_pure_function_of_seed_and_element_index() -> None:
     assert not torch.equal(u_far[2], u_far[3]) and not torch.equal(u_far[2], u_far[6])
 
 
+def _philox4x32(seed: int, ctr: int, rounds: int) -> tuple:
+    """Philox4x32 (Salmon et al., SC'11) in plain Python: counter (ctr's low word, its high word,
+    0, 0), key (seed's low word, its high word)."""
+    m32 = 0xFFFFFFFF
+    c = [ctr & m32, ctr >> 32 & m32, 0, 0]
+    k = [seed & m32, seed >> 32 & m32]
+    for _ in range(rounds):
+        pa, pb = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [(pb >> 32) ^ c[1] ^ k[0], pb & m32, (pa >> 32) ^ c[3] ^ k[1], pa & m32]
+        k = [(k[0] + 0x9E3779B9) & m32, (k[1] + 0xBB67AE85) & m32]
+    return tuple(c)
+
+
+@triton.jit
+def _philox_probe_kernel(ctr_ptr, out_ptr, seed, N: tl.constexpr):
+    """Writes triton_device._philox_at's four words and tl.philox's at N counters."""
+    i = tl.arange(0, N)
+    ctr = tl.load(ctr_ptr + i)
+    mine = J._philox_at(seed, ctr)
+    theirs = tl.philox(seed, ctr.to(tl.uint32), (ctr >> 32).to(tl.uint32), i.to(tl.uint32) * 0,
+                       i.to(tl.uint32) * 0, J.PHILOX_ROUNDS)
+    for w in tl.static_range(4):
+        tl.store(out_ptr + w * N + i, mine[w].to(tl.int32, bitcast=True))
+        tl.store(out_ptr + (4 + w) * N + i, theirs[w].to(tl.int32, bitcast=True))
+
+
+@pytest.mark.parametrize("seed", [0, 77, 2 ** 31 - 1, 2 ** 40 + 77])
+def test_philox_is_the_standard_generator(seed) -> None:
+    """_philox_at (each round's products as two wide multiplies: inline PTX on a GPU, uint64
+    products under the interpreter) gives Triton's own tl.philox words and those of Philox4x32 in
+    plain Python, at counters whose high word is 0, 1 and large, and a seed whose high word (the
+    key's second word) is not 0 (the launchers draw seeds below 2^31)."""
+    ctrs = [0, 1, 2, 7, 12345, 2 ** 31, 2 ** 32 - 1, 2 ** 32, 2 ** 32 + 5, 2 ** 35 + 3,
+            2 ** 40 + 64, 2 ** 62 + 987654321, 3, 99, 100000, 2 ** 20]
+    ctr = torch.tensor(ctrs, dtype=torch.int64, device=DEV)
+    out = torch.empty(8, len(ctrs), dtype=torch.int32, device=DEV)
+    _philox_probe_kernel[(1,)](ctr, out, seed, N=len(ctrs))
+    words = (out.cpu().to(torch.int64) & 0xFFFFFFFF).tolist()
+    mine = list(zip(*words[:4]))
+    assert mine == list(zip(*words[4:])), "differs from tl.philox"
+    assert mine == [_philox4x32(seed, c, int(J.PHILOX_ROUNDS)) for c in ctrs]
+    # the plain-Python generator itself: Random123's known answer for 10 rounds at 0, key 0
+    assert _philox4x32(0, 0, 10) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
+
+
 @pytest.mark.parametrize("qmax, base, noise_bits, bound", [(7, 192.0, 16, 2.0 ** -21),
                                                          (127, 384.0, 15, 2.0 ** -17.5)])
 def test_stochastic_rounding_in_the_float_pipe_is_nearly_unbiased(qmax, base, noise_bits,
@@ -600,11 +645,13 @@ def _f32_bits(x: float) -> int:
     return struct.unpack("<I", struct.pack("<f", x))[0]
 
 
-def _run_ptx(text: str, inputs: list) -> int:
-    """Emulate an inline asm block of ``prmt.b32`` (default mode), ``shl.b32``, ``lop3.b32`` and
-    ``add.rm.f32`` on 32-bit patterns; ``$k`` is inputs[k - 1], ``$0`` the result, ``0fXXXXXXXX``
-    an fp32 immediate."""
-    regs = {f"${k + 1}": v & 0xFFFFFFFF for k, v in enumerate(inputs)}
+def _run_ptx(text: str, inputs: list, outputs: int = 1):
+    """Emulate an inline asm block of ``prmt.b32`` (default mode), ``shl.b32``, ``and.b32``,
+    ``lop3.b32``, ``add.rm.f32``, ``mul.wide.u32`` and ``mov.b64 {lo, hi}`` on 32-bit patterns
+    (64-bit for a wide product); ``$0`` .. ``$(outputs - 1)`` are the results, the inputs follow
+    (``$outputs + k`` is inputs[k]), ``0fXXXXXXXX`` is an fp32 immediate. Returns the result, or
+    the tuple of results."""
+    regs = {f"${outputs + k}": v & 0xFFFFFFFF for k, v in enumerate(inputs)}
 
     def val(op: str) -> int:
         if op in regs:
@@ -616,6 +663,10 @@ def _run_ptx(text: str, inputs: list) -> int:
         if not stmt or stmt.startswith(".reg"):
             continue
         opcode, rest = stmt.split(None, 1)
+        if opcode == "mov.b64":                      # {lo, hi}, wide: unpack
+            lo, hi, src = (o.strip(" {}") for o in rest.split(","))
+            regs[lo], regs[hi] = regs[src] & 0xFFFFFFFF, regs[src] >> 32
+            continue
         ops = [o.strip() for o in rest.split(",")]
         if opcode == "prmt.b32":
             pool, sel = val(ops[1]) | (val(ops[2]) << 32), val(ops[3])
@@ -625,6 +676,10 @@ def _run_ptx(text: str, inputs: list) -> int:
             out = _f32_bits(_f32_add_round_down(_f32(val(ops[1])), _f32(val(ops[2]))))
         elif opcode == "shl.b32":
             out = (val(ops[1]) << val(ops[2])) & 0xFFFFFFFF
+        elif opcode == "and.b32":
+            out = val(ops[1]) & val(ops[2])
+        elif opcode == "mul.wide.u32":
+            out = val(ops[1]) * val(ops[2])
         elif opcode == "lop3.b32":
             a, b, c, lut = (val(o) for o in ops[1:5])
             out = sum(((lut >> (((a >> i) & 1) * 4 + ((b >> i) & 1) * 2 + ((c >> i) & 1))) & 1) << i
@@ -632,7 +687,8 @@ def _run_ptx(text: str, inputs: list) -> int:
         else:
             raise AssertionError(f"no emulation of {opcode}")
         regs[ops[0]] = out
-    return regs["$0"]
+    results = tuple(regs[f"${k}"] for k in range(outputs))
+    return results[0] if outputs == 1 else results
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -654,6 +710,34 @@ def test_gpu_code_packing_ptx_packs_as_the_reference(bits: int, stochastic: bool
                  | ((c & ((1 << bits) - 1)) << shift) for c in codes]
         packed = R.pack(torch.tensor(codes, dtype=torch.int8), bits)
         assert _run_ptx(text, words) == int.from_bytes(bytes(packed.tolist()), "little"), codes
+
+
+def test_gpu_philox_products_ptx_gives_high_then_low_word() -> None:
+    """The GPU build's Philox products (triton_device.MULHILO_PTX, run under INLINE_PTX only),
+    emulated: for both round constants and random, edge and all-ones words, $0 is the high word
+    and $1 the low word of the exact 64-bit product (the interpreter's uint64 product in
+    _mulhilo)."""
+    rng = random.Random(5)
+    words = [0, 1, 0xFFFFFFFF, 0x80000000] + [rng.getrandbits(32) for _ in range(200)]
+    for m in (0xD2511F53, 0xCD9E8D57):
+        for a in words:
+            assert _run_ptx(J.MULHILO_PTX.value, [a, m], outputs=2) == ((a * m) >> 32,
+                                                                       (a * m) & 0xFFFFFFFF)
+
+
+def test_gpu_bf16_pair_ptx_widens_both_halves() -> None:
+    """The GPU build's bf16 widening (triton_device.BF16_PAIR_PTX, pack=2: element 0 in the
+    word's low half), emulated: both elements come out as the fp32 bit patterns torch's
+    conversion gives, for random bf16 and zeros of both signs, infinities, NaN, subnormals."""
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-40,
+                            3.0e38], dtype=torch.bfloat16)
+    x = torch.cat([special, torch.randn(400, generator=torch.Generator().manual_seed(6))
+                   .to(torch.bfloat16)])
+    halves = (x.view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
+    want = (x.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF).tolist()
+    for i in range(0, len(halves) - 1):
+        got = _run_ptx(J.BF16_PAIR_PTX.value, [halves[i] | halves[i + 1] << 16], outputs=2)
+        assert got == (want[i], want[i + 1]), i
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

@@ -56,7 +56,8 @@ INLINE_PTX = tl.constexpr(not _interpreted())
 code decoder's and-xor as one ``lop3`` (_field_dequant; ptxas emits ``(w & m) ^ k`` with two
 immediates as two ``LOP3``), the noise's low halves or'd into the rounding base in one ``lop3``
 (_low_bits), round to nearest as two round-down adds (_round_half_up_word; Triton has no
-directed-rounding add) and the 2- and 4-bit packing as byte permutes (codes_word_ptx). NVIDIA
+directed-rounding add), the 2- and 4-bit packing as byte permutes (codes_word_ptx), Philox's
+products as wide multiplies (_mulhilo) and bf16 widened two elements a word (_to_f32). NVIDIA
 PTX (the backend targets NVIDIA GPUs); the Triton CPU interpreter runs no inline PTX, so there
 the same values come from plain Python."""
 
@@ -64,9 +65,9 @@ PHILOX_ROUNDS = tl.constexpr(7)
 """Rounds of the Philox4x32 generator behind stochastic rounding. Philox4x32 passes TestU01's
 BigCrush from 7 rounds (Salmon et al., SC'11, "Crush-resistant"); Triton's default of 10 is a
 safety margin for general use. The rounds are the arithmetic that bounds the stochastic kernels
-(42 instructions a call at 7 rounds on sm_90, shared by eight elements), and rounding noise
-needs far less than BigCrush. The statistics tests (tests/test_triton_kernels.py) hold for this
-setting."""
+(28 instructions a call at 7 rounds on sm_90, _philox_at, shared by eight elements), and
+rounding noise needs far less than BigCrush. The statistics tests (tests/test_triton_kernels.py)
+hold for this setting."""
 
 
 THREAD_RUN = tl.constexpr(16)
@@ -124,6 +125,13 @@ CRUMBS_PTX_SR = tl.constexpr(codes_word_ptx(2, 2))
 ROUND_HALF_UP_PTX = tl.constexpr(
     "{ .reg .f32 t; add.rm.f32 t, $1, 0f3F000000; add.rm.f32 $0, t, 0f4B400000; }")
 """PTX of _round_half_up_word: rd(rd(v + 0.5) + 1.5 2^23), the code word of floor(v + 0.5)."""
+
+MULHILO_PTX = tl.constexpr("{ .reg .b64 t; mul.wide.u32 t, $2, $3; mov.b64 {$1, $0}, t; }")
+"""PTX of _mulhilo: the 64-bit product of $2 and $3, its high word to $0 and its low to $1."""
+
+BF16_PAIR_PTX = tl.constexpr("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }")
+"""PTX of _to_f32: the word $2 of two bf16 (element 0 in its low half) to their fp32 bit
+patterns, element 0 to $0 and element 1 to $1."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,6 +193,17 @@ def _round_bf16(x):
 
 
 @triton.jit
+def _to_f32(x):
+    """x widened to fp32. bf16 on a GPU (INLINE_PTX) two elements at a time from the 32-bit word
+    that holds them: the low one shifted up, the high one masked (a bf16 is an fp32's high half):
+    one instruction an element, where ptxas spends a PRMT and a shift on every high one."""
+    if INLINE_PTX and x.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(BF16_PAIR_PTX, "=r,=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=2)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _round_to(x, DT: tl.constexpr):
     """Round fp32 x to dtype DT (bf16 / fp16 / fp32) and widen back to fp32."""
     if DT == tl.bfloat16:
@@ -195,14 +214,39 @@ def _round_to(x, DT: tl.constexpr):
 
 
 @triton.jit
+def _mulhilo(a, M: tl.constexpr):
+    """The high and low words of the 64-bit product of uint32 a and the constant M: one 32 x 32
+    -> 64 multiply (``IMAD.WIDE.U32``), where ``umulhi`` and a separate low multiply are two."""
+    if INLINE_PTX:
+        return tl.inline_asm_elementwise(MULHILO_PTX, "=r,=r,r,r",
+                                         [a, tl.full(a.shape, M, tl.uint32)],
+                                         dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    p = a.to(tl.uint64) * M
+    return (p >> 32).to(tl.uint32), p.to(tl.uint32)
+
+
+@triton.jit
 def _philox_at(seed, ctr):
     """Philox4x32 (:data:`PHILOX_ROUNDS`) at the 64-bit counter ctr (int64 >= 0): its low and
-    high words as the first two counter words, four uint32 outputs. Spelled out rather than
-    ``tl.randint4x`` of an int64 offset: that is this in Triton 3.9, but Philox4x64 with uint64
-    outputs in the Tritons before triton-lang/triton#6832."""
-    lo = ctr.to(tl.uint32)
-    zero = lo * 0
-    return tl.philox(seed, lo, (ctr >> 32).to(tl.uint32), zero, zero, PHILOX_ROUNDS)
+    high words as the first two counter words (the others 0), key = seed's low and high words;
+    four uint32 outputs, those of ``tl.philox`` (tests/test_triton_kernels.py compares them).
+    Spelled out: each round's two products as two wide multiplies (_mulhilo), where tl.philox
+    spends four instructions on them (42 a call at 7 rounds on sm_90, 28 this way); and an int64
+    offset is Philox4x64 in the Tritons before triton-lang/triton#6832."""
+    c0 = ctr.to(tl.uint32)
+    c1 = (ctr >> 32).to(tl.uint32)
+    c2 = c0 * 0
+    c3 = c2
+    s = seed.to(tl.uint64)
+    k0 = s.to(tl.uint32)
+    k1 = (s >> 32).to(tl.uint32)
+    for _ in tl.static_range(PHILOX_ROUNDS):
+        hi_a, lo_a = _mulhilo(c0, 0xD2511F53)
+        hi_b, lo_b = _mulhilo(c2, 0xCD9E8D57)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0, c1, c2, c3
 
 
 @triton.jit
@@ -672,7 +716,7 @@ def _quantize_kernel(x_ptr, ref_ptr, codes_ptr, scales_ptr, slot_ptr, nonfinite_
         xn = _round_to(x.to(tl.float32), RT)        # new cast to the reference dtype
         x = _round_to(xn - r.to(tl.float32), RT)     # subtraction rounded to the reference dtype
     else:
-        x = x.to(tl.float32)
+        x = _to_f32(x)
     if HADAMARD:
         x = tl.reshape(_fwht(tl.reshape(x, (R * GP // HB, HB)), R * GP // HB, HB), (R, GP))
     q, scale, ok = _quant_tile(x, g * GS, seed, QMAX, STOCHASTIC, R, GP, ALIGNED)
@@ -730,8 +774,13 @@ def _dsum_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, s
     acc = tl.zeros((R, GP), dtype=tl.float32)
     first = g * GS                              # a row never straddles a part (NoiseIndex.check)
     if ROWS:                                    # a row lies in one input group: a scale per row
+        # the sum starts at slot 0's products, not 0 + them: that differs only in a zero's sign
+        # (0 + -0 = +0), which the requantization does not see (|x| for the scale, x * inv + u
+        # or the rounding of x * inv for the code: the same code either way)
         cstep, sstep = _slot_steps(n, BITS_IN, GS_IN)
-        for _s in tl.static_range(S):
+        acc = _load_deq_rows(acc, codes_ptr, scales_ptr, first, gmask, R, GP, GS, BITS_IN, GS_IN,
+                             False)
+        for _s in tl.static_range(1, S):
             acc = _load_deq_rows(acc, codes_ptr + _s * cstep, scales_ptr + _s * sstep, first,
                                  gmask, R, GP, GS, BITS_IN, GS_IN, True)
     else:

@@ -330,6 +330,31 @@ def test_gpu_build_widens_bf16_pairs_from_their_word() -> None:
     assert permutes == 0 and masks >= 16, (masks, permutes)
 
 
+def test_jit_functions_build_no_strings_at_compile_time() -> None:
+    """Triton 3.6 (the GPU machines' and torch 2.11's) does not evaluate string methods or
+    f-strings inside a @triton.jit function: ``"=r," + ",".join(["r"] * 16)`` as an inline asm
+    constraint failed every 2-bit quantizing kernel there ("'str' object has no attribute
+    'type'") while this machine's Triton compiled it. Strings the kernels need are literals or
+    module constants (docs/performance.md, the ahead-of-time section, compiles the whole set with
+    Triton 3.6 too)."""
+    import ast
+
+    path = REPO / "megatron" / "distributed" / "quant" / "kernels" / "triton_device.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    bad = []
+    for fn in tree.body:
+        if not isinstance(fn, ast.FunctionDef) or not any(
+                "jit" in ast.unparse(d) for d in fn.decorator_list):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.JoinedStr) or (
+                    isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Constant)
+                    and isinstance(node.func.value.value, str)):
+                bad.append(f"{fn.name}:{node.lineno}")
+    assert not bad, bad
+
+
 def test_summing_kernels_compile_when_a_slot_is_one_element() -> None:
     """A slot of one element (8-bit codes in groups of 1: ``dequantize`` of one element,
     ``dequantize_sum`` of S elements) makes the JIT specialise ``n == 1`` into a compile-time

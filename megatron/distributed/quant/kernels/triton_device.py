@@ -468,8 +468,9 @@ def _pack_crumbs(t, SH: tl.constexpr):
             PTX: tl.constexpr = CRUMBS_PTX_RN
         else:
             PTX: tl.constexpr = CRUMBS_PTX_SR
+        # a literal constraint string: Triton 3.6's code generator does not evaluate str.join
         word = tl.inline_asm_elementwise(
-            PTX, "=r," + ",".join(["r"] * 16),
+            PTX, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
             [e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15],
             dtype=tl.int32, is_pure=True, pack=1)
     else:

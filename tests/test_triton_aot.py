@@ -330,6 +330,21 @@ def test_gpu_build_widens_bf16_pairs_from_their_word() -> None:
     assert permutes == 0 and masks >= 16, (masks, permutes)
 
 
+def test_gpu_build_finds_partitions_by_a_32_bit_multiply_high() -> None:
+    """triton_device._part_of: compiled for a GPU, the permuting quantize (hop 1) finds each group
+    row's partition by a 32-bit multiply-high (IMAD.HI.U32 by the magic number, a kernel argument
+    read from the constant bank) and a shift, with no 64-bit shift (SHF.R.U64: the 64-bit product
+    took one per row, with an IMAD.WIDE.U32 and two more instructions). A thread's group rows
+    (two for its codes, one for its scale) each need one. tests/test_triton_kernels.py runs
+    _part_of itself at the edges of the quotients."""
+    high, shift64 = _gpu_build(
+        "sp.kernel == '_quantize_kernel' and A.label(sp) == "
+        "'x:fp32 GS=128 R=32 BITS=4 STOCHASTIC PERMUTE CHECK ALIGNED FULL'",
+        "print(sum(i.op == 'IMAD.HI.U32' and 'UR' in i.operands for i in ins),"
+        " sum(i.op.startswith('SHF.R.U64') for i in ins))")
+    assert shift64 == 0 and high >= 3, (high, shift64)
+
+
 def test_jit_functions_build_no_strings_at_compile_time() -> None:
     """Triton 3.6 (the GPU machines' and torch 2.11's) does not evaluate string methods or
     f-strings inside a @triton.jit function: ``"=r," + ",".join(["r"] * 16)`` as an inline asm

@@ -537,6 +537,41 @@ def test_philox_is_the_standard_generator(seed) -> None:
     assert _philox4x32(0, 0, 10) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
 
 
+@triton.jit
+def _part_probe_kernel(row_ptr, magic_ptr, shift_ptr, out_ptr, N: tl.constexpr):
+    """Writes triton_device._part_of(row, magic, shift) for N (row, magic, shift) triples."""
+    i = tl.arange(0, N)
+    part = J._part_of(tl.load(row_ptr + i), tl.load(magic_ptr + i), tl.load(shift_ptr + i))
+    tl.store(out_ptr + i, part.to(tl.int32))
+
+
+def test_partition_of_a_row_in_the_kernel_is_the_floor_division() -> None:
+    """The kernels' _part_of (the high word of 4 row * m, shifted right by p - 30) gives row // d
+    for division_magic(d)'s (m, p), also where p < 32 (d = 1, 2: the plain high word of row * m
+    would be a right shift by p - 32 < 0) and at the largest row, 2^30 - 1, whose 4 row needs all
+    32 bits."""
+    rng = random.Random(6)
+    limit = T.PERMUTE_MAX_GROUPS
+    rows, magics, shifts, want = [], [], [], []
+    divisors = [1, 2, 3, 4, 5, 7, 31, 32, 33, 127, 128, 129, 2441, 2 ** 20 + 1, 2 ** 29,
+                limit - 1] + [rng.randrange(1, limit) for _ in range(16)]
+    for d in divisors:
+        m, p = T.division_magic(d)
+        for n in {0, 1, d - 1, d, limit - 1, (limit - 1) // d * d, (limit - 1) // d * d - 1,
+                  rng.randrange(limit)}:
+            if 0 <= n < limit:
+                rows.append(n)
+                magics.append(m)
+                shifts.append(p)
+                want.append(n // d)
+    size = 1 << (len(rows) - 1).bit_length()
+    pad = size - len(rows)
+    col = lambda v: torch.tensor(v + v[:1] * pad, dtype=torch.int32, device=DEV)  # noqa: E731
+    out = torch.empty(size, dtype=torch.int32, device=DEV)
+    _part_probe_kernel[(1,)](col(rows), col(magics), col(shifts), out, N=size)
+    assert out[:len(rows)].cpu().tolist() == want
+
+
 @pytest.mark.parametrize("qmax, base, noise_bits, bound", [(7, 192.0, 16, 2.0 ** -21),
                                                          (127, 384.0, 15, 2.0 ** -17.5)])
 def test_stochastic_rounding_in_the_float_pipe_is_nearly_unbiased(qmax, base, noise_bits,

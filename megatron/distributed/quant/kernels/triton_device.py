@@ -308,10 +308,13 @@ def _low_bits(r, NB: tl.constexpr, BASE: tl.constexpr):
 
 @triton.jit
 def _part_of(row, part_magic, part_shift):
-    """A group row's partition row // groups_per_part as (row * part_magic) >> part_shift: one
-    wide multiply and a shift, exact for 0 <= row < 2^30 (triton_launch.division_magic), where a
-    division per row is a call into a 64-bit division routine."""
-    return (row.to(tl.uint32).to(tl.uint64) * part_magic.to(tl.uint64)) >> part_shift
+    """A group row's partition row // groups_per_part, int32: (row * part_magic) >> part_shift
+    (triton_launch.division_magic: exact for 0 <= row < 2^30, part_magic < 2^31, part_shift >=
+    30) computed as the high word of (4 row) * part_magic shifted right by part_shift - 30, the
+    same floor: one 32-bit multiply-high and a shift, where the 64-bit product took four
+    instructions (and a division per row a call into a 64-bit division routine)."""
+    hi = tl.umulhi(row.to(tl.uint32) << 2, part_magic.to(tl.uint32))
+    return (hi >> (part_shift - 30).to(tl.uint32)).to(tl.int32)
 
 
 @triton.jit
@@ -733,7 +736,7 @@ def _quantize_kernel(x_ptr, ref_ptr, codes_ptr, scales_ptr, slot_ptr, nonfinite_
                  tl.zeros([R, GP], dtype=tl.uint8), mask=never)
     if PERMUTE:
         n = pid * R + tl.arange(0, R)
-        part = _part_of(n, part_magic, part_shift).to(tl.int32)
+        part = _part_of(n, part_magic, part_shift)
         slot = tl.load(slot_ptr + part, mask=gmask, other=0).to(tl.int64)
         og = slot * groups_per_part + (n - part * groups_per_part)
     else:

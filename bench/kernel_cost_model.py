@@ -8,7 +8,8 @@ that this machine does not have.
 Why: the kernels are compiled ahead of time on CPU machines (bench/triton_aot.py), and sessions
 without a GPU still have to choose between formulations (a loop over slots or unrolled loads, a
 tile size, a register budget). The SASS says what a thread issues; with the bytes a kernel must
-move and the GPU's figures, three bounds follow, and the modelled time is the largest:
+move and the GPU's figures, three bounds follow, and the modelled time combines them (their
+p-norm, ``OVERLAP_EXPONENT``: close to the largest when one dominates):
 
 * memory: bytes the kernel must move (+ local-memory spill traffic) / the HBM bandwidth a copy
   reaches;
@@ -59,8 +60,8 @@ class Device:
     """Loaded HBM latency of a global load, for Little's law."""
     overlap_exponent: float
     """How the bounds combine: their p-norm with this p (infinity: the largest bound alone,
-    perfect overlap of memory traffic and issue; 2 fits the measured table: a kernel whose memory
-    and issue times are equal runs at about 1.4 x either)."""
+    perfect overlap of memory traffic and issue; the fitted 3: a kernel whose memory and issue
+    times are equal runs at about 1.26 x either)."""
     schedulers_per_sm: int = 4
     regs_per_sm: int = 65536
     max_warps_per_sm: int = 64

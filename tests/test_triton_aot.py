@@ -32,10 +32,23 @@ KERNELS = REPO / "megatron" / "distributed" / "quant" / "kernels" / "triton_devi
 TARGETS = ("sm_80", "sm_90")
 
 
+def _compiler_env() -> Dict[str, str]:
+    """This environment without the switches that would put Triton in its interpreter or pick
+    another kernel backend."""
+    return {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "QUANT_KERNELS")}
+
+
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "QUANT_KERNELS")}
-    return subprocess.run([sys.executable, str(TOOL), *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, str(TOOL), *args], cwd=REPO, env=_compiler_env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def _python(script: str) -> str:
+    """Run ``script`` in a fresh compiling (not interpreting) Python; its stdout."""
+    res = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_compiler_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    return res.stdout
 
 
 def _entry_kernels_from_source() -> Set[str]:
@@ -191,12 +204,14 @@ def test_full_set_covers_the_flag_space() -> None:
 BUDGET_SUBSET = (r"(_dsum_requant_kernel S=8 GS_IN=512 BITS_IN=[248] GS=128 R=32 BITS=4 STOCHASTIC)"
                  r"|(_quantize_kernel x:fp32 GS=128 R=32 BITS=2 STOCHASTIC (HADAMARD HB=32 )?PERMUTE)"
                  r"|(_dsum_kernel out:fp32 S=16 GS=(128|512) BITS=8 BLOCK=4096 (HADAMARD HB=32 )?ROWS)"
-                 r"|(_dequant_parts_kernel sub:fp32 out:fp32 GS=512 BITS=4 BLOCK=4096 SUB ROWS)")
-"""The specialisations that broke the budget before issue 47 (sm_90): the middle hop at S = 8
+                 r"|(_dequant_parts_kernel sub:fp32 out:fp32 GS=512 BITS=4 BLOCK=4096 SUB ROWS)"
+                 r"|(_quantize_kernel x:fp32 ref:fp32 GS=2048 R=2 BITS=4 STOCHASTIC DIFF)")
+"""The specialisations that broke the budget before or during issue 47 (sm_90): the middle hop at S = 8
 from the default intra groups of 512 (18 KB spills and an 8 KB stack per thread with 2- or 4-bit
 codes, 255 registers with 8-bit ones) and the 2-bit stochastic hop 1 (134-140 registers); the
-final hop at S = 16 nodes with 8-bit codes (150-168 registers fully unrolled) and the first
-version of LoCo's hop-1 residual kernel (a 4 B spill). The full set (584 compiles, ~10 min cold on 2 cores) runs with ``python bench/triton_aot.py``."""
+final hop at S = 16 nodes with 8-bit codes (150-168 registers fully unrolled), the first
+version of LoCo's hop-1 residual kernel (a 4 B spill) and, with Triton 3.6, the qWD send of fp32
+weights with 4-bit stochastic codes (a 4 B spill). The full set (584 compiles, ~10 min cold on 2 cores) runs with ``python bench/triton_aot.py``."""
 
 
 def test_budget_subset_compiles_without_spill_stack_or_excess_registers(tmp_path) -> None:
@@ -204,12 +219,44 @@ def test_budget_subset_compiles_without_spill_stack_or_excess_registers(tmp_path
                "--json", str(tmp_path / "rows.json"))
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     rows = json.loads((tmp_path / "rows.json").read_text())
-    assert len(rows) == 10
+    assert len(rows) == 11
     for r in rows:
         where = r["specialisation"]
         assert (r["spill_stores"], r["spill_loads"], r["stack"]) == (0, 0, 0), where
         assert r["regs"] <= 128 and r["over_budget"] == [], where
     assert "0 over budget" in res.stdout
+
+
+def test_difference_launches_take_a_register_ceiling() -> None:
+    """triton_launch.DIFFERENCE_MAXNREG: the quantize launches of a difference (qWD's send), as
+    triton_aot records them from the launchers, pass ptxas a register ceiling, and only they (with
+    Triton 3.6, ptxas otherwise gives the fp32 4-bit stochastic one 64 registers and a 4 B spill;
+    CI's Triton does not spill there either way, so the test reads the launch options and the
+    PTX's ``.maxnreg`` directive, not the registers)."""
+    out = _python(
+        "import sys, triton\n"
+        f"sys.path[:0] = [{str(REPO / 'bench')!r}, {str(REPO)!r}]\n"
+        "import triton_aot as A\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "from megatron.distributed.quant.kernels import triton_launch as L\n"
+        "sps = A.build_specs([90], False)\n"
+        "diff = [sp for sp in sps if sp.kernel == '_quantize_kernel' and 'DIFF' in A.label(sp)]\n"
+        "def ptx(sp):\n"
+        "    return triton.compile(ASTSource(sp.fn, sp.signature, sp.constexprs, sp.attrs),\n"
+        "                          target=GPUTarget('cuda', 90, 32),\n"
+        "                          options=dict(sp.options.__dict__)).asm['ptx']\n"
+        "sp = next(sp for sp in diff if A.label(sp).startswith("
+        "'x:fp32 ref:fp32 GS=2048 R=2 BITS=4 STOCHASTIC'))\n"
+        "other = next(sp for sp in sps if sp.kernel == '_quantize_kernel' and sp not in diff)\n"
+        "d = f'.maxnreg {L.DIFFERENCE_MAXNREG}'\n"
+        "print(len(diff), sum(sp.options.maxnreg == L.DIFFERENCE_MAXNREG for sp in diff),"
+        " sum(sp.options.maxnreg is not None for sp in sps), L.DIFFERENCE_MAXNREG,"
+        " int(d in ptx(sp)), int('.maxnreg' in ptx(other)))\n")
+    n_diff, capped, capped_all, ceiling, in_ptx, other_in_ptx = (int(v) for v in out.split())
+    assert n_diff == 24 and capped == n_diff and capped_all == n_diff, out
+    assert in_ptx == 1 and other_in_ptx == 0, out
+    assert ceiling <= 128                                   # the budget's register ceiling
 
 
 def test_over_budget_fails_the_run(quick: Dict[str, object]) -> None:
@@ -241,11 +288,8 @@ def _gpu_build(select: str, report: str) -> List[int]:
         "ins = K.parse_sass(K.disassemble(cubin), sp.kernel)\n"
         "ops = collections.Counter(i.op.split('.')[0] for i in ins)\n"
         f"{report}\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "QUANT_KERNELS")}
-    res = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    return [int(v) for v in res.stdout.split("\n")[-2].split()]
+    out = _python(script)
+    return [int(v) for v in out.split("\n")[-2].split()]
 
 
 def test_gpu_build_rounds_bf16_with_the_hardware_cast() -> None:
@@ -400,9 +444,6 @@ def test_summing_kernels_compile_when_a_slot_is_one_element() -> None:
         "        A.compile_spec(spec, d)       # raises on a failed compile\n"
         "        compiled += 1\n"
         "print(len(sink), compiled)\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "QUANT_KERNELS")}
-    res = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    launches, compiled = map(int, res.stdout.split()[-2:])
-    assert launches == 3 and compiled == 3, res.stdout
+    out = _python(script)
+    launches, compiled = map(int, out.split()[-2:])
+    assert launches == 3 and compiled == 3, out

@@ -59,6 +59,15 @@ input dtype and Hadamard variant fits in 56-80 registers at 4 warps on sm_90 sin
 once needed 8 warps (134-140 registers at 4). The values do not depend on it (a group's absmax
 is exact in any order)."""
 
+DIFFERENCE_MAXNREG = 128
+"""Register ceiling of a quantize launch that takes a difference (qWD's send: new minus reference,
+two input tiles, 64 loaded values a thread). Without one, ptxas 12.8 (Triton 3.6, torch 2.11's)
+allocates 64 registers to the fp32 4-bit stochastic kernel on sm_90 and spills 4 B; given this
+ceiling it allocates 57-82 to every difference kernel, no spill, within -1.0 to +0.3
+instructions an element of before with Triton 3.6 and 3.9 (docs/performance.md, "The qWD send
+without a spill under Triton 3.6"). The other quantize launches keep ptxas's own choice (a
+ceiling moved all of them, for no spill to remove)."""
+
 
 # ------------------------------------------------------------------------------------------------
 # host wrappers (same signatures and checks as the reference)
@@ -133,7 +142,8 @@ def _launch_quantize(x: torch.Tensor, ref: Optional[torch.Tensor], bits: int, gr
             HADAMARD=bool(hadamard), HB=hadamard_block if hadamard else 1,
             DIFF=ref is not None, PERMUTE=slots is not None, CHECK=counter is not None,
             ALIGNED=_noise_rows_aligned(group_size, gp), FULL=gp == group_size and ng % rows == 0,
-            num_warps=QUANTIZE_WARPS, enable_fp_fusion=False)
+            num_warps=QUANTIZE_WARPS, enable_fp_fusion=False,
+            maxnreg=DIFFERENCE_MAXNREG if ref is not None else None)
     if check_finite and nonfinite_counter is None:
         bad = int(counter.item())
         if bad:

@@ -206,12 +206,13 @@ BUDGET_SUBSET = (r"(_dsum_requant_kernel S=8 GS_IN=512 BITS_IN=[248] GS=128 R=32
                  r"|(_dsum_kernel out:fp32 S=16 GS=(128|512) BITS=8 BLOCK=4096 (HADAMARD HB=32 )?ROWS)"
                  r"|(_dequant_parts_kernel sub:fp32 out:fp32 GS=512 BITS=4 BLOCK=4096 SUB ROWS)"
                  r"|(_quantize_kernel x:fp32 ref:fp32 GS=2048 R=2 BITS=4 STOCHASTIC DIFF)")
-"""The specialisations that broke the budget before or during issue 47 (sm_90): the middle hop at S = 8
-from the default intra groups of 512 (18 KB spills and an 8 KB stack per thread with 2- or 4-bit
-codes, 255 registers with 8-bit ones) and the 2-bit stochastic hop 1 (134-140 registers); the
-final hop at S = 16 nodes with 8-bit codes (150-168 registers fully unrolled), the first
-version of LoCo's hop-1 residual kernel (a 4 B spill) and, with Triton 3.6, the qWD send of fp32
-weights with 4-bit stochastic codes (a 4 B spill). The full set (584 compiles, ~10 min cold on 2 cores) runs with ``python bench/triton_aot.py``."""
+"""The specialisations that broke the budget before or during issue 47 (sm_90): the middle hop
+at S = 8 from the default intra groups of 512 (18 KB spills and an 8 KB stack per thread with 2-
+or 4-bit codes, 255 registers with 8-bit ones) and the 2-bit stochastic hop 1 (134-140
+registers); the final hop at S = 16 nodes with 8-bit codes (150-168 registers fully unrolled),
+the first version of LoCo's hop-1 residual kernel (a 4 B spill) and, with Triton 3.6, the qWD
+send of fp32 weights with 4-bit stochastic codes (a 4 B spill). The full set (584 compiles, ~10
+min cold on 2 cores) runs with ``python bench/triton_aot.py``."""
 
 
 def test_budget_subset_compiles_without_spill_stack_or_excess_registers(tmp_path) -> None:
